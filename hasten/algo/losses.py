@@ -1,0 +1,141 @@
+"""Policy-gradient losses as pure functions in a registry.
+
+Each loss takes a LossInputs for one chunk of a generation batch and returns
+(loss, metrics). Chunks are scaled so that the sum of their losses is the
+loss of the whole batch: gradient accumulation over chunks then gives the
+same gradient as one big pass, whatever the chunking (except bnpo, which is
+defined per chunk, as in TRL).
+
+Per token, with ratio r = exp(logp - old_logp) and advantage A of its sample:
+    l = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
+where KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (unbiased,
+always >= 0). The variants differ in how tokens are averaged:
+  grpo     mean over each sequence's tokens, then mean over sequences
+           (the paper's form; favours short correct answers, long wrong ones)
+  bnpo     sum over tokens / tokens in this chunk
+  dr_grpo  sum over tokens / (sequences x max_completion_length) (no length bias)
+  dapo     sum over tokens / tokens in the whole generation batch (TRL default)
+  gspo     sequence-level ratio s = exp(mean_t(logp - old_logp)), clipped per
+           sequence, mean over sequences (GSPO; use a small epsilon, ~3e-4)
+With num_iterations = 1 the old log-probs are the detached current ones, so
+r = 1 in value while its gradient is the policy gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class LossSettings:
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None = epsilon
+    beta: float = 0.0
+
+    @property
+    def upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass
+class LossInputs:
+    logps: torch.Tensor  # (N, T) current policy, with grad
+    old_logps: torch.Tensor  # (N, T) policy that sampled, detached
+    ref_logps: torch.Tensor | None  # (N, T) reference policy, when beta > 0
+    advantages: torch.Tensor  # (N,)
+    completion_mask: torch.Tensor  # (N, T) 1 = completion token
+    total_tokens: float  # completion tokens in the whole generation batch
+    total_sequences: int  # sequences in the whole generation batch
+    max_completion_length: int  # dr_grpo's constant normaliser
+    num_chunks: int = 1  # chunks the batch is split into (bnpo averages chunks)
+
+
+Metrics = dict[str, float]
+
+
+def _kl(inputs: LossInputs) -> torch.Tensor | None:
+    if inputs.ref_logps is None:
+        return None
+    delta = inputs.ref_logps - inputs.logps  # (N, T)
+    return torch.exp(delta) - delta - 1  # k3, >= 0
+
+
+def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """Clipped surrogate + KL per token, (N, T), and clip metrics."""
+    mask = inputs.completion_mask.to(inputs.logps.dtype)
+    ratio = torch.exp(inputs.logps - inputs.old_logps)  # (N, T)
+    advantages = inputs.advantages[:, None]  # (N, 1)
+    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
+    losses = -torch.min(ratio * advantages, clipped * advantages)  # (N, T)
+    tokens = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        low = ((ratio < 1 - settings.epsilon) & (advantages < 0)).float()
+        high = ((ratio > 1 + settings.upper) & (advantages > 0)).float()
+        metrics = {
+            "clip_ratio/low": float((low * mask).sum() / tokens),
+            "clip_ratio/high": float((high * mask).sum() / tokens),
+        }
+    kl = _kl(inputs)
+    if kl is not None and settings.beta > 0:
+        losses = losses + settings.beta * kl
+        metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
+    return losses * mask, metrics
+
+
+def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    losses, metrics = _token_losses(inputs, settings)
+    lengths = inputs.completion_mask.sum(dim=1).clamp(min=1)  # (N,)
+    per_sequence = losses.sum(dim=1) / lengths  # (N,)
+    return per_sequence.sum() / inputs.total_sequences, metrics
+
+
+def bnpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    losses, metrics = _token_losses(inputs, settings)
+    tokens = inputs.completion_mask.sum().clamp(min=1)
+    return losses.sum() / tokens / inputs.num_chunks, metrics
+
+
+def dr_grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    losses, metrics = _token_losses(inputs, settings)
+    return losses.sum() / (inputs.total_sequences * inputs.max_completion_length), metrics
+
+
+def dapo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    losses, metrics = _token_losses(inputs, settings)
+    return losses.sum() / max(inputs.total_tokens, 1.0), metrics
+
+
+def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    mask = inputs.completion_mask.to(inputs.logps.dtype)
+    present = (mask.sum(dim=1) > 0).to(mask.dtype)  # (N,) an empty completion contributes nothing
+    lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
+    log_ratio = ((inputs.logps - inputs.old_logps) * mask).sum(dim=1) / lengths  # (N,)
+    ratio = torch.exp(log_ratio)  # sequence-level importance ratio
+    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
+    losses = -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)  # (N,)
+    with torch.no_grad():
+        sequences = present.sum().clamp(min=1)
+        low = (ratio < 1 - settings.epsilon) & (inputs.advantages < 0)
+        high = (ratio > 1 + settings.upper) & (inputs.advantages > 0)
+        metrics = {
+            "clip_ratio/low": float((low.float() * present).sum() / sequences),
+            "clip_ratio/high": float((high.float() * present).sum() / sequences),
+        }
+    kl = _kl(inputs)
+    if kl is not None and settings.beta > 0:
+        losses = losses + settings.beta * (kl * mask).sum(dim=1) / lengths
+        # Logged token-weighted, as the other losses (and TRL) log it.
+        metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+    return (losses * present).sum() / inputs.total_sequences, metrics
+
+
+LOSSES: dict[str, Callable[[LossInputs, LossSettings], tuple[torch.Tensor, Metrics]]] = {
+    "grpo": grpo_loss,
+    "bnpo": bnpo_loss,
+    "dr_grpo": dr_grpo_loss,
+    "dapo": dapo_loss,
+    "gspo": gspo_loss,
+}

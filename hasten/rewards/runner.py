@@ -1,0 +1,283 @@
+"""Load and run reward functions with TRL's calling convention.
+
+A reward function is `fn(prompts, completions, **kwargs) -> list[float | None]`,
+exactly as TRL's GRPOTrainer calls it, so a TRL user's functions work here
+unchanged:
+
+- `prompts`: one entry per sample, as stored in the dataset row (a string, or
+  a list of chat messages).
+- `completions`: strings for string prompts; for conversational prompts each
+  is `[{"role": "assistant", "content": text}]`.
+- kwargs: every other dataset column as a per-sample list, plus
+  `completion_ids` (a list of token-id lists).
+- `None` means "does not apply to this sample". The total reward is TRL's
+  `nansum(per_function * weights)`, so a sample no function scored gets 0.
+
+Choices: each function is called once on the whole batch; coroutine functions
+run concurrently under one `asyncio.run`, sync ones are called directly. When
+a function raises, it is re-run one sample at a time to name the sample that
+breaks it, because "failed on the batch" rarely tells a user what to fix.
+Nothing here prints; problems surface as `RewardError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Coroutine
+
+import numpy
+import torch
+
+from hasten.errors import UserError
+
+
+# Keyword arguments every reward function receives; a dataset column with one of
+# these names would shadow them.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
+class RewardError(UserError):
+    """A user-facing reward problem; str() is the one-line message."""
+
+
+@dataclass
+class RewardFunction:
+    name: str  # shown in logs and metrics
+    fn: Callable[..., Any]
+    weight: float = 1.0
+
+    @property
+    def is_async(self) -> bool:
+        # A class instance with `async def __call__` is a coroutine function too,
+        # but inspect only sees that when asked about the bound __call__.
+        if inspect.iscoroutinefunction(self.fn):
+            return True
+        call = getattr(self.fn, "__call__", None)
+        return call is not None and inspect.iscoroutinefunction(call)
+
+
+@dataclass
+class RewardScores:
+    per_function: torch.Tensor  # (N, F) float32, NaN where a function returned None
+    total: torch.Tensor  # (N,) weighted nansum over functions
+    names: list[str]  # (F,) function names, column order of per_function
+
+    def means(self) -> dict[str, float]:
+        """Mean score per function over the samples it applied to (NaN if none)."""
+        result: dict[str, float] = {}
+        for column, name in enumerate(self.names):
+            values = self.per_function[:, column]  # (N,)
+            applied = ~torch.isnan(values)
+            result[name] = float(values[applied].mean()) if applied.any() else math.nan
+        return result
+
+
+# ------------------------------------------------------------------- loading
+
+
+def load_reward(spec: str) -> RewardFunction:
+    """'path/to/file.py:function_name' -> RewardFunction named after the function."""
+    path_text, separator, function_name = spec.rpartition(":")
+    if not separator or not path_text or not function_name:
+        raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function")
+    path = Path(path_text)
+    if not path.is_file():
+        raise RewardError(f"reward error: '{path_text}' does not exist")
+    # A unique module name per path keeps two reward files that share a file
+    # name (rewards/a/reward.py, rewards/b/reward.py) from replacing each other.
+    module_name = f"hasten_user_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardError(f"reward error: {path_text} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file may raise anything at import time
+        sys.modules.pop(module_name, None)
+        raise RewardError(f"reward error: importing {path_text} failed: {_summary(exc)}") from exc
+    if not hasattr(module, function_name):
+        raise RewardError(f"reward error: {path_text} has no function '{function_name}'")
+    fn = getattr(module, function_name)
+    if not callable(fn):
+        raise RewardError(f"reward error: {path_text}:{function_name} is not callable")
+    return RewardFunction(name=function_name, fn=fn)
+
+
+# ------------------------------------------------------------------- scoring
+
+
+def score_rewards(
+    functions: list[RewardFunction],
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+    completion_ids: list[list[int]],
+) -> RewardScores:
+    """Call every function once on the batch; return per-function and total scores."""
+    count = len(completions)
+    if len(prompts) != count or len(completion_ids) != count:
+        raise RewardError(
+            f"reward error: got {len(prompts)} prompts, {count} completions and "
+            f"{len(completion_ids)} completion_ids (they must match)"
+        )
+    for column, values in columns.items():
+        if column in RESERVED_COLUMNS:
+            raise RewardError(
+                f"reward error: a dataset column may not be named '{column}' (reserved for rewards)"
+            )
+        if len(values) != count:
+            raise RewardError(
+                f"reward error: column '{column}' has {len(values)} values for {count} samples"
+            )
+    batch = _Batch(prompts, completions, columns, completion_ids)
+    outcomes = _call_all(functions, batch)
+
+    per_function = torch.full((count, len(functions)), math.nan, dtype=torch.float32)  # (N, F)
+    for column, (function, outcome) in enumerate(zip(functions, outcomes)):
+        if isinstance(outcome, BaseException):
+            raise _locate_failure(function, batch, outcome)
+        values = _validate(function.name, outcome, count)
+        per_function[:, column] = torch.tensor(values, dtype=torch.float32)
+
+    weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)  # (F,)
+    total = torch.nansum(per_function * weights, dim=1)  # (N,)
+    return RewardScores(per_function=per_function, total=total, names=[f.name for f in functions])
+
+
+@dataclass
+class _Batch:
+    """The arguments of one reward call, sliceable to a single sample."""
+
+    prompts: list
+    completions: list
+    columns: dict[str, list]
+    completion_ids: list[list[int]]
+
+    def kwargs(self) -> dict[str, Any]:
+        # Everything is a keyword argument, as TRL passes it.
+        return {
+            "prompts": self.prompts,
+            "completions": self.completions,
+            "completion_ids": self.completion_ids,
+            **self.columns,
+        }
+
+    def sample(self, index: int) -> _Batch:
+        window = slice(index, index + 1)
+        return _Batch(
+            prompts=self.prompts[window],
+            completions=self.completions[window],
+            columns={name: values[window] for name, values in self.columns.items()},
+            completion_ids=self.completion_ids[window],
+        )
+
+
+def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
+    """Each function's return value, or the exception it raised."""
+    outcomes: list[Any] = [None] * len(functions)
+    asynchronous = [i for i, f in enumerate(functions) if f.is_async]
+    for index, function in enumerate(functions):
+        if index in asynchronous:
+            continue
+        try:
+            outcomes[index] = function.fn(**batch.kwargs())
+        except Exception as exc:
+            outcomes[index] = exc
+    if asynchronous:
+
+        async def call(function: RewardFunction) -> Any:
+            # Calling inside the coroutine, so that even a bad signature is
+            # caught by gather rather than escaping as a bare TypeError.
+            return await function.fn(**batch.kwargs())
+
+        async def gather() -> list[Any]:
+            calls = [call(functions[i]) for i in asynchronous]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        for index, outcome in zip(asynchronous, _run_coroutine(gather())):
+            outcomes[index] = outcome
+    return outcomes
+
+
+def _call_one(function: RewardFunction, batch: _Batch) -> Any:
+    if function.is_async:
+
+        async def call() -> Any:
+            return await function.fn(**batch.kwargs())
+
+        return _run_coroutine(call())
+    return function.fn(**batch.kwargs())
+
+
+def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """asyncio.run, or the same on a helper thread when a loop already runs here (notebooks)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseException) -> RewardError:
+    """Re-run one sample at a time to find which sample makes `function` raise."""
+    if not isinstance(error, Exception):
+        # KeyboardInterrupt, SystemExit and the like are not reward bugs.
+        raise error
+    for index in range(len(batch.completions)):
+        try:
+            _call_one(function, batch.sample(index))
+        except Exception as sample_error:
+            result = RewardError(
+                f"reward error: function '{function.name}' failed on sample {index}: {_summary(sample_error)}"
+            )
+            result.__cause__ = sample_error
+            return result
+    result = RewardError(f"reward error: function '{function.name}' failed on the batch: {_summary(error)}")
+    result.__cause__ = error
+    return result
+
+
+def _validate(name: str, values: Any, count: int) -> list[float]:
+    """A function's return as floats (NaN for None), or RewardError saying what is wrong."""
+    expected = f"(expected a list of {count} floats or None)"
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward error: function '{name}' returned {type(values).__name__} {expected}")
+    if len(values) != count:
+        raise RewardError(f"reward error: function '{name}' returned {len(values)} values {expected}")
+    result: list[float] = []
+    for index, value in enumerate(values):
+        if value is None:
+            result.append(math.nan)
+            continue
+        # Zero-dimensional tensors and numpy scalars (np.bool_ is not a numbers.Real).
+        if isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, numpy.generic):
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward error: function '{name}' returned {type(value).__name__} "
+                f"at sample {index} {expected}"
+            )
+        number = float(value)
+        if not math.isfinite(number):
+            raise RewardError(
+                f"reward error: function '{name}' returned {number} at sample {index} "
+                "(rewards must be finite; return None to skip a sample)"
+            )
+        result.append(number)
+    return result
+
+
+def _summary(error: BaseException) -> str:
+    """'ExcType: first line of the message', so the error stays one line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

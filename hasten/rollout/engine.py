@@ -1,0 +1,133 @@
+"""KV-cache generation engine on a Hugging Face causal LM.
+
+Token ids in; token ids, per-token sampling log-probs and masks out, with an
+explicit seed. It knows nothing of text or rewards.
+
+Choices:
+- Each prompt is prefilled once and its KV cache is repeated for its
+  num_generations samples (the group shares the prefix), instead of
+  prefilling the same prompt G times as `generate(num_return_sequences=G)`.
+- Prompts are left-padded; positions come from the attention mask, so a
+  padded prompt sees exactly the positions it would see alone.
+- Finished rows (EOS sampled) leave the running batch: the cache, mask and
+  positions are compacted, so late steps cost what the live rows cost.
+- Sampling draws one uniform per row per step for all rows (sampling.py),
+  so compaction cannot change which tokens a row gets.
+- The only host sync per step is "did any row finish?".
+
+Left out on purpose (see the fast-path issue): a preallocated cache, fused
+projections and a leaner forward than transformers' own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample_tokens
+from .types import Rollout, SamplingParams
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and mask, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+class KVCacheEngine:
+    """Batched sampling with transformers' DynamicCache."""
+
+    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int]):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
+    ) -> Rollout:
+        from transformers import DynamicCache
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling
+        try:
+            return self._generate(prompts, num_generations, sampling, seed, DynamicCache())
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, prompts, num_generations, sampling, seed, cache) -> Rollout:
+        device = next(self.model.parameters()).device
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
+        num_rows = len(prompts) * num_generations
+        steps = sampling.max_new_tokens
+
+        # Prefill each prompt once; only the last position's logits are needed.
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        out = self.model(
+            input_ids=prompt_ids.to(device),
+            attention_mask=prompt_mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1].repeat_interleave(num_generations, dim=0)  # (B*G, V)
+        cache.batch_repeat_interleave(num_generations)  # share the prefix across the group
+        attention = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # (B*G, P)
+        next_position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
+
+        tokens = torch.full((num_rows, steps), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((num_rows, steps), dtype=torch.float32)
+        mask = torch.zeros((num_rows, steps), dtype=torch.long)
+        ended = torch.zeros(num_rows, dtype=torch.bool)
+        live = torch.arange(num_rows)  # batch row -> output row
+        generator = torch.Generator().manual_seed(seed)
+        eos = self.eos_token_ids.to(device)
+
+        for step in range(steps):
+            uniforms = torch.rand(num_rows, generator=generator)[live]  # drawn for all rows, see sampling.py
+            token, token_logprob = sample_tokens(logits, sampling, uniforms.to(device))
+            token_cpu = token.cpu()
+            tokens[live, step] = token_cpu
+            logprobs[live, step] = token_logprob.cpu()
+            mask[live, step] = 1
+            finished = torch.isin(token, eos)
+            if step == steps - 1:
+                ended[live] = finished.cpu()
+                break
+            if bool(finished.any()):  # the one host sync per step
+                ended[live[finished.cpu()]] = True
+                keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
+                if keep.numel() == 0:
+                    break
+                live = live[keep.cpu()]
+                cache.batch_select_indices(keep)
+                attention, next_position, token = attention[keep], next_position[keep], token[keep]
+            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]  # (live, V)
+            next_position = next_position + 1
+
+        width = int(mask.sum(1).max())  # trim columns no row reached
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=tokens[:, :width],
+            completion_mask=mask[:, :width],
+            sampling_logprobs=logprobs[:, :width],
+            ended_with_eos=ended,
+            num_generations=num_generations,
+        )

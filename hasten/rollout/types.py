@@ -1,0 +1,68 @@
+"""Records that flow out of generation: sampling settings and a rollout batch.
+
+The engine works on token ids only (ids in; ids, log-probs and masks out), so
+these records hold tensors and nothing about text or rewards. A Rollout is
+also what the learner consumes, which is why it carries the prompts too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus filter; 1 = off
+    top_k: int = 0  # 0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Rollout:
+    """num_generations completions for each of B prompts, group-major.
+
+    Row i of the completion tensors belongs to prompt i // num_generations.
+    `sampling_logprobs` are log-softmax(logits / temperature) at the sampled
+    token, before top-k/top-p filtering: the same quantity the learner
+    computes, so the two can be compared directly.
+    """
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P) 1 = real token
+    completion_ids: torch.Tensor  # (B*G, T) right-padded with the pad id
+    completion_mask: torch.Tensor  # (B*G, T) 1 = generated token (EOS included)
+    sampling_logprobs: torch.Tensor  # (B*G, T) 0 where masked
+    ended_with_eos: torch.Tensor  # (B*G,) bool; False = cut at max_new_tokens
+    num_generations: int
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)  # (B*G,)
+
+    def completion_token_lists(self) -> list[list[int]]:
+        lengths = self.completion_lengths.tolist()
+        return [row[:length] for row, length in zip(self.completion_ids.tolist(), lengths)]
+
+
+class Engine(Protocol):
+    """Anything that samples completions: our KV-cache engine, later vLLM."""
+
+    def generate(
+        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
+    ) -> Rollout: ...

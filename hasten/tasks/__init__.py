@@ -1,0 +1,35 @@
+"""Task registry: task.name -> a builder that turns a TaskConfig into a Task.
+
+Adding a task means writing one `build_<name>(cfg) -> Task` function and one
+line in `TASKS`; the trainer and CLI only ever call `make_task`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hasten.config import TaskConfig
+from hasten.tasks import arithmetic, jsonl, unit_conversion
+from hasten.tasks.base import Task, TaskError, Verdict
+
+# name -> (builder, one-line description for `--help` and listings)
+TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
+    "arithmetic": (arithmetic.build_arithmetic, arithmetic.DESCRIPTION),
+    "unit-conversion": (unit_conversion.build_unit_conversion, unit_conversion.DESCRIPTION),
+    "jsonl": (jsonl.build_jsonl, jsonl.DESCRIPTION),
+}
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    if cfg.name not in TASKS:
+        raise TaskError(f"config error: task.name must be one of {', '.join(TASKS)} (got {cfg.name!r})")
+    builder, _ = TASKS[cfg.name]
+    return builder(cfg)
+
+
+def list_tasks() -> list[tuple[str, str]]:
+    """(name, description) for every registered task."""
+    return [(name, description) for name, (_, description) in TASKS.items()]
+
+
+__all__ = ["TASKS", "Task", "TaskError", "Verdict", "list_tasks", "make_task"]

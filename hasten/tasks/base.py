@@ -1,0 +1,119 @@
+"""What a task is: training and held-out rows, default rewards, and a checker.
+
+A task is plain data plus functions; it never touches a model or tokenizer.
+Each row is a dict with a "prompt" (a string, or a list of chat messages) and
+any other columns ("answer", "question", "tolerance", ...). Those columns go
+to reward functions as per-sample keyword arguments, the way TRL passes
+dataset columns.
+
+`check` answers a narrower question than the rewards: did the completion give
+a parseable answer, and was it right? Evaluation reports that as accuracy, so
+it stays comparable even when the reward functions or their weights change.
+
+The helpers here (chat prompts, disjoint train/eval generation, the numeric
+checker) are shared by the generated tasks.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from hasten.rewards.builtin import (
+    DEFAULT_TOLERANCE,
+    answer_value,
+    extract_answer,
+    parse_number,
+    within_tolerance,
+)
+from hasten.errors import UserError
+from hasten.rewards.runner import RewardFunction
+
+
+class TaskError(UserError):
+    """A user-facing task or data problem; str() is the one-line message."""
+
+
+@dataclass
+class Verdict:
+    parsed: bool  # an answer was found in the completion and could be read
+    correct: bool  # ...and it matches the row's answer
+
+
+@dataclass
+class Task:
+    name: str
+    description: str
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    reward_functions: list[RewardFunction]  # with the task's default weights
+    check: Callable[[str, dict[str, Any]], Verdict | None]  # None: no notion of a correct answer
+
+    @staticmethod
+    def columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+        """Every non-prompt column as a list over `rows` (None where a row lacks it)."""
+        names: dict[str, None] = {}  # ordered set: columns in first-seen order
+        for row in rows:
+            names.update((name, None) for name in row if name != "prompt")
+        return {name: [row.get(name) for row in rows] for name in names}
+
+
+def chat_prompt(
+    question: str,
+    system_prompt: str | None = None,
+    examples: tuple[tuple[str, str], ...] = (),
+) -> list[dict[str, str]]:
+    """Messages: optional system prompt, worked (user, assistant) pairs, then the question."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for user_text, assistant_text in examples:
+        messages.append({"role": "user", "content": user_text})
+        messages.append({"role": "assistant", "content": assistant_text})
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
+def generate_split(
+    sample: Callable[[random.Random], dict[str, Any]],
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    exclude: Iterable[str] = (),
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Draw (train_rows, eval_rows) from `sample`, keyed by their "question".
+
+    Eval rows are drawn first and are distinct, so the held-out set for a seed
+    does not change when num_train does. Train rows skip eval questions and
+    `exclude` (e.g. a worked example in the prompt) while the question space
+    allows; once draws keep colliding, repeats are accepted rather than
+    looping forever on a small space.
+    """
+    rng = random.Random(seed)
+    held_out = set(exclude)
+    eval_rows: list[dict[str, Any]] = []
+    attempts = 0
+    while len(eval_rows) < num_eval and attempts < 100 * num_eval:
+        attempts += 1
+        row = sample(rng)
+        if row["question"] not in held_out:
+            held_out.add(row["question"])
+            eval_rows.append(row)
+    train_rows: list[dict[str, Any]] = []
+    attempts = 0
+    while len(train_rows) < num_train:
+        attempts += 1
+        row = sample(rng)
+        if row["question"] not in held_out or attempts > 100 * num_train:
+            train_rows.append(row)
+    return train_rows, eval_rows
+
+
+def check_numeric_answer(text: str, row: dict[str, Any]) -> Verdict:
+    """Verdict for a numeric row: parsed = <answer> holds a number; correct = within tolerance."""
+    predicted = parse_number(extract_answer(text))
+    target = answer_value(row.get("answer"))
+    if predicted is None or target is None:
+        return Verdict(parsed=predicted is not None, correct=False)
+    tolerance = row.get("tolerance")
+    tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    return Verdict(parsed=True, correct=within_tolerance(predicted, target, tolerance))

@@ -1,0 +1,123 @@
+"""Your own prompts from JSON Lines files.
+
+Each non-blank line is a JSON object with a "prompt" (a non-empty string, or
+a list of {"role", "content"} messages) and any other columns, which reach
+reward functions as keyword arguments exactly as in TRL. task.path is the
+training file; task.eval_path the held-out file. Without eval_path the last
+10% of the training file's rows (at least one) are held out: the file's own
+order, not a shuffle, so the split is reproducible and visible.
+
+This task brings no reward functions of its own (they come from
+rewards.extra). Its checker grades against an "answer" column when a row has
+one: numerically within the row's "tolerance" (default 5%) when both sides
+are numbers, otherwise as an exact string match of the <answer> text.
+Every malformed line is reported with its line number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hasten.config import TaskConfig
+from hasten.rewards.builtin import answer_value, extract_answer, parse_number
+from hasten.rewards.runner import RESERVED_COLUMNS
+from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer
+
+DESCRIPTION = "your prompts from a JSON Lines file (task.path), rewards from rewards.extra"
+EVAL_FRACTION = 0.1
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a .jsonl file, validated; TaskError with the line number otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise TaskError(f"data error: '{path}' does not exist")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskError(f"data error: cannot read {path}: {exc}") from None
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"data error: {path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise TaskError(f"{where}: expected a JSON object, got {_json_type(row)}")
+        problem = _prompt_problem(row)
+        if problem:
+            raise TaskError(f"{where}: {problem}")
+        for name in RESERVED_COLUMNS:
+            if name in row:
+                raise TaskError(f"{where}: column '{name}' is reserved (reward functions receive it)")
+        rows.append(row)
+    if not rows:
+        raise TaskError(f"data error: {path} has no rows")
+    return rows
+
+
+def _prompt_problem(row: dict[str, Any]) -> str | None:
+    """Why the row's prompt is unusable, or None."""
+    if "prompt" not in row:
+        return "missing 'prompt'"
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "'prompt' is empty"
+    if not isinstance(prompt, list):
+        return f"'prompt' must be a string or a list of messages (got {_json_type(prompt)})"
+    if not prompt:
+        return "'prompt' is an empty list of messages"
+    for index, message in enumerate(prompt):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            return f"'prompt' message {index} must be an object with string 'role' and 'content'"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def check_answer_column(text: str, row: dict[str, Any]) -> Verdict | None:
+    """Grade against row["answer"]; None when the row has no answer to grade against."""
+    if row.get("answer") is None:
+        return None
+    if answer_value(row["answer"]) is not None and parse_number(extract_answer(text)) is not None:
+        return check_numeric_answer(text, row)
+    extracted = extract_answer(text)
+    if extracted is None:
+        return Verdict(parsed=False, correct=False)
+    return Verdict(parsed=True, correct=extracted == str(row["answer"]).strip())
+
+
+def build_jsonl(cfg: TaskConfig) -> Task:
+    if not cfg.path:
+        raise TaskError("config error: task.path is required when task.name is jsonl")
+    rows = read_rows(cfg.path)
+    if cfg.eval_path:
+        train_rows, eval_rows = rows, read_rows(cfg.eval_path)
+    else:
+        if len(rows) < 2:
+            raise TaskError(
+                f"data error: {cfg.path} has 1 row; holding one out for eval needs at least 2 "
+                "(or set task.eval_path)"
+            )
+        held_out = max(1, int(len(rows) * EVAL_FRACTION))
+        train_rows, eval_rows = rows[:-held_out], rows[-held_out:]
+    return Task(
+        name="jsonl",
+        description=DESCRIPTION,
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        reward_functions=[],
+        check=check_answer_column,
+    )

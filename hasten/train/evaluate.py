@@ -1,0 +1,59 @@
+"""Held-out evaluation: greedy completions, scored by the task.
+
+Reports accuracy (fraction judged correct), answer rate (fraction with a
+parseable answer) and the mean total reward under the run's reward
+functions, on the first `num_examples` held-out rows. Greedy decoding makes
+the numbers a property of the weights, not of a sampling seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..rewards import RewardFunction, score_rewards
+from ..rollout import KVCacheEngine, SamplingParams
+from ..tasks import Task
+from .episodes import encode_prompt, reward_inputs
+
+
+def evaluate(
+    task: Task,
+    engine: KVCacheEngine,
+    tokenizer,
+    reward_functions: list[RewardFunction],
+    num_examples: int,
+    max_new_tokens: int,
+    batch_size: int,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Returns (metrics, samples); samples hold each question and completion."""
+    rows = task.eval_rows[:num_examples]
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    parsed = correct = judged = 0
+    reward_total = 0.0
+    samples = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start:start + batch_size]
+        rollout = engine.generate([encode_prompt(tokenizer, r["prompt"]) for r in batch], 1, greedy, seed=0)
+        inputs = reward_inputs(tokenizer, batch, rollout)
+        if reward_functions:
+            scores = score_rewards(
+                reward_functions, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids
+            )
+            reward_total += float(torch.nan_to_num(scores.total).sum())
+        for row, text in zip(batch, inputs.texts):
+            verdict = task.check(text, row)
+            if verdict is not None:
+                judged += 1
+                parsed += verdict.parsed
+                correct += verdict.correct
+            samples.append({"question": row.get("question", row["prompt"]), "completion": text,
+                            "correct": None if verdict is None else verdict.correct})
+    metrics: dict[str, float] = {"num_examples": len(rows)}
+    if judged:
+        metrics["accuracy"] = correct / judged
+        metrics["answer_rate"] = parsed / judged
+    if reward_functions and rows:
+        metrics["reward_mean"] = reward_total / len(rows)
+    return metrics, samples

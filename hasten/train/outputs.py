@@ -1,0 +1,280 @@
+"""The run directory: everything a training run leaves on disk.
+
+Layout of `<output.dir>/<output.name or <time>-<task>>/`:
+
+    config.yaml        the resolved config, written before training starts
+    metrics.jsonl      one JSON object per GRPO step (appended, flushed per line)
+    eval.jsonl         one JSON object per held-out evaluation: {"step": N, ...}
+    checkpoint-<N>/    intermediate checkpoints (output.save_every)
+    checkpoint/        the final checkpoint
+    summary.json       end-of-run summary
+    progress.png       reward and held-out accuracy curves
+
+Choices:
+- A run never overwrites another: an existing non-empty directory gets a
+  `-2`, `-3`, ... suffix instead.
+- Logs are strict JSON (NaN and infinities become null, tensor and numpy
+  scalars become numbers) so `json.loads`, jq and pandas read every line.
+  Each line is written with its own open/append/close: a killed run loses at
+  most the line being written, and readers skip a torn last line.
+- Checkpoints and the summary are written to a temporary sibling and renamed
+  into place, so an interrupted save leaves the previous file or directory,
+  never a half-written one. Saving goes through `save_pretrained`, so plain
+  HF models write full weights and peft models write adapters only.
+- Nothing heavy is imported at module import time: matplotlib is imported
+  inside `plot()` and uses the Agg canvas directly (no pyplot, so no global
+  backend switch and no figures kept alive across a long run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hasten.config import Config, save_config
+
+
+class RunDir:
+    """One run's output directory. Use `RunDir.create(cfg)` for a new run;
+    `RunDir(path)` opens an existing one (e.g. to re-plot it)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.eval_path = self.path / "eval.jsonl"
+
+    @classmethod
+    def create(cls, cfg: Config) -> RunDir:
+        """Make a fresh directory for `cfg` (already validated) and save the config there."""
+        name = cfg.output.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task.name}"
+        root = Path(cfg.output.dir)
+        root.mkdir(parents=True, exist_ok=True)
+        suffix = 1
+        while True:
+            candidate = root / (name if suffix == 1 else f"{name}-{suffix}")
+            try:
+                candidate.mkdir()
+                break
+            except FileExistsError:
+                # An empty directory (say, made by hand beforehand) is safe to use.
+                if candidate.is_dir() and not any(candidate.iterdir()):
+                    break
+            suffix += 1
+        run = cls(candidate)
+        save_config(cfg, run.path / "config.yaml")
+        return run
+
+    # ------------------------------------------------------------------ logs
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        """Append one training-step record to metrics.jsonl."""
+        _append_json_line(self.metrics_path, record)
+
+    def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one held-out evaluation to eval.jsonl."""
+        _append_json_line(self.eval_path, {"step": step, **metrics})
+
+    def save_samples(self, name: str, samples: list[dict[str, Any]]) -> Path:
+        """Write samples/<name>.jsonl: completions kept for reading, one per line."""
+        target = self.path / "samples" / f"{name}.jsonl"
+        target.parent.mkdir(exist_ok=True)
+        lines = "".join(json.dumps(_jsonable(sample), allow_nan=False) + "\n" for sample in samples)
+        _write_atomically(target, lines.encode())
+        return target
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        """Write summary.json (pretty-printed, atomically) and return its path."""
+        target = self.path / "summary.json"
+        text = json.dumps(_jsonable(summary), indent=2, allow_nan=False) + "\n"
+        _write_atomically(target, text.encode())
+        return target
+
+    # ----------------------------------------------------------- checkpoints
+
+    def checkpoint_dir(self, step: int | None) -> Path:
+        """`checkpoint/` for the final save (step None), else `checkpoint-<step>/`."""
+        return self.path / ("checkpoint" if step is None else f"checkpoint-{step}")
+
+    def save_checkpoint(self, model, tokenizer, step: int | None) -> Path:
+        """Save model and tokenizer to `checkpoint_dir(step)`, replacing any earlier save there."""
+        target = self.checkpoint_dir(step)
+        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
+        try:
+            model.save_pretrained(temporary)
+            tokenizer.save_pretrained(temporary)
+            if target.exists():
+                # Move the old save aside first: a rename onto a non-empty
+                # directory fails, and deleting it first would leave a window
+                # with no checkpoint at all.
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=self.path))
+                os.replace(target, old / target.name)
+                os.replace(temporary, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(temporary, target)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return target
+
+    # ------------------------------------------------------------------ plot
+
+    def plot(self) -> Path | None:
+        """Draw progress.png from the logs; None when there is nothing to draw yet."""
+        steps = _read_json_lines(self.metrics_path)
+        evals = _read_json_lines(self.eval_path)
+        reward = _series(steps, "reward_mean")
+        reward_std = dict(zip(*_series(steps, "reward_std")))
+        per_function = {
+            _reward_name(key): _series(steps, key)
+            for key in _keys_in_order(steps)
+            if key.startswith("rewards/") and not key.endswith("/std")
+        }
+        eval_curves = {key: _series(evals, key) for key in ("accuracy", "answer_rate")}
+        has_train = bool(reward[0]) or any(xs for xs, _ in per_function.values())
+        has_eval = any(xs for xs, _ in eval_curves.values())
+        if not (has_train or has_eval):
+            return None
+
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(11, 4), layout="constrained")
+        FigureCanvasAgg(figure)
+        left, right = figure.subplots(1, 2)
+
+        left.set_title("training reward")
+        left.set_xlabel("step")
+        left.set_ylabel("reward")
+        if reward[0]:
+            left.plot(*reward, linewidth=2, color="black", label="reward (mean)")
+            banded = [(s, v, reward_std[s]) for s, v in zip(*reward) if s in reward_std]
+            if banded:
+                xs = [s for s, _, _ in banded]
+                left.fill_between(
+                    xs,
+                    [v - d for _, v, d in banded],
+                    [v + d for _, v, d in banded],
+                    color="black",
+                    alpha=0.1,
+                    linewidth=0,
+                    label="± std",
+                )
+        for name, (xs, ys) in per_function.items():
+            if xs:
+                left.plot(xs, ys, linewidth=1, alpha=0.8, label=name)
+        _finish_panel(left, has_train, "no training steps logged yet")
+
+        right.set_title("held-out eval")
+        right.set_xlabel("step")
+        right.set_ylabel("fraction")
+        for key, (xs, ys) in eval_curves.items():
+            if xs:
+                right.plot(xs, ys, marker="o", linewidth=1.5, label=key.replace("_", " "))
+        if has_eval:
+            right.set_ylim(-0.02, 1.02)
+        _finish_panel(right, has_eval, "no eval results yet")
+
+        target = self.path / "progress.png"
+        temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            figure.savefig(temporary, format="png", dpi=100)
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return target
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with everything strict JSON cannot hold turned into what it can."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    # torch tensors and numpy values, recognised by duck typing so this
+    # module does not import either: 0-d ones become Python scalars.
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return _jsonable(value.item())
+    if hasattr(value, "tolist"):
+        return _jsonable(value.tolist())
+    return str(value)
+
+
+def _append_json_line(path: Path, record: dict[str, Any]) -> None:
+    line = json.dumps(_jsonable(record), allow_nan=False)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+        handle.flush()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """Records from a .jsonl file; a missing file is empty and torn lines are skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records holding a number under `key`; a record
+    without a "step" counts as the step after its position in the file."""
+    steps, values = [], []
+    for position, record in enumerate(records):
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        step = record.get("step", position + 1)
+        steps.append(step)
+        values.append(value)
+    return steps, values
+
+
+def _keys_in_order(records: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(key for record in records for key in record))
+
+
+def _reward_name(key: str) -> str:
+    """'rewards/correct' and 'rewards/correct/mean' both read as 'correct'."""
+    return key.removeprefix("rewards/").removesuffix("/mean")
+
+
+def _finish_panel(axes, has_data: bool, note: str) -> None:
+    if has_data:
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize="small")
+    else:
+        axes.text(0.5, 0.5, note, ha="center", va="center", transform=axes.transAxes, color="gray")
+        axes.set_xticks([])
+        axes.set_yticks([])
