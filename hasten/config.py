@@ -115,6 +115,15 @@ class OutputConfig:
 
 
 @dataclass
+class SpeedConfig:
+    """Switches for speed features; each changes how fast, never what is learned."""
+
+    keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
+    packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
+    logit_chunk_tokens: int = 1024  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -124,6 +133,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -166,6 +176,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("eval.max_new_tokens", lambda v: v > 0, "> 0"),
     ("eval.batch_size", lambda v: v > 0, "> 0"),
     ("output.save_every", lambda v: v >= 0, ">= 0"),
+    ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
 ]
 
 

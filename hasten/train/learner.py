@@ -24,6 +24,7 @@ from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
 from .logprobs import completion_logprobs
+from .packing import packed_logprobs
 
 
 def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -58,6 +59,9 @@ class Learner:
         )
 
     def _chunk_logprobs(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
+        if self.cfg.speed.packed_learning:
+            return packed_logprobs(model, rollout, rows, self.cfg.generation.temperature, with_entropy,
+                                   self.cfg.speed.logit_chunk_tokens)
         group = rows // rollout.num_generations  # prompt index of each sample
         return completion_logprobs(
             model,

@@ -33,6 +33,7 @@ from .evaluate import evaluate
 from .learner import Learner
 from .outputs import RunDir
 from .progress import Progress
+from .runtime import configure_threads, keep_freed_memory
 
 
 @dataclass
@@ -65,8 +66,9 @@ def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
 
 
 def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    configure_threads(cfg.train.num_threads)
+    if cfg.speed.keep_freed_memory:
+        keep_freed_memory()
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     task = make_task(cfg.task)

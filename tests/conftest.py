@@ -1,0 +1,54 @@
+"""Shared fixtures: the tiny model, a variant that ends completions early, rollouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hasten.models.tiny import tiny_model, tiny_tokenizer
+from hasten.rollout import KVCacheEngine, SamplingParams
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def eos_prone_model(tokenizer, boost: float = 3.5):
+    """The tiny model with EOS made likely (+boost on its logit), so completions end at varied lengths.
+
+    A forward hook on lm_head adds the boost, so the engine and both learning
+    passes see the same distribution.
+    """
+    model = tiny_model(len(tokenizer))
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = boost
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    return model
+
+
+@pytest.fixture
+def model(tokenizer):
+    return tiny_model(len(tokenizer))
+
+
+@pytest.fixture
+def short_model(tokenizer):
+    return eos_prone_model(tokenizer)
+
+
+def make_engine(model, tokenizer) -> KVCacheEngine:
+    return KVCacheEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+PROMPTS = ["hello there", "hi", "a much longer prompt, with punctuation!"]
+
+
+def encode(tokenizer, texts=PROMPTS) -> list[list[int]]:
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def rollout_of(model, tokenizer, num_generations=4, max_new_tokens=12, temperature=1.0, seed=0):
+    engine = make_engine(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    return engine.generate(encode(tokenizer), num_generations, sampling, seed=seed)

@@ -1,0 +1,113 @@
+"""Config: defaults, YAML and dotted overrides, and every error path giving a
+one-line `config error:` message, exit code 2, and no run directory."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from hasten.cli import main
+from hasten.config import ConfigError, load_config, parse_override, save_config
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg.model.name == "smollm2-135m"
+    assert cfg.train.prompts_per_step * cfg.generation.num_generations == 32
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 2.0e-6\n  steps: 7\nalgo:\n  loss: grpo\n")
+    cfg = load_config(path, [parse_override("train.lr=1e-6"), parse_override("model.lora=true")])
+    assert cfg.train.lr == 1e-6 and cfg.train.steps == 7 and cfg.algo.loss == "grpo" and cfg.model.lora
+
+
+def test_override_values_are_typed():
+    assert parse_override("train.lr=1e-6") == ("train.lr", 1e-6)
+    assert parse_override("train.steps=5") == ("train.steps", 5)
+    assert parse_override("rewards.extra=[a.py:f, b.py:g]") == ("rewards.extra", ["a.py:f", "b.py:g"])
+    assert parse_override("algo.epsilon_high=null") == ("algo.epsilon_high", None)
+    cfg = load_config(overrides=[("train.lr", 1)])  # an int where a float is expected is fine
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(overrides=[("train.steps", 3), ("generation.top_k", 5)])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([("train.lrr", 1.0)], "unknown key 'train.lrr' (allowed in train: steps, prompts_per_step, lr"),
+        ([("trian.lr", 1.0)], "unknown key 'trian.lr' (sections:"),
+        ([("lr", 1.0)], "unknown key 'lr'"),
+        ([("train.lr", "fast")], "train.lr must be float (got 'fast')"),
+        ([("train.steps", 2.5)], "train.steps must be int (got 2.5)"),
+        ([("model.lora", "yes")], "model.lora must be bool (got 'yes')"),
+        ([("train.lr", -1.0)], "train.lr must be > 0 (got -1.0)"),
+        ([("algo.loss", "ppo")], "algo.loss must be one of grpo, bnpo, dr_grpo, dapo, gspo (got 'ppo')"),
+        ([("algo.scale_rewards", "std")], "algo.scale_rewards must be one of group, batch, none"),
+        ([("generation.num_generations", 1)], "generation.num_generations must be >= 2"),
+        ([("generation.top_p", 0.0)], "generation.top_p must be in (0, 1]"),
+        ([("rewards.weights", ["a"])], "rewards.weights[0] must be float"),
+        ([("task.name", "jsonl")], "task.path is required when task.name is jsonl"),
+        ([("train.gradient_accumulation_steps", 64)], "train.gradient_accumulation_steps must be <="),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=overrides)
+    text = str(error.value)
+    assert text.startswith("config error: ") and message in text and "\n" not in text
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("lr: 1\n")
+    with pytest.raises(ConfigError, match="'lr' in .* must be a mapping"):
+        load_config(flat)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({"train": {"nope": 1}}))
+    with pytest.raises(ConfigError, match="unknown key 'train.nope'"):
+        load_config(nested)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--train.lr=-1"], "config error: train.lr must be > 0"),
+        (["--train.lr", "abc"], "config error: train.lr must be float"),
+        (["--nonsense.key=1"], "config error: unknown key 'nonsense.key'"),
+        (["--algo.loss=ppo"], "config error: algo.loss must be one of"),
+        (["--task", "chess"], "config error: task.name must be one of"),
+        (["--model", "no-such-model"], "model error: unknown model 'no-such-model'"),
+        (["--reward", "missing.py:fn"], "reward error: 'missing.py' does not exist"),
+        (["--steps", "-3"], "config error: train.steps must be >= 0"),
+        (["--weird"], "config error: unrecognized argument '--weird'"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, argv, message):
+    runs = tmp_path / "runs"
+    code = main(["train", "--model", "tiny", f"--output.dir={runs}", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith(message.split(":")[0]) and message in err and "\n" not in err
+    assert not runs.exists()
+
+
+def test_weights_must_match_reward_count(tmp_path, capsys):
+    code = main(["train", "--model", "tiny", "--task", "arithmetic", f"--output.dir={tmp_path}/runs",
+                 "--rewards.weights=[1.0]"])
+    assert code == 2
+    assert "rewards.weights has 1 values for 2 reward functions (format, correct)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
