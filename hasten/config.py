@@ -51,6 +51,7 @@ class TaskConfig:
     num_eval: int = 64  # held-out questions
     seed: int = 1234  # data generation seed (separate from the training seed)
     system_prompt: str | None = None  # None: the task's own
+    worked_example: bool = True  # show one solved question first (generated tasks)
 
 
 @dataclass
@@ -248,7 +249,10 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(
             f"config error: unknown key '{dotted}' (allowed in {parts[0]}: {', '.join(fields)})"
         )
-    setattr(section, parts[1], _coerce(dotted, value, fields[parts[1]]))
+    field_type = fields[parts[1]]
+    if isinstance(value, Raw):
+        value = value.parse(field_type)
+    setattr(section, parts[1], _coerce(dotted, value, field_type))
 
 
 def validate(cfg: Config) -> Config:
@@ -276,25 +280,41 @@ def validate(cfg: Config) -> Config:
 # ------------------------------------------------------------- build a config
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """'train.lr=1e-6' -> ('train.lr', 1e-6); values are read as YAML scalars/lists."""
-    import yaml
+class Raw(str):
+    """Override text from the command line, read according to the field it sets.
 
+    A str field takes the text as it is (so `--output.progress=off` stays "off"
+    rather than YAML's boolean), except `null` for an optional field; any other
+    field reads it as a YAML scalar or list.
+    """
+
+    def parse(self, tp: Any) -> Any:
+        import yaml
+
+        text = str(self)
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        if text in ("null", "~", "None") and type(None) in args:
+            return None
+        if str in args:
+            return text
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string; plain float syntax is fine here
+            try:
+                return float(value)
+            except ValueError:
+                return value
+        return value
+
+
+def parse_override(text: str) -> tuple[str, Raw]:
+    """'train.lr=1e-6' -> ('train.lr', Raw('1e-6')); the value is typed when it is set."""
     if "=" not in text:
         raise ConfigError(f"config error: override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
-    key = key.strip().removeprefix("--")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    # YAML reads "1e-6" as a string (it wants "1.0e-6"); accept plain float syntax too.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in ".eE") else value
-        except ValueError:
-            pass
-    return key, value
+    return key.strip().removeprefix("--"), Raw(raw)
 
 
 def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None) -> Config:

@@ -23,11 +23,15 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.train.lr == 1e-6 and cfg.train.steps == 7 and cfg.algo.loss == "grpo" and cfg.model.lora
 
 
-def test_override_values_are_typed():
-    assert parse_override("train.lr=1e-6") == ("train.lr", 1e-6)
-    assert parse_override("train.steps=5") == ("train.steps", 5)
-    assert parse_override("rewards.extra=[a.py:f, b.py:g]") == ("rewards.extra", ["a.py:f", "b.py:g"])
-    assert parse_override("algo.epsilon_high=null") == ("algo.epsilon_high", None)
+def test_override_values_are_read_by_field_type():
+    texts = ["train.lr=1e-6", "train.steps=5", "rewards.extra=[a.py:f, b.py:g]", "algo.epsilon_high=null",
+             "output.progress=off", "model.name=123", "model.lora=true", "task.system_prompt=null"]
+    cfg = load_config(overrides=[parse_override(text) for text in texts])
+    assert cfg.train.lr == 1e-6 and cfg.train.steps == 5
+    assert cfg.rewards.extra == ["a.py:f", "b.py:g"]
+    assert cfg.algo.epsilon_high is None and cfg.task.system_prompt is None
+    assert cfg.output.progress == "off"  # not YAML's boolean
+    assert cfg.model.name == "123" and cfg.model.lora is True
     cfg = load_config(overrides=[("train.lr", 1)])  # an int where a float is expected is fine
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
@@ -53,7 +57,7 @@ def test_resolved_config_round_trips(tmp_path):
         ([("algo.scale_rewards", "std")], "algo.scale_rewards must be one of group, batch, none"),
         ([("generation.num_generations", 1)], "generation.num_generations must be >= 2"),
         ([("generation.top_p", 0.0)], "generation.top_p must be in (0, 1]"),
-        ([("rewards.weights", ["a"])], "rewards.weights[0] must be float"),
+        ([("rewards.weights", ["a"])], "rewards.weights must be list of float or null (got ['a'])"),
         ([("task.name", "jsonl")], "task.path is required when task.name is jsonl"),
         ([("train.gradient_accumulation_steps", 64)], "train.gradient_accumulation_steps must be <="),
     ],

@@ -98,7 +98,8 @@ def test_learner_gradients_are_the_same_with_and_without_packing(short_model, to
         grads = []
         # Compare the accumulated gradient, not the Adam update: Adam divides
         # near-zero gradients by their own size, which amplifies rounding.
-        learner.optimizer.step = lambda: grads.extend(p.grad.clone() for p in learner.parameters)
+        learner.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
         metrics = learner.step(rollout, advantages)
         results.append((metrics, grads))
     (plain_metrics, plain_grads), (packed_metrics, packed_grads) = results

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from hasten.tasks import arithmetic
+
 from hasten.config import TaskConfig
 from hasten.tasks import TaskError, Verdict, list_tasks, make_task
 from hasten.tasks.base import Task
@@ -55,8 +57,16 @@ def test_arithmetic_rows():
         a, b = int(match.group(1)), int(match.group(2))
         assert 10 <= a <= 99 and 10 <= b <= 99
         assert row["answer"] == float(a + b)
-        # No system prompt by default: the question states the format itself.
-        assert row["prompt"] == [{"role": "user", "content": row["question"]}]
+        # No system prompt by default: one worked example, then the question.
+        example_question, example_answer = arithmetic.WORKED_EXAMPLE
+        assert row["prompt"] == [
+            {"role": "user", "content": example_question},
+            {"role": "assistant", "content": example_answer},
+            {"role": "user", "content": row["question"]},
+        ]
+        assert row["question"] != example_question
+    bare = make_task(TaskConfig(name="arithmetic", worked_example=False, num_train=2, num_eval=1))
+    assert bare.train_rows[0]["prompt"] == [{"role": "user", "content": bare.train_rows[0]["question"]}]
     assert [(f.name, f.weight) for f in task.reward_functions] == [("format", 0.25), ("correct", 1.0)]
     with_system = make_task(TaskConfig(name="arithmetic", system_prompt="Be brief.", num_train=2, num_eval=1))
     assert with_system.train_rows[0]["prompt"][0] == {"role": "system", "content": "Be brief."}

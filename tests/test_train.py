@@ -18,10 +18,10 @@ def letters(prompts, completions, **kwargs):
 '''
 
 RAISING_REWARD = '''
-def fragile(prompts, completions, **kwargs):
+def fragile(prompts, completions, bad, **kwargs):
     out = []
-    for index, text in enumerate(completions):
-        if index == 5:
+    for is_bad in bad:
+        if is_bad:
             raise ValueError("cannot score this one")
         out.append(0.0)
     return out
@@ -109,13 +109,21 @@ def test_cli_train_then_eval_the_checkpoint(data, capsys):
 
 
 def test_a_raising_reward_stops_the_run_naming_function_and_sample(data, capsys):
-    code = main(["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data}/data.jsonl",
+    # Two rows, the second one bad; one step samples both: 4 samples per row, group-major.
+    rows = [{"prompt": "fine", "bad": False}, {"prompt": "broken", "bad": True}]
+    (data / "two.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code = main(["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data}/two.jsonl",
+                 f"--task.eval_path={data}/two.jsonl",
                  "--reward", f"{data}/rewards.py:fragile", "--steps", "1", "--train.prompts_per_step=2",
                  "--generation.num_generations=4", "--generation.max_new_tokens=4", "--eval.num_examples=0",
                  f"--output.dir={data}/runs", "--output.progress=off"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "function 'fragile' failed on sample 5: ValueError: cannot score this one" in err
+    # The first sample of the bad row's group: index 0 or 4 depending on the shuffle.
+    assert err.startswith("reward error: function 'fragile' failed on sample ")
+    assert err.endswith(": ValueError: cannot score this one")
+    index = int(err.split("failed on sample ")[1].split(":")[0])
+    assert index in (0, 4)
 
 
 def test_jsonl_task_without_rewards_is_a_config_error(data, capsys):

@@ -168,7 +168,7 @@ def build_unit_conversion(cfg: TaskConfig) -> Task:
     def sample(rng: random.Random) -> dict[str, Any]:
         question, answer = sample_question(rng)
         return {
-            "prompt": chat_prompt(question, system_prompt, examples=(WORKED_EXAMPLE,)),
+            "prompt": chat_prompt(question, system_prompt, examples=(WORKED_EXAMPLE,) if cfg.worked_example else ()),
             "answer": answer,
             "question": question,
             "tolerance": DEFAULT_TOLERANCE,
