@@ -67,7 +67,7 @@ def test_run_directory_is_complete(data):
         assert (run / name).exists(), name
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    for key in ("reward_mean", "reward_std", "rewards/letters", "zero_variance_groups", "completion_length",
+    for key in ("reward_mean", "reward_std", "rewards/letters", "rewards/letters/std", "zero_variance_groups", "completion_length",
                 "loss", "entropy", "lr", "grad_norm", "time/generate", "time/reward", "time/learn",
                 "tokens_per_second"):
         assert key in records[0], key
@@ -132,3 +132,19 @@ def test_jsonl_task_without_rewards_is_a_config_error(data, capsys):
     assert code == 2
     assert "config error: no reward functions" in capsys.readouterr().err
     assert not (data / "runs").exists()
+
+
+def test_lora_checkpoint_evaluates_through_the_cli(data, capsys):
+    code = main(["train", "--model", "tiny", "--task", "arithmetic", "--steps", "1", "--model.lora=true",
+                 "--model.lora_r=4", "--train.prompts_per_step=2", "--generation.num_generations=2",
+                 "--generation.max_new_tokens=4", "--eval.num_examples=0", f"--output.dir={data}/runs",
+                 "--output.progress=off", "--output.name=lora"])
+    assert code == 0
+    checkpoint = data / "runs" / "lora" / "checkpoint"
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    capsys.readouterr()
+    code = main(["eval", "--model", str(checkpoint), "--task", "arithmetic", "--num-examples", "2",
+                 "--eval.max_new_tokens=4", "--json"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_examples"] == 2

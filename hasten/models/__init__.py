@@ -115,6 +115,9 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print) -> Policy:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     is_peft = hasattr(model, "peft_config")
+    if cfg.name.lower() in ALIASES and not is_peft:
+        # Recorded as the adapter's base_model_name_or_path: a registry name resolves on any machine.
+        model.config._name_or_path = model.name_or_path = ALIASES[cfg.name.lower()]
     if cfg.lora and not is_peft:
         from peft import LoraConfig, get_peft_model
 

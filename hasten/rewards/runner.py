@@ -79,6 +79,15 @@ class RewardScores:
             result[name] = float(values[applied].mean()) if applied.any() else math.nan
         return result
 
+    def stds(self) -> dict[str, float]:
+        """Standard deviation per function over the samples it applied to (NaN if fewer than 2)."""
+        result: dict[str, float] = {}
+        for column, name in enumerate(self.names):
+            values = self.per_function[:, column]
+            values = values[~torch.isnan(values)]
+            result[name] = float(values.std()) if values.numel() > 1 else math.nan
+        return result
+
 
 # ------------------------------------------------------------------- loading
 

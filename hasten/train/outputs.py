@@ -106,7 +106,12 @@ class RunDir:
         target = self.checkpoint_dir(step)
         temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
         try:
-            model.save_pretrained(temporary)
+            if hasattr(model, "peft_config"):
+                # Adapters only. "auto" would look the base model up on the hub to see whether
+                # the vocabulary changed; hasten never trains the embeddings through LoRA.
+                model.save_pretrained(temporary, save_embedding_layers=False)
+            else:
+                model.save_pretrained(temporary)
             tokenizer.save_pretrained(temporary)
             if target.exists():
                 # Move the old save aside first: a rename onto a non-empty

@@ -123,6 +123,7 @@ def grpo_step(session: Session, learner: Learner, sampler: PromptSampler, step: 
         "reward_mean": float(scores.total.mean()),
         "reward_std": float(scores.total.std()),
         **{f"rewards/{name}": value for name, value in scores.means().items()},
+        **{f"rewards/{name}/std": value for name, value in scores.stds().items()},
         "zero_variance_groups": zero_variance_fraction(scores.total, group),
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
