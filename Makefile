@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hasten-installed
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,9 +24,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
-
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
