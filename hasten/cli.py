@@ -3,6 +3,7 @@
     hasten train [--config run.yaml] [--model NAME] [--task NAME] [--reward file.py:fn ...]
                  [--steps N] [--section.key=value ...]
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
+    hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         else:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
+    commands.add_parser("bench", help="measure hasten against its peers (BENCH.md workloads)", add_help=False)
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -137,6 +139,11 @@ COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the bench has its own parser; pass everything through
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

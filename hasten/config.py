@@ -119,6 +119,7 @@ class OutputConfig:
 class SpeedConfig:
     """Switches for speed features; each changes how fast, never what is learned."""
 
+    engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py)
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 1024  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
@@ -143,6 +144,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.scale_rewards": ("group", "batch", "none"),
     "train.lr_schedule": ("cosine", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
+    "speed.engine": ("auto", "lean", "hf"),
 }
 
 # (key, predicate, human-readable requirement) checked after types are right.

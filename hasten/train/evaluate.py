@@ -13,14 +13,14 @@ from typing import Any
 import torch
 
 from ..rewards import RewardFunction, score_rewards
-from ..rollout import KVCacheEngine, SamplingParams
+from ..rollout import Engine, SamplingParams
 from ..tasks import Task
 from .episodes import encode_prompt, reward_inputs
 
 
 def evaluate(
     task: Task,
-    engine: KVCacheEngine,
+    engine: Engine,
     tokenizer,
     reward_functions: list[RewardFunction],
     num_examples: int,

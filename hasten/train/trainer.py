@@ -26,7 +26,7 @@ from ..algo import group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
 from ..models import Policy, Reference, load_policy
 from ..rewards import RewardFunction, load_reward, score_rewards
-from ..rollout import KVCacheEngine, SamplingParams
+from ..rollout import Engine, KVCacheEngine, SamplingParams
 from ..tasks import Task, make_task
 from .episodes import PromptSampler, encode_prompt, reward_inputs
 from .evaluate import evaluate
@@ -44,7 +44,7 @@ class Session:
     task: Task
     rewards: list[RewardFunction]
     policy: Policy
-    engine: KVCacheEngine
+    engine: Engine  # KVCacheEngine or LeanEngine (speed.engine)
 
 
 def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
@@ -74,8 +74,28 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
     task = make_task(cfg.task)
     rewards = build_rewards(cfg, task)
     policy = load_policy(cfg.model, log)
-    engine = KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
-    return Session(cfg, task, rewards, policy, engine)
+    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log))
+
+
+def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):
+    """speed.engine: the lean engine where it supports the model, else transformers' forward.
+
+    Both sample the same distribution with the same seeded draws; the lean one
+    is a faster forward (tests/test_lean_engine.py checks they agree).
+    """
+    from ..rollout.lean import LeanEngine, check_supported
+
+    choice = cfg.speed.engine
+    if choice in ("auto", "lean"):
+        try:
+            check_supported(policy.model)
+        except ValueError as reason:
+            if choice == "lean":
+                raise ConfigError(f"config error: speed.engine=lean cannot run this model ({reason})") from None
+            log(f"speed.engine=auto: using the hf engine ({reason})")
+        else:
+            return LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+    return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
 
 
 def run_eval(session: Session, run: RunDir, progress: Progress, step: int) -> dict[str, float]:

@@ -1,0 +1,293 @@
+"""`hasten bench`: hasten against its peers, measured side by side on this machine.
+
+    hasten bench [--workloads B1,B2,B3,B4] [--repeats N] [--peers trl,hf,vllm] [--model NAME]
+                 [--quick] [--json-only] [--config configs/b1.yaml]
+
+The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
+TRL's GRPOTrainer, B2 decode against transformers' generate (and vLLM), B3
+the learning pass packed against padded, B4 startup against TRL's import and
+construction. Runs of hasten and its peer alternate (A B A B) and every ratio
+is a median over such pairs, because the machines are shared and noisy; the
+fp32 matmul peak is measured in the same run (start and end, the better one
+kept) so MFU means something here. Output: a table, the exact settings of
+both sides, then one JSON line, last.
+
+Defaults: every workload; the peers that import; 5 B1 steps (median over
+steps 2..5) and 3 rounds elsewhere. `--quick` runs the tiny model at toy
+sizes (2 prompts x 4 samples x 8 tokens), for tests.
+
+B1-B3 live in workloads.py, peers in peers.py, rows and output in report.py.
+B4 is here: it measures the command line itself, in fresh processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+
+WORKLOADS = ("B1", "B2", "B3", "B4")
+PEERS = ("trl", "hf", "vllm")
+PEER_MODULES = {"trl": "trl", "hf": "transformers", "vllm": "vllm"}
+
+
+class BenchError(UserError):
+    """A bad `hasten bench` argument; str() is the one-line message."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hasten bench",
+        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B4).",
+        epilog="Prints a table, the settings of both sides, then one JSON line last.",
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of B1..B4 (default: all)")
+    parser.add_argument("--repeats", type=int, help="B1 steps (median over 2..N; default 5), rounds elsewhere (3)")
+    parser.add_argument("--peers", help="comma list of trl, hf, vllm, or none (default: those that import)")
+    parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
+    parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    parser.add_argument("--config", help="B1 config file (default: configs/b1.yaml)")
+    return parser
+
+
+def _options(args) -> Any:
+    from .workloads import CONFIG_PATH, BenchOptions
+
+    workloads = [name.strip().upper() for name in args.workloads.split(",") if name.strip()]
+    unknown = [name for name in workloads if name not in WORKLOADS]
+    if unknown or not workloads:
+        raise BenchError(f"bench error: unknown workload {', '.join(unknown) or '(none)'} "
+                         f"(available: {', '.join(WORKLOADS)})")
+    if args.repeats is not None and args.repeats < 1:
+        raise BenchError(f"bench error: --repeats must be >= 1 (got {args.repeats})")
+    if args.peers is None:
+        peers = [peer for peer in PEERS if importlib.util.find_spec(PEER_MODULES[peer]) is not None]
+    else:
+        peers = [name.strip().lower() for name in args.peers.split(",") if name.strip() and name.strip() != "none"]
+        unknown = [name for name in peers if name not in PEERS]
+        if unknown:
+            raise BenchError(f"bench error: unknown peer {', '.join(unknown)} (available: {', '.join(PEERS)}, none)")
+    config = Path(args.config) if args.config else CONFIG_PATH
+    if not config.is_file():
+        raise BenchError(f"bench error: config file '{config}' does not exist (pass --config path/to/b1.yaml)")
+
+    def log(text: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
+                        quick=args.quick, repeats=args.repeats, config=config, log=log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table (unless --json-only) and the JSON line. Returns the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse already printed
+        return int(exit_request.code or 0)
+    try:
+        opts = _options(args)
+        results, header, peak = run(opts)
+    except UserError as error:
+        print(str(error).splitlines()[0], file=sys.stderr)
+        return 2
+    from .report import format_table, to_json
+
+    if not args.json_only:
+        print(format_table(results, peak, header))
+    print(to_json(results, peak, header), flush=True)
+    return 0
+
+
+def run(opts) -> tuple[list, dict[str, Any], float]:
+    """Measure the peak, run the chosen workloads in order, measure the peak again."""
+    import torch
+    import transformers
+
+    from .report import matmul_peak
+    from .workloads import HastenSide, run_b1, run_b2, run_b3
+
+    peers_missing = [peer for peer in opts.peers if importlib.util.find_spec(PEER_MODULES[peer]) is None]
+    opts.peers = [peer for peer in opts.peers if peer not in peers_missing]
+    load_before = os.getloadavg()[0]  # other jobs on a shared machine skew everything: say so in the output
+    size, repeats = (512, 3) if opts.quick else (2048, 5)
+    peak_start = matmul_peak(size, repeats)
+    runners = {"B1": run_b1, "B2": run_b2, "B3": run_b3}
+    side, results = None, []
+    for workload in opts.workloads:
+        opts.log(f"{workload}: start")
+        if workload == "B4":
+            results.append(run_b4(opts))
+            continue
+        if side is None:
+            side = HastenSide.build(opts)
+        results.append(runners[workload](side, opts))
+    peak_end = matmul_peak(size, repeats)
+    header = {
+        "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
+        "peers": opts.peers, "peers_missing": peers_missing,
+        "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
+        "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
+    }
+    return results, header, max(peak_start, peak_end)
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------ B4: startup, in fresh processes
+
+
+PREPARE_SCRIPT = """
+import json, sys, time
+started = time.perf_counter()
+from hasten.config import load_config
+from hasten.train.learner import Learner
+from hasten.train.trainer import prepare
+imported = time.perf_counter()
+spec = json.loads(sys.argv[1])
+cfg = load_config(spec["config"], [tuple(pair) for pair in spec["overrides"]])
+session = prepare(cfg, log=lambda text: None)
+Learner(session.policy, cfg)
+message = {"event": "built", "import_seconds": imported - started, "construct_seconds": time.perf_counter() - imported}
+print(spec["prefix"] + json.dumps(message), flush=True)
+"""
+
+
+def _hasten_command() -> list[str]:
+    """The installed `hasten` script beside this interpreter, else `python -m hasten.cli`."""
+    script = Path(sys.executable).parent / "hasten"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "hasten.cli"]
+
+
+def _wall(command: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
+    return time.perf_counter() - started
+
+
+def _until_built(command: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Launch `command`; wall seconds until it prints its "built" message, plus the message."""
+    from .peers import PREFIX, PeerError
+
+    started = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+        for line in process.stdout:
+            if line.startswith(PREFIX):
+                message = {**json.loads(line[len(PREFIX):]), "wall": time.perf_counter() - started}
+                process.wait()
+                return message
+        process.wait()
+        errors.seek(0)
+        raise PeerError(f"{command[:3]} exited with code {process.returncode}: {errors.read()[-300:]}")
+
+
+def _launch_to_first_step(command: list[str], env: dict[str, str], workdir: Path) -> tuple[float, float]:
+    """Start `hasten train` for one step; seconds until its first metrics line exists, and that step's time."""
+    metrics = workdir / "b4" / "metrics.jsonl"
+    started = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        process = subprocess.Popen(command + [f"--output.dir={workdir}", "--output.name=b4"],
+                                   stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        try:
+            while process.poll() is None:
+                if metrics.is_file() and metrics.read_text().endswith("\n"):  # a whole line: step 1 is done
+                    elapsed = time.perf_counter() - started
+                    return elapsed, json.loads(metrics.read_text().splitlines()[0])["time/step"]
+                time.sleep(0.02)
+            errors.seek(0)
+            from .peers import PeerError
+
+            raise PeerError(f"hasten train exited with code {process.returncode}: {errors.read()[-300:]}")
+        finally:
+            if process.poll() is None:
+                process.terminate()  # the step is done; skip saving the checkpoint
+            process.wait()
+
+
+def run_b4(opts) -> Any:
+    import statistics
+
+    from ..tasks import make_task
+    from ..train.episodes import PromptSampler
+    from ..train.trainer import build_rewards
+    from .peers import PREFIX, PeerError, peer_env, trl_construct
+    from .report import Result, Row
+    from .workloads import QUICK_OVERRIDES, bench_config, peer_model_dir, trl_spec
+
+    rounds = opts.rounds("B4")
+    help_rounds = 2 if opts.quick else max(5, opts.repeats or 0)  # ~0.1 s each: always at least 5
+    env, hasten = peer_env(), _hasten_command()
+    result = Result("B4", "startup, each in a fresh process (wall seconds from launch)")
+    overrides = [("model.name", opts.model)] + (QUICK_OVERRIDES if opts.quick else [])
+    train_command = hasten + ["train", "--config", str(opts.config), "--steps", "1"] + [
+        f"--{key}={value}" for key, value in overrides]
+    result.settings["hasten"] = {"help": hasten + ["--help"], "train": train_command,
+                                 "prepare": "import hasten; prepare(cfg); Learner(policy, cfg)"}
+
+    opts.log("B4: hasten --help")
+    help_seconds = [_wall(hasten + ["--help"], env) for _ in range(help_rounds)]
+    result.rows.append(Row("hasten --help", "hasten", "s", help_seconds))
+
+    launches, step_seconds = [], []
+    for round_index in range(rounds):
+        opts.log(f"B4: launch to step 1, round {round_index + 1}/{rounds}")
+        with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
+            elapsed, step = _launch_to_first_step(train_command, env, Path(workdir))
+        launches.append(elapsed)
+        step_seconds.append(step)
+    result.rows.append(Row("hasten train: launch -> step 1", "hasten", "s", launches,
+                           extra={"step_1": statistics.median(step_seconds)}))
+
+    cfg = bench_config(opts, 1)
+    spec = json.dumps({"config": str(opts.config), "overrides": overrides, "prefix": PREFIX})
+    prepared, constructed = [], []
+    trl = "trl" in opts.peers
+    with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
+        if trl:
+            task = make_task(cfg.task)
+            rows = PromptSampler(task.train_rows, cfg.train.seed).next(cfg.train.prompts_per_step)
+            peer = trl_spec(cfg, rows, build_rewards(cfg, task), peer_model_dir(cfg.model.name, Path(workdir)),
+                            False, 1)
+            result.settings["trl"] = {"model": peer["model_dir"], **peer["config"]}
+        for round_index in range(rounds):  # A B A B
+            opts.log(f"B4: import + construction, round {round_index + 1}/{rounds}")
+            prepared.append(_until_built([sys.executable, "-c", PREPARE_SCRIPT, spec], env))
+            if trl:
+                try:
+                    constructed.append(trl_construct(peer))
+                except PeerError as error:
+                    result.notes.append(str(error))
+                    trl = False
+
+    def split(messages: list[dict]) -> dict[str, float]:
+        return {"import": statistics.median(m["import_seconds"] for m in messages),
+                "construct": statistics.median(m["construct_seconds"] for m in messages)}
+
+    result.rows.append(Row("hasten import+prepare", "hasten", "s", [m["wall"] for m in prepared],
+                           extra=split(prepared)))
+    if constructed and len(constructed) == rounds:
+        result.rows.append(Row("trl import+GRPOTrainer", "peer", "s", [m["wall"] for m in constructed],
+                               baseline="hasten import+prepare", extra=split(constructed)))
+    elif "trl" not in opts.peers:
+        result.notes.append("trl not measured: the `trl` package does not import here (pip install 'hasten[bench]')")
+    result.notes.append("launch -> step 1 stops the run once step 1's metrics line is written (no checkpoint); "
+                        "import+construction: wall from launch to the built object; both load the same weights")
+    return result

@@ -1,0 +1,318 @@
+"""The peers `hasten bench` measures hasten against, each at its documented best on a CPU.
+
+- TRL's GRPOTrainer (B1 one GRPO step, B4 import + construction). It runs
+  in its own process, one per setting (`python -m hasten.bench.peers trl`),
+  so it pays its own imports and keeps glibc's default allocator:
+  hasten's speed.keep_freed_memory is process-wide and would otherwise speed
+  TRL up as well. The process is gated: at the start of every optimizer step
+  (a TrainerCallback's on_step_begin) it reports "ready" and waits for "go"
+  on stdin, so the parent alternates hasten and TRL steps A B A B and never
+  runs two at once. A TRL step is timed from on_step_begin to on_step_end:
+  generation, rewards, forward/backward, clipping and the optimizer, the same
+  span as hasten's time/step (fetching the 4 prompt rows happens just before
+  on_step_begin and is not timed on either side).
+- transformers' `generate` (B2): sampling, left padding,
+  num_return_sequences, min_new_tokens = max_new_tokens so EOS never ends a row.
+- vLLM (B2) when `vllm` imports: `LLM.generate` with ignore_eos. Not
+  installed on the machines this was written on, so that path is untested.
+
+Messages from a worker are JSON lines on stdout after PREFIX; anything else
+a library prints there is ignored, and stderr goes to a log file shown when
+the worker fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PREFIX = "@@hasten-bench "
+
+
+class PeerError(RuntimeError):
+    """A peer failed to build or run; the bench notes it and goes on."""
+
+
+def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any]:
+    """GRPOConfig keyword arguments equal to hasten's config `cfg` (see configs/b1.yaml)."""
+    samples = cfg.train.prompts_per_step * cfg.generation.num_generations  # 4 x 8 = 32
+    return {
+        # One optimizer step = one generation batch = all samples in one pass, as hasten does.
+        "per_device_train_batch_size": samples // cfg.train.gradient_accumulation_steps,
+        "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+        "generation_batch_size": samples,
+        "num_generations": cfg.generation.num_generations,
+        "max_completion_length": cfg.generation.max_new_tokens,
+        "temperature": cfg.generation.temperature,
+        "top_p": cfg.generation.top_p,
+        "top_k": cfg.generation.top_k,
+        "loss_type": cfg.algo.loss,
+        "scale_rewards": cfg.algo.scale_rewards,
+        "epsilon": cfg.algo.epsilon,
+        "epsilon_high": cfg.algo.epsilon_high,
+        "beta": cfg.algo.beta,
+        "num_iterations": cfg.algo.num_iterations,
+        "learning_rate": cfg.train.lr,
+        "lr_scheduler_type": "constant" if cfg.train.lr_schedule == "constant" else "cosine",
+        "warmup_steps": cfg.train.warmup_steps,
+        "adam_beta1": cfg.train.adam_beta1,
+        "adam_beta2": cfg.train.adam_beta2,
+        "weight_decay": cfg.train.weight_decay,
+        "max_grad_norm": cfg.train.max_grad_norm,
+        "seed": cfg.train.seed,
+        "max_steps": steps,
+        "shuffle_dataset": False,  # the parent hands over hasten's prompts, in hasten's order
+        "use_cpu": True,
+        "bf16": False,  # fp32, as hasten: bf16 matmul is slower on CPUs without AMX
+        "gradient_checkpointing": gradient_checkpointing,
+        "model_init_kwargs": {"dtype": cfg.model.dtype},
+        "report_to": "none",
+        "logging_strategy": "no",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+
+
+def reward_spec(rewards) -> list[list[Any]]:
+    """hasten's reward functions as [name, "module:function", weight] for the TRL process."""
+    spec = []
+    for reward in rewards:
+        module, qualname = getattr(reward.fn, "__module__", None), getattr(reward.fn, "__qualname__", "")
+        if not module or "<" in qualname or "." in qualname:
+            raise PeerError(f"reward '{reward.name}' is not a module-level function; TRL's process cannot import it")
+        spec.append([reward.name, f"{module}:{qualname}", reward.weight])
+    return spec
+
+
+def peer_env() -> dict[str, str]:
+    """The environment of peer processes: offline (no hub lookups on the clock), hasten importable."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class TrlProcess:
+    """The parent's handle on one gated TRL worker: start it, then `step()` once per round."""
+
+    def __init__(self, label: str, spec: dict[str, Any]):
+        self.label = label
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.launched = time.perf_counter()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "hasten.bench.peers", "trl"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=peer_env(),
+        )
+        self._send(json.dumps(spec))
+        self.built = self.expect("built")  # import and construction seconds, measured inside
+        self.built["wall"] = time.perf_counter() - self.launched
+        self.expect("ready")
+
+    def _send(self, line: str) -> None:
+        try:
+            self.process.stdin.write(line + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._failure("stopped accepting input") from None
+
+    def _failure(self, what: str) -> PeerError:
+        self.log.seek(0)
+        tail = [line for line in self.log.read().splitlines() if line.strip()][-3:]
+        return PeerError(f"{self.label} {what}: {' | '.join(tail) or 'no error output'}")
+
+    def expect(self, *events: str) -> dict[str, Any]:
+        """Read worker messages until one of `events` arrives."""
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                self.process.wait()
+                raise self._failure(f"exited (code {self.process.returncode})")
+            if line.startswith(PREFIX):
+                message = json.loads(line[len(PREFIX):])
+                if message["event"] in events:
+                    return message
+
+    def step(self) -> dict[str, Any]:
+        """Run one optimizer step; return once the worker is idle again (waiting, or exited)."""
+        self._send("go")
+        message = self.expect("step")
+        if self.expect("ready", "done")["event"] == "done":
+            self.process.wait()
+        return message
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self._send("stop")
+            except PeerError:
+                pass
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def trl_construct(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start a TRL process that only imports and builds its trainer; wall seconds and its own split."""
+    worker = TrlProcess("trl (construct)", {**spec, "construct_only": True})
+    try:
+        return worker.built
+    finally:
+        worker.close()
+
+
+# ------------------------------------------------------------------ the worker side
+
+
+def _emit(message: dict[str, Any]) -> None:
+    sys.stdout.write(PREFIX + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+class RewardLog:
+    """hasten's reward functions wrapped for TRL, remembering what the current step scored."""
+
+    def __init__(self, spec: list[list[Any]]):
+        self.weights = {name: weight for name, _, weight in spec}
+        self.functions = [self._wrap(name, target) for name, target, _ in spec]
+        self.scores: dict[str, list] = {}
+        self.completion_tokens = 0
+
+    def _wrap(self, name: str, target: str):
+        module, _, attribute = target.partition(":")
+        function = getattr(importlib.import_module(module), attribute)
+
+        def reward(prompts, completions, **kwargs):
+            scores = function(prompts, completions, **kwargs)
+            self.scores[name] = list(scores)
+            self.completion_tokens = sum(len(ids) for ids in kwargs.get("completion_ids") or [])
+            return scores
+
+        reward.__name__ = name  # TRL names its reward columns after the function
+        return reward
+
+    def take(self) -> dict[str, Any]:
+        """Mean weighted reward of the step (None scores skipped, as TRL's nansum does) and token count."""
+        columns = [[(self.weights[name] * s if s is not None else 0.0) for s in values]
+                   for name, values in self.scores.items()]
+        totals = [sum(column) for column in zip(*columns)] if columns else []
+        out = {"reward_mean": sum(totals) / len(totals) if totals else float("nan"),
+               "completion_tokens": self.completion_tokens, "num_samples": len(totals)}
+        self.scores, self.completion_tokens = {}, 0
+        return out
+
+
+def _trl_worker() -> None:
+    spec = json.loads(sys.stdin.readline())
+    started = time.perf_counter()
+    import torch  # noqa: F401  (counted in the import time, as TRL users pay it)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    imported = time.perf_counter()
+    rewards = RewardLog(spec["rewards"])
+
+    class Gate(TrainerCallback):
+        """Wait for the parent before each optimizer step; report each step's seconds."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            _emit({"event": "ready", "step": state.global_step + 1})
+            if sys.stdin.readline().strip() != "go":
+                os._exit(0)  # the parent is done with this worker
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.started
+            _emit({"event": "step", "step": state.global_step, "seconds": seconds, **rewards.take()})
+
+    output_dir = tempfile.mkdtemp(prefix="hasten-bench-trl-")
+    try:
+        config = GRPOConfig(output_dir=output_dir, **spec["config"])
+        trainer = GRPOTrainer(
+            model=spec["model_dir"], reward_funcs=rewards.functions, args=config,
+            train_dataset=Dataset.from_list(spec["rows"]), callbacks=[Gate()],
+        )
+        built = time.perf_counter()
+        _emit({"event": "built", "import_seconds": imported - started, "construct_seconds": built - imported})
+        if spec.get("construct_only"):
+            _emit({"event": "ready", "step": 0})
+            sys.stdin.readline()
+            return
+        trainer.train()
+        _emit({"event": "done"})
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ B2 generation peers
+
+
+def hf_generate(model, prompts: list[list[int]], num_generations: int, sampling, seed: int,
+                pad_token_id: int) -> int:
+    """transformers' sampling `generate` on left-padded prompts; returns the tokens generated.
+
+    num_return_sequences repeats each prompt before the prefill, which is how
+    `generate` serves a group; min_new_tokens masks EOS so every row runs to
+    max_new_tokens, like hasten's engines given no EOS id.
+    """
+    import torch
+
+    from ..rollout import left_pad
+
+    ids, mask = left_pad(prompts, pad_token_id)  # (B, P)
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k, num_return_sequences=num_generations,
+                max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens,
+                pad_token_id=pad_token_id,
+            )  # (B*G, P + max_new_tokens)
+    finally:
+        model.train(was_training)
+    return out.shape[0] * (out.shape[1] - ids.shape[1])
+
+
+class VllmGenerate:
+    """vLLM's offline LLM on the same weights; EOS ignored. Built only when `vllm` imports."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        from vllm import LLM
+
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=0)
+
+    def __call__(self, prompts: list[list[int]], num_generations: int, sampling, seed: int) -> int:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=num_generations, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+            min_tokens=sampling.max_new_tokens, ignore_eos=True, seed=seed,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return sum(len(completion.token_ids) for output in outputs for completion in output.outputs)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["trl"]:
+        sys.exit("usage: python -m hasten.bench.peers trl   (started by `hasten bench`, spec on stdin)")
+    _trl_worker()

@@ -1,0 +1,265 @@
+"""Records and output of `hasten bench`: measured rows, ratios, MFU, the table and the JSON line.
+
+A `Row` is one engine or peer on one workload: its wall-clock seconds per
+measured run, in the order they were taken. Rows of one workload are measured
+in alternation (round r of every row runs before round r+1 of any), so a peer
+row and the hasten row it is compared with form pairs by index, and a ratio
+is the median over pairs of peer seconds / hasten seconds: above 1 means
+hasten is faster. Pairs, not medians of each side, because the machine is
+shared and its speed drifts; a pair saw the same drift.
+
+MFU (model FLOPs utilisation) is the model FLOPs a run needed divided by its
+seconds and by the matmul peak measured in the same process. Model FLOPs
+count the work a workload needs, not what an engine chooses to do (a peer
+that prefills a prompt once per sample gets no credit for the repeats):
+- N_body = every weight applied at every position, i.e. all parameters but
+  the input embedding (a lookup) and the LM head; N_head = the LM head's
+  weight (tied to the embedding in SmolLM2, counted once, where applied).
+  SmolLM2-135M: N_body = 106.2M, N_head = 28.3M.
+- generation: 2 N_body per prompt token, prefilled once per prompt, plus
+  2 (N_body + N_head) per generated token;
+- learning (forward + backward): 6 N_body per prompt token, once per group,
+  plus 6 (N_body + N_head) per completion token;
+- a GRPO step (B1) = generation + learning. Attention scores (~4% at these
+  lengths), norms, sampling and the optimizer are left out.
+
+Output: a table for people, then exactly one JSON line, last, for tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Row:
+    """One engine or peer on one workload."""
+
+    name: str
+    side: str  # "hasten" | "peer"
+    unit: str  # "s/step", "s" (lower is better) or "tok/s" (work / seconds, higher is better)
+    seconds: list[float]  # one per measured run, in round order
+    work: list[float] | None = None  # tokens per run, for tok/s
+    flops: list[float] | None = None  # model FLOPs per run, for MFU
+    baseline: str | None = None  # peer rows: the hasten row they are compared with (None = the first)
+    extra: dict[str, Any] = field(default_factory=dict)  # split times, reward, first step, ...
+
+    def values(self) -> list[float]:
+        """The numbers shown, in `unit`: seconds, or tokens per second."""
+        if self.unit == "tok/s":
+            assert self.work is not None
+            return [work / seconds for work, seconds in zip(self.work, self.seconds)]
+        return list(self.seconds)
+
+
+@dataclass
+class Result:
+    """One workload: its rows, the exact settings both sides used, and notes."""
+
+    workload: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def hasten_rows(self) -> list[Row]:
+        return [row for row in self.rows if row.side == "hasten"]
+
+    def peer_rows(self) -> list[Row]:
+        return [row for row in self.rows if row.side == "peer"]
+
+    def baseline_of(self, peer: Row) -> Row | None:
+        candidates = self.hasten_rows()
+        if peer.baseline is not None:
+            candidates = [row for row in candidates if row.name == peer.baseline]
+        return candidates[0] if candidates else None
+
+
+# ------------------------------------------------------------------ model FLOPs and the matmul peak
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    body: int  # parameters applied at every position
+    head: int  # LM head parameters, applied where logits are needed
+
+
+def model_size(model) -> ModelSize:
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters() if p is not embedding and p is not head)
+    return ModelSize(body, head.numel())
+
+
+def generation_flops(size: ModelSize, prompt_tokens: float, generated_tokens: float) -> float:
+    return 2 * size.body * (prompt_tokens + generated_tokens) + 2 * size.head * generated_tokens
+
+
+def learning_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) -> float:
+    return 6 * size.body * (prompt_tokens + completion_tokens) + 6 * size.head * completion_tokens
+
+
+def matmul_peak(size: int, repeats: int) -> float:
+    """Best fp32 (size x size) @ (size x size) rate on all torch threads, in GFLOP/s."""
+    import torch
+
+    left, right = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(left, right, out=out)  # warm-up: thread pool, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(left, right, out=out)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e9
+
+
+def pair_ratio(peer: Row, hasten: Row) -> float | None:
+    """Median over rounds of peer seconds / hasten seconds (> 1: hasten is faster)."""
+    pairs = [p / h for p, h in zip(peer.seconds, hasten.seconds) if h > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+def mfu(row: Row, peak_gflops: float) -> float | None:
+    """Median over runs of (model FLOPs / seconds) / peak."""
+    if not row.flops or peak_gflops <= 0:
+        return None
+    rates = [flops / seconds for flops, seconds in zip(row.flops, row.seconds) if seconds > 0]
+    return statistics.median(rates) / (peak_gflops * 1e9) if rates else None
+
+
+# ------------------------------------------------------------------ the table
+
+
+def _number(value: float | None, width: int = 9) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-".rjust(width)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}".rjust(width)
+    if abs(value) >= 100:
+        return f"{value:.1f}".rjust(width)
+    return f"{value:.3g}".rjust(width) if abs(value) < 1 else f"{value:.2f}".rjust(width)
+
+
+def _extra_text(extra: dict[str, Any]) -> str:
+    parts = []
+    for key, value in extra.items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.3g}")
+        elif isinstance(value, (int, str, bool)):
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def format_table(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
+    """The human-readable report: one table over all workloads, then settings and notes."""
+    lines = [
+        "hasten bench  " + "  ".join(f"{key}={value}" for key, value in header.items()),
+        f"matmul peak: {peak_gflops:.1f} GFLOP/s (fp32, all threads, best of several; the MFU denominator)",
+        "ratio = median over A B pairs of peer seconds / hasten seconds (> 1: hasten faster)",
+        "",
+        f"{'workload':<8} {'engine/peer':<34} {'median':>9} {'min':>9} {'max':>9} {'unit':<7} "
+        f"{'ratio':>7} {'vs':<22} {'MFU':>6}  notes",
+    ]
+    for result in results:
+        for row in result.rows:
+            values = row.values()
+            ratio_text, versus = "", ""
+            if row.side == "peer":
+                base = result.baseline_of(row)
+                ratio = pair_ratio(row, base) if base else None
+                ratio_text = f"{ratio:.2f}x" if ratio is not None else "-"
+                versus = base.name if base else "-"
+            utilisation = mfu(row, peak_gflops)
+            lines.append(
+                f"{result.workload:<8} {row.name:<34} {_number(statistics.median(values))} {_number(min(values))} "
+                f"{_number(max(values))} {row.unit:<7} {ratio_text:>7} {versus:<22} "
+                f"{'-' if utilisation is None else f'{100 * utilisation:.1f}%':>6}  {_extra_text(row.extra)}"
+            )
+        if not result.rows:
+            lines.append(f"{result.workload:<8} (no rows: see notes)")
+    lines.append("")
+    for result in results:
+        all_pairs = all_ratios(result)
+        if len(all_pairs) > 1:
+            pairs = ", ".join(f"{key} {value:.2f}x" for key, value in all_pairs.items())
+            lines.append(f"{result.workload} ratios: {pairs}")
+    for result in results:
+        lines.append(f"{result.workload} - {result.title}")
+        for side, settings in result.settings.items():
+            lines.append(f"  settings {side}: {json.dumps(settings, sort_keys=True, default=str)}")
+        for note in result.notes:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def all_ratios(result: Result) -> dict[str, float]:
+    """Each peer row against its named baseline, or else every hasten row: {"peer/hasten": ratio}."""
+    ratios = {}
+    for peer in result.peer_rows():
+        bases = [result.baseline_of(peer)] if peer.baseline else result.hasten_rows()
+        for base in filter(None, bases):
+            ratio = pair_ratio(peer, base)
+            if ratio is not None:
+                ratios[f"{peer.name}/{base.name}"] = ratio
+    return ratios
+
+
+# ------------------------------------------------------------------ the JSON line
+
+
+def _row_json(result: Result, row: Row, peak_gflops: float) -> dict[str, Any]:
+    values = row.values()
+    out: dict[str, Any] = {
+        "name": row.name,
+        "side": row.side,
+        "unit": row.unit,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "seconds": row.seconds,
+        "mfu": mfu(row, peak_gflops),
+    }
+    if row.side == "peer":
+        base = result.baseline_of(row)
+        out["baseline"] = base.name if base else None
+        out["ratio"] = pair_ratio(row, base) if base else None
+    if row.work is not None:
+        out["work"] = row.work
+    out.update(row.extra)
+    return out
+
+
+def to_json(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
+    """One line: every number of the run, keyed by workload."""
+    payload = {
+        **header,
+        "peak_gflops": peak_gflops,
+        "workloads": {
+            result.workload: {
+                "title": result.title,
+                "rows": [_row_json(result, row, peak_gflops) for row in result.rows],
+                "ratios": all_ratios(result),
+                "settings": result.settings,
+                "notes": result.notes,
+            }
+            for result in results
+        },
+    }
+    return json.dumps(_finite(payload), default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become null, so the line is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

@@ -1,0 +1,382 @@
+"""The workloads of `hasten bench` (shared/BENCH.md B1-B4) and hasten's side of each.
+
+B1  one GRPO step with hasten's own prepare / Learner / grpo_step on
+    configs/b1.yaml, alternated step by step with TRL processes (peers.py);
+    median step seconds over steps 2..N (step 1 pays one-off allocation).
+B2  decode: hasten's engines (`hasten_engines`) against transformers'
+    generate (and vLLM when installed), with EOS unable to end a row.
+B3  the learning pass on one fixed B1 rollout: log-probs + loss + backward,
+    no optimizer step (on both sides), with speed.packed_learning on (hasten)
+    and off (the plain padded transformers pass, the peer).
+B4  startup, each in a fresh process: `hasten --help`; launch to the end of
+    step 1 of `hasten train` (B1 config, eval off); hasten import + prepare +
+    Learner against TRL import + GRPOTrainer construction. B4 measures the
+    command line itself, so it lives next to `main` in __init__.py.
+
+Every row carries the model FLOPs of each run for MFU; what counts is
+defined in report.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .report import ModelSize, Result, Row, generation_flops, learning_flops, model_size
+
+CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "b1.yaml"
+# --quick: the tiny model at toy sizes, so tests run every path in seconds.
+QUICK_OVERRIDES = [("model.name", "tiny"), ("train.prompts_per_step", 2),  # 2 prompts x 4 generations = 8 samples
+                   ("generation.num_generations", 4), ("generation.max_new_tokens", 8)]
+
+
+@dataclass
+class BenchOptions:
+    workloads: list[str]
+    peers: list[str]  # among "trl", "hf", "vllm"
+    model: str
+    quick: bool = False
+    repeats: int | None = None  # None: 5 B1 steps (4 quick: 2), 3 rounds elsewhere (quick: 2; B4 1)
+    config: Path = CONFIG_PATH
+    log: Callable[[str], None] = print
+    decode_shape: tuple[int, int, int] = (8, 8, 64)  # B2: 8 prompts x 8 samples x 64 new tokens
+
+    def rounds(self, workload: str) -> int:
+        if self.repeats is not None:
+            return self.repeats
+        if self.quick:
+            return 1 if workload == "B4" else 2
+        return 5 if workload == "B1" else 3
+
+
+# ------------------------------------------------------------------ hasten's side
+
+
+def bench_config(opts: BenchOptions, steps: int):
+    """configs/b1.yaml, with --model and --quick applied; `steps` sets the run length (the schedule)."""
+    from ..config import load_config
+
+    overrides = [("model.name", opts.model)] + (QUICK_OVERRIDES if opts.quick else []) + [("train.steps", steps)]
+    return load_config(opts.config, overrides)
+
+
+class RecordingEngine:
+    """Passes generate() through to an engine and keeps the last rollout (for token counts)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.last = None
+
+    def generate(self, *args, **kwargs):
+        self.last = self.engine.generate(*args, **kwargs)
+        return self.last
+
+
+@dataclass
+class HastenSide:
+    """hasten's B1 setup, built once and shared by B1-B3."""
+
+    cfg: Any
+    session: Any
+    learner: Any
+    size: ModelSize
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, opts: BenchOptions) -> HastenSide:
+        from ..train.learner import Learner
+        from ..train.trainer import prepare
+
+        cfg = bench_config(opts, opts.rounds("B1"))
+        session = prepare(cfg, log=opts.log)
+        return cls(cfg, session, Learner(session.policy, cfg, None), model_size(session.policy.model))
+
+    def prompts(self, count: int) -> tuple[list[dict], list[list[int]]]:
+        """The first `count` rows of B1's prompt stream and their token ids (both sides get these)."""
+        from ..train.episodes import PromptSampler, encode_prompt
+
+        rows = PromptSampler(self.session.task.train_rows, self.cfg.train.seed).next(count)
+        return rows, [encode_prompt(self.session.policy.tokenizer, row["prompt"]) for row in rows]
+
+    def sampling(self, max_new_tokens: int | None = None):
+        from ..rollout import SamplingParams
+
+        generation = self.cfg.generation
+        return SamplingParams(max_new_tokens or generation.max_new_tokens, generation.temperature,
+                              generation.top_p, generation.top_k)
+
+
+def peer_model_dir(name: str, workdir: Path) -> str:
+    """A directory (or hub id) holding the same weights hasten loads for `name`."""
+    from ..models import ALIASES
+
+    key = ALIASES.get(name.lower())
+    if key == "smollm2-135m":
+        from ..models.smollm2 import converted_dir
+
+        return str(converted_dir())
+    if key == "tiny":  # seeded random weights: saving a fresh copy gives hasten's exact model
+        from transformers.utils import logging as hf_logging
+
+        from ..models.tiny import tiny_model, tiny_tokenizer
+
+        hf_logging.disable_progress_bar()
+
+        tokenizer = tiny_tokenizer()
+        tiny_model(len(tokenizer)).save_pretrained(workdir / "tiny")
+        tokenizer.save_pretrained(workdir / "tiny")
+        return str(workdir / "tiny")
+    return name
+
+
+def trl_spec(cfg, rows: list[dict], rewards, model_dir: str, gradient_checkpointing: bool, steps: int) -> dict:
+    from .peers import reward_spec, trl_settings
+
+    return {"model_dir": model_dir, "rows": rows, "rewards": reward_spec(rewards),
+            "config": trl_settings(cfg, gradient_checkpointing, steps)}
+
+
+def hasten_settings(cfg) -> dict[str, Any]:
+    from ..config import to_dict
+
+    settings = to_dict(cfg)
+    return {section: settings[section] for section in ("model", "task", "generation", "algo", "train", "speed")}
+
+
+def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) -> float:
+    return generation_flops(size, prompt_tokens, completion_tokens) + learning_flops(size, prompt_tokens,
+                                                                                    completion_tokens)
+
+
+def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
+    from ..train.episodes import PromptSampler
+    from ..train.trainer import grpo_step
+    from .peers import PeerError, TrlProcess
+
+    cfg, session, steps = side.cfg, side.session, opts.rounds("B1")
+    per_step = cfg.train.prompts_per_step
+    result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
+                          f"max {cfg.generation.max_new_tokens} new tokens, full fine-tune, fp32)")
+    result.settings["hasten"] = hasten_settings(cfg)
+    rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
+    prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
+
+    workers: dict[str, TrlProcess] = {}
+    with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
+        if "trl" in opts.peers:
+            model_dir = peer_model_dir(cfg.model.name, Path(workdir))
+            for checkpointing in (False, True):  # TRL's CPU best, then its default
+                label = f"trl gc={'on' if checkpointing else 'off'}"
+                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps)
+                result.settings[label] = {"model": model_dir, **spec["config"]}
+                opts.log(f"B1: starting {label}")
+                try:
+                    workers[label] = TrlProcess(label, spec)
+                except PeerError as error:
+                    result.notes.append(str(error))
+        records, flops, peer_steps = [], [], {label: [] for label in workers}
+        learner, sampler = side.learner, PromptSampler(session.task.train_rows, cfg.train.seed)
+        recorder = session.engine = RecordingEngine(session.engine)
+        try:
+            for step in range(1, steps + 1):  # A B B, A B B, ...: no two runs overlap
+                opts.log(f"B1: step {step}/{steps}")
+                records.append(grpo_step(session, learner, sampler, step))
+                rollout = recorder.last
+                prompt_count, completion_count = float(rollout.prompt_mask.sum()), float(rollout.completion_mask.sum())
+                flops.append(b1_flops(side.size, prompt_count, completion_count))
+                for label in list(workers):
+                    try:
+                        peer_steps[label].append(workers[label].step())
+                    except PeerError as error:
+                        result.notes.append(str(error))
+                        workers.pop(label).close()
+        finally:
+            session.engine = recorder.engine
+            for worker in workers.values():
+                worker.close()
+
+    measured = slice(1, None) if steps > 1 else slice(None)  # steps 2..N
+    result.rows.append(Row(
+        "hasten", "hasten", "s/step", [r["time/step"] for r in records[measured]], flops=flops[measured],
+        extra={
+            **{part: statistics.median(r[f"time/{part}"] for r in records[measured])
+               for part in ("generate", "reward", "learn")},
+            "first_step": records[0]["time/step"],
+            "reward_mean": statistics.mean(r["reward_mean"] for r in records),
+            "completion_length": statistics.mean(r["completion_length"] for r in records),
+        },
+    ))
+    for label, messages in peer_steps.items():
+        if len(messages) < steps:
+            continue
+        result.rows.append(Row(
+            label, "peer", "s/step", [m["seconds"] for m in messages[measured]],
+            flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"])
+                   for m in messages[measured]],
+            extra={
+                "first_step": messages[0]["seconds"],
+                "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
+                "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
+                                                     for m in messages),
+            },
+        ))
+    result.notes.append(f"steps 1..{steps} run alternately (hasten, then each TRL process); "
+                        f"median over steps {'2' if steps > 1 else '1'}..{steps}; both sides get the same prompt rows; "
+                        "samples differ (different random streams), so completion lengths differ a little")
+    return result
+
+
+# ------------------------------------------------------------------ B2: decode
+
+
+def hasten_engines(policy, notes: list[str] | None = None) -> dict[str, Any]:
+    """hasten's engines for B2, each built so no sampled token ends a row (an empty EOS list).
+
+    Add a faster engine here and it becomes a B2 row. `hasten.rollout.lean`'s
+    LeanEngine is picked up when the module exists and builds.
+    """
+    from ..rollout import KVCacheEngine
+
+    engines: dict[str, Any] = {"kv-cache": KVCacheEngine(policy.model, policy.pad_token_id, [])}
+    try:
+        from ..rollout.lean import LeanEngine
+    except ImportError:
+        return engines
+    try:
+        engines["lean"] = LeanEngine(policy.model, policy.pad_token_id, [])
+    except Exception as error:  # a module still being written must not stop the bench
+        if notes is not None:
+            notes.append(f"LeanEngine did not build: {type(error).__name__}: {error}")
+    return engines
+
+
+def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
+    from .peers import hf_generate, VllmGenerate
+
+    num_prompts, group, new_tokens = (2, 4, 8) if opts.quick else opts.decode_shape
+    policy, rounds = side.session.policy, opts.rounds("B2")
+    _, prompts = side.prompts(num_prompts)
+    sampling = side.sampling(new_tokens)
+    result = Result("B2", f"decode: {num_prompts} prompts x {group} samples x {new_tokens} new tokens, EOS ignored")
+    result.settings["workload"] = {"prompts": num_prompts, "samples_per_prompt": group, "new_tokens": new_tokens,
+                                   "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                   "top_k": sampling.top_k, "prompt_tokens": [len(p) for p in prompts]}
+
+    runners: dict[str, tuple[str, Callable[[Any, int], int]]] = {}
+    for name, engine in hasten_engines(policy, result.notes).items():
+        runners[name] = ("hasten", lambda params, seed, engine=engine:
+                         int(engine.generate(prompts, group, params, seed).completion_mask.sum()))
+    result.settings["hasten"] = {"engines": list(runners), "eos_token_ids": [], "prefill": "once per prompt"}
+    if "hf" in opts.peers:
+        runners["hf generate"] = ("peer", lambda params, seed: hf_generate(
+            policy.model, prompts, group, params, seed, policy.pad_token_id))
+        result.settings["hf generate"] = {
+            "do_sample": True, "num_return_sequences": group, "max_new_tokens": new_tokens,
+            "min_new_tokens": new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "padding": "left", "prefill": "once per sample"}
+    if "vllm" in opts.peers:
+        try:
+            with tempfile.TemporaryDirectory() as workdir:
+                vllm = VllmGenerate(peer_model_dir(side.cfg.model.name, Path(workdir)), side.cfg.model.dtype)
+            runners["vllm"] = ("peer", lambda params, seed: vllm(prompts, group, params, seed))
+        except Exception as error:
+            result.notes.append(f"vllm skipped: {type(error).__name__}: {error}")
+    else:
+        result.notes.append("vllm not measured: the `vllm` package does not import here")
+
+    for name, (_, run) in runners.items():  # warm-up: thread pools, first allocations
+        run(side.sampling(2), 0)
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    tokens: dict[str, list[float]] = {name: [] for name in runners}
+    for round_index in range(rounds):
+        for name, (_, run) in runners.items():
+            opts.log(f"B2: round {round_index + 1}/{rounds} {name}")
+            started = time.perf_counter()
+            tokens[name].append(run(sampling, round_index))
+            seconds[name].append(time.perf_counter() - started)
+    prompt_tokens = sum(len(p) for p in prompts)
+    for name, (role, _) in runners.items():
+        result.rows.append(Row(name, role, "tok/s", seconds[name], work=tokens[name],
+                               flops=[generation_flops(side.size, prompt_tokens, t) for t in tokens[name]]))
+    result.notes.append("seed r for round r on every engine; rounds alternate engines")
+    return result
+
+
+# ------------------------------------------------------------------ B3: learning pass
+
+
+def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
+    """Learner.step without the optimizer: log-probs, loss and backward over the accumulation chunks."""
+    import torch
+
+    from ..algo import LOSSES, LossInputs, LossSettings
+    from ..train.logprobs import completion_logprobs
+    from ..train.packing import packed_logprobs
+
+    cfg, model = side.cfg, side.session.policy.model
+    temperature, mask = cfg.generation.temperature, rollout.completion_mask
+    settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
+    chunks = torch.arange(rollout.num_samples).tensor_split(cfg.train.gradient_accumulation_steps)
+    for rows in chunks:
+        if packed:
+            stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens)
+        else:
+            group = rows // rollout.num_generations  # prompt of each sample
+            stats = completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
+                                        rollout.completion_ids[rows], mask[rows], temperature, with_entropy=True)
+        inputs = LossInputs(
+            logps=stats.logps, old_logps=stats.logps.detach(), ref_logps=None, advantages=advantages[rows],
+            completion_mask=mask[rows], total_tokens=float(mask.sum()), total_sequences=rollout.num_samples,
+            max_completion_length=cfg.generation.max_new_tokens, num_chunks=len(chunks),
+        )
+        loss, _ = LOSSES[cfg.algo.loss](inputs, settings)
+        loss.backward()
+
+
+def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
+    from ..algo import group_advantages
+    from ..rewards import score_rewards
+    from ..train.episodes import reward_inputs
+
+    cfg, session, rounds = side.cfg, side.session, opts.rounds("B3")
+    rows, prompts = side.prompts(cfg.train.prompts_per_step)
+    rollout = session.engine.generate(prompts, cfg.generation.num_generations, side.sampling(), seed=cfg.train.seed)
+    inputs = reward_inputs(session.policy.tokenizer, rows, rollout)
+    scores = score_rewards(session.rewards, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids)
+    advantages = group_advantages(scores.total, cfg.generation.num_generations, cfg.algo.scale_rewards)  # (B*G,)
+    completion_tokens = float(rollout.completion_mask.sum())
+    prompt_tokens = float(rollout.prompt_mask.sum())
+    result = Result("B3", f"learning pass (log-probs + loss + backward, no optimizer step) on one B1 rollout: "
+                          f"{rollout.num_samples} samples, {completion_tokens:.0f} completion tokens")
+    result.settings["workload"] = {"samples": rollout.num_samples, "completion_tokens": completion_tokens,
+                                   "prompt_tokens_per_prompt": rollout.prompt_mask.sum(1).tolist(),
+                                   "completion_width": rollout.completion_ids.shape[1], "loss": cfg.algo.loss,
+                                   "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps}
+    variants = {"packed": ("hasten", True), "padded": ("peer", False)}  # speed.packed_learning true / false
+    result.settings["packed"] = {"speed.packed_learning": True,
+                                 "speed.logit_chunk_tokens": cfg.speed.logit_chunk_tokens,
+                                 "path": "hasten/train/packing.py (one row per group, prompt once)"}
+    result.settings["padded"] = {"speed.packed_learning": False,
+                                 "path": "hasten/train/logprobs.py (plain padded forward, prompt once per sample)"}
+
+    model = session.policy.model
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(-1, rounds):  # round -1 is the warm-up
+        for name, (_, packed) in variants.items():
+            opts.log(f"B3: {'warm-up' if round_index < 0 else f'round {round_index + 1}/{rounds}'} {name}")
+            started = time.perf_counter()
+            learning_pass(side, rollout, advantages, packed)
+            elapsed = time.perf_counter() - started
+            model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
+            if round_index >= 0:
+                seconds[name].append(elapsed)
+    flops = learning_flops(side.size, prompt_tokens, completion_tokens)
+    for name, (role, _) in variants.items():
+        result.rows.append(Row(name, role, "tok/s", seconds[name], work=[completion_tokens] * rounds,
+                               flops=[flops] * rounds))
+    result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
+    return result

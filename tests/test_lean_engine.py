@@ -1,0 +1,138 @@
+"""LeanEngine against KVCacheEngine (the unoptimized path) and a plain forward: same tokens
+for the same seed, log-probs, the masks/EOS contract, weight sync after an optimizer step,
+and the clear refusal of LoRA and non-Llama models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import encode, make_engine
+from hasten.rollout import SamplingParams
+from hasten.rollout.lean import LeanEngine
+from hasten.train.logprobs import completion_logprobs
+
+PROMPTS = ["hello there", "hi", "a much longer prompt, with punctuation!", "x"]
+
+
+def lean_engine(model, tokenizer, **options) -> LeanEngine:
+    return LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], **options)
+
+
+def both(model, tokenizer, sampling, num_generations=4, seed=0, **options):
+    prompts = encode(tokenizer, PROMPTS)
+    expected = make_engine(model, tokenizer).generate(prompts, num_generations, sampling, seed=seed)
+    actual = lean_engine(model, tokenizer, **options).generate(prompts, num_generations, sampling, seed=seed)
+    return expected, actual
+
+
+def assert_same_rollout(expected, actual):
+    assert torch.equal(expected.prompt_ids, actual.prompt_ids)
+    assert torch.equal(expected.prompt_mask, actual.prompt_mask)
+    assert torch.equal(expected.completion_ids, actual.completion_ids)
+    assert torch.equal(expected.completion_mask, actual.completion_mask)
+    assert torch.equal(expected.ended_with_eos, actual.ended_with_eos)
+    assert actual.num_generations == expected.num_generations
+    assert (expected.sampling_logprobs - actual.sampling_logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_same_tokens_as_the_kv_cache_engine(model, tokenizer, temperature):
+    for seed in (0, 1):
+        expected, actual = both(model, tokenizer, SamplingParams(max_new_tokens=16, temperature=temperature), seed=seed)
+        assert_same_rollout(expected, actual)
+
+
+@pytest.mark.parametrize("compact_at", [0.0, 0.5, 2.0])  # compact at every finish, at half, never
+def test_same_tokens_with_early_eos_at_any_compaction(short_model, tokenizer, compact_at):
+    for sampling in (SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9)):
+        expected, actual = both(short_model, tokenizer, sampling, num_generations=6, compact_at=compact_at)
+        assert len(set(actual.completion_lengths.tolist())) > 2, "the EOS-prone model should give varied lengths"
+        assert_same_rollout(expected, actual)
+
+
+def test_logprobs_equal_a_plain_forward(short_model, tokenizer):
+    engine = lean_engine(short_model, tokenizer)
+    for temperature in (1.0, 0.7):
+        rollout = engine.generate(encode(tokenizer, PROMPTS), 4, SamplingParams(12, temperature=temperature), seed=2)
+        group = torch.arange(rollout.num_samples) // rollout.num_generations
+        with torch.no_grad():
+            expected = completion_logprobs(
+                short_model, rollout.prompt_ids[group], rollout.prompt_mask[group],
+                rollout.completion_ids, rollout.completion_mask, temperature,
+            ).logps
+        mask = rollout.completion_mask.bool()
+        assert (expected - rollout.sampling_logprobs)[mask].abs().max() < 1e-4
+        assert rollout.sampling_logprobs[~mask].eq(0).all()
+
+
+def test_eos_ends_a_row_and_masks_the_rest(short_model, tokenizer):
+    rollout = lean_engine(short_model, tokenizer).generate(encode(tokenizer, PROMPTS), 4, SamplingParams(10), seed=0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    lengths = rollout.completion_lengths.tolist()
+    for row, length in enumerate(lengths):
+        ids = rollout.completion_ids[row].tolist()
+        assert rollout.completion_mask[row, :length].all() and not rollout.completion_mask[row, length:].any()
+        assert all(token == pad for token in ids[length:])
+        if rollout.ended_with_eos[row]:
+            assert ids[length - 1] == eos and eos not in ids[: length - 1]
+        else:
+            assert length == 10 and eos not in ids[:length]
+    assert rollout.completion_ids.shape[1] == max(lengths)  # trimmed to the longest row
+
+
+def test_generate_follows_the_weights_after_an_optimizer_step(model, tokenizer):
+    engine = lean_engine(model, tokenizer)
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12)
+    before = engine.generate(prompts, 2, sampling, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ids = torch.tensor([prompts[0] * 3])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # updates every weight in place, the fused ones included
+    after = engine.generate(prompts, 2, sampling, seed=0)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert_same_rollout(make_engine(model, tokenizer).generate(prompts, 2, sampling, seed=0), after)
+
+
+def test_sync_weights_rebuilds_only_after_a_change(model, tokenizer):
+    engine = lean_engine(model, tokenizer)
+    prepared = engine.layers
+    engine.sync_weights()
+    assert engine.layers is prepared  # nothing changed: no copy, no repacking
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(0.5)  # any in-place update bumps the version
+    engine.sync_weights()
+    assert engine.layers is not prepared
+    prepared = engine.layers
+    engine.sync_weights(force=True)
+    assert engine.layers is not prepared
+
+
+def test_same_seed_same_samples_and_other_seed_differs(model, tokenizer):
+    engine, prompts, sampling = lean_engine(model, tokenizer), encode(tokenizer, PROMPTS), SamplingParams(12)
+    first, again = engine.generate(prompts, 3, sampling, seed=7), engine.generate(prompts, 3, sampling, seed=7)
+    other = engine.generate(prompts, 3, sampling, seed=8)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    assert torch.equal(first.sampling_logprobs, again.sampling_logprobs)
+    assert not torch.equal(first.completion_ids, other.completion_ids)
+
+
+def test_lora_model_is_refused_with_a_clear_error(model, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match="plain Llama-family model.*KVCacheEngine"):
+        lean_engine(lora, tokenizer)
+
+
+def test_other_architectures_are_refused(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        lean_engine(gpt2, tokenizer)
+
+
+def test_empty_prompt_is_refused(model, tokenizer):
+    with pytest.raises(ValueError, match="at least one token"):
+        lean_engine(model, tokenizer).generate([[5], []], 2, SamplingParams(4), seed=0)
