@@ -1,6 +1,10 @@
 """LeanEngine against KVCacheEngine (the unoptimized path) and a plain forward: same tokens
 for the same seed, log-probs, the masks/EOS contract, weight sync after an optimizer step,
-and the clear refusal of LoRA and non-Llama models."""
+and the clear refusal of LoRA and non-Llama models.
+
+Token equality is exact here (259-token vocabulary). On SmolLM2 (49152 tokens) an
+occasional sampled row differs: its uniform fell within ~1e-6 of a CDF step between
+two ~1e-7-probability tokens, where float rounding of either forward decides."""
 
 from __future__ import annotations
 
@@ -15,14 +19,14 @@ from hasten.train.logprobs import completion_logprobs
 PROMPTS = ["hello there", "hi", "a much longer prompt, with punctuation!", "x"]
 
 
-def lean_engine(model, tokenizer, **options) -> LeanEngine:
-    return LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], **options)
+def lean_engine(model, tokenizer) -> LeanEngine:
+    return LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
 
 
-def both(model, tokenizer, sampling, num_generations=4, seed=0, **options):
+def both(model, tokenizer, sampling, num_generations=4, seed=0):
     prompts = encode(tokenizer, PROMPTS)
     expected = make_engine(model, tokenizer).generate(prompts, num_generations, sampling, seed=seed)
-    actual = lean_engine(model, tokenizer, **options).generate(prompts, num_generations, sampling, seed=seed)
+    actual = lean_engine(model, tokenizer).generate(prompts, num_generations, sampling, seed=seed)
     return expected, actual
 
 
@@ -43,12 +47,32 @@ def test_same_tokens_as_the_kv_cache_engine(model, tokenizer, temperature):
         assert_same_rollout(expected, actual)
 
 
-@pytest.mark.parametrize("compact_at", [0.0, 0.5, 2.0])  # compact at every finish, at half, never
-def test_same_tokens_with_early_eos_at_any_compaction(short_model, tokenizer, compact_at):
+def test_same_tokens_when_rows_end_early(short_model, tokenizer):
     for sampling in (SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9)):
-        expected, actual = both(short_model, tokenizer, sampling, num_generations=6, compact_at=compact_at)
+        expected, actual = both(short_model, tokenizer, sampling, num_generations=6)
         assert len(set(actual.completion_lengths.tolist())) > 2, "the EOS-prone model should give varied lengths"
         assert_same_rollout(expected, actual)
+
+
+def test_rope_table_is_bitwise_hfs(model, tokenizer):
+    engine = lean_engine(model, tokenizer)
+    cos, signed_sin = engine._rope_table(300, torch.device("cpu"))  # (positions, head_dim)
+    hf_cos, hf_sin = model.model.rotary_emb(torch.zeros(1), torch.arange(300)[None])  # (1, positions, head_dim)
+    half = engine.head_dim // 2
+    assert torch.equal(cos, hf_cos[0])
+    assert torch.equal(signed_sin[:, half:], hf_sin[0, :, half:]) and torch.equal(signed_sin[:, :half], -hf_sin[0, :, :half])
+    theta = model.config.rope_parameters["rope_theta"]  # the buffer is HF's default-rope formula
+    expected = 1.0 / (theta ** (torch.arange(0, engine.head_dim, 2, dtype=torch.float) / engine.head_dim))
+    assert torch.equal(model.model.rotary_emb.inv_freq, expected)
+
+
+def test_plain_matmul_fallback_gives_the_same_rollout(model, tokenizer):
+    engine = lean_engine(model, tokenizer)
+    engine.linear.packed = False  # as where oneDNN is missing, or for bf16 / non-CPU weights
+    engine.sync_weights(force=True)
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12)
+    expected = make_engine(model, tokenizer).generate(prompts, 3, sampling, seed=4)
+    assert_same_rollout(expected, engine.generate(prompts, 3, sampling, seed=4))
 
 
 def test_logprobs_equal_a_plain_forward(short_model, tokenizer):

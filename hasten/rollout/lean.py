@@ -1,28 +1,39 @@
-"""Lean generation engine for Llama-family models: same protocol as KVCacheEngine, less overhead.
+"""Lean generation engine for Llama-family models: KVCacheEngine's protocol, a third of its time.
 
 Token ids in; token ids, per-token sampling log-probs and masks out, with an
-explicit seed. Sampling is sampling.py's, one uniform per row per step drawn
-for every row, so for the same seed the tokens are KVCacheEngine's up to
-float rounding (the forward is a different sequence of kernels).
+explicit seed. Sampling is sampling.py's (one uniform per row per step, drawn
+for every row), so for a seed the tokens are KVCacheEngine's up to float
+rounding: equal on the tiny test model; on SmolLM2 a row can differ where its
+uniform lands within ~1e-6 of a CDF step between two 1e-7-probability tokens.
 
-Why: on 2 CPU cores a transformers decode step of SmolLM2-135M at 64 rows is
-mostly overhead (DynamicCache's growing `cat`, many thin matmuls, Python in
-every module), not FLOPs. Choices, each measured on SmolLM2-135M:
-- The forward is written here with plain torch ops over the model's own
-  weight tensors (no module calls except lm_head, so hooks on it still run):
-  RMSNorm as F.rms_norm, RoPE from a cos/sin table built per call from the
-  model's inv_freq (HF's default rope, same arithmetic), SDPA attention with
-  the query heads of a KV group folded into its query axis (no repeated K/V).
-- The KV cache is preallocated, (rows, kv_heads, prompt + new tokens,
-  head_dim) per layer, and written in place: no cat per step.
-- q/k/v and gate/up weights are fused into one matrix each, rebuilt by
-  `sync_weights()` at the start of every generate (the policy changes after
-  each optimizer step).
-- Each prompt is prefilled once (left-padded, positions from the mask) and
-  its K/V broadcast-copied into its num_generations rows.
-- Finished rows keep computing (masked out of the outputs) until a share
-  `compact_at` of the batch has finished; then the batch is compacted.
-- One host sync per step: the count of finished rows.
+Measured on SmolLM2-135M, 2 AMD EPYC cores, fp32, keep_freed_memory on;
+B2 (8 prompts x 8 samples x 64 tokens, EOS ignored): 613 tok/s against 266
+for KVCacheEngine and 173 for transformers' generate (3.5x, median of pairs).
+A decode step at 64 rows takes ~95 ms: matmuls 57 (lm_head 10), attention 21,
+sampling 6.5, the rest ~10. Choices, in order of effect:
+- Matmuls run through oneDNN with packed weights (`Matmul`): 1.9x faster
+  decode steps (117 against 220 ms) than F.linear, whose MKL sgemm reaches
+  only ~140 GFLOP/s on this CPU at these shapes (oneDNN 350-400).
+- q/k/v and gate/up are fused into one matrix each. Packed copies must follow
+  the optimizer, so `sync_weights()` runs at the start of every generate and
+  rebuilds them when a parameter's version counter moved: ~90 ms (2% of a B1
+  generate), 1 ms when nothing changed. They cost one more copy of the weights.
+- The forward is plain torch ops over the model's tensors, no module calls
+  (lm_head runs as its module only when hooks are on it): RMSNorm as
+  F.rms_norm, RoPE from a cos/sin table made from the model's inv_freq with
+  HF's default-rope arithmetic, SDPA for the prefill.
+- Each prompt is prefilled once; its K/V stay in one copy per prompt, and a
+  decode step attends to them through a (prompt, sample) grid (`GroupCache`),
+  so the prompt part is read once per group: attention is memory-bound, 29 ->
+  20 ms a step. Each row's own K/V is preallocated and written in place (no
+  cat per step); plain matmuls beat SDPA's CPU kernel at one query (1.4x).
+- A row that samples EOS leaves the batch at once: with the prompt K/V shared,
+  compaction copies only the rows' own K/V and beat compacting later or never
+  on B1's generate (4.5 s against 4.8-5.1 s).
+- One host sync per step: "did any row finish?".
+Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
+F.linear it compiled the tiny model in ~100 s with a recompile per new batch
+size), bf16 weights (log-probs would no longer match the fp32 learner).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ class LayerWeights(NamedTuple):
 
 
 def check_supported(model) -> None:
-    """Raise ValueError unless model is a plain LlamaForCausalLM this engine reproduces exactly."""
+    """Raise ValueError unless model is a plain LlamaForCausalLM whose forward this engine reproduces."""
     from transformers import LlamaForCausalLM
 
     if hasattr(model, "peft_config"):
@@ -70,10 +81,11 @@ def check_supported(model) -> None:
 class Matmul:
     """x @ weight.T with the weight prepared once: oneDNN-packed where that works, else plain.
 
-    On this machine (AMD EPYC, 2 cores) F.linear's MKL sgemm reaches 90-150 GFLOP/s at the
-    decode shapes (M = 16..64) and 36-70 for the 49152-wide lm_head; oneDNN with packed
-    weights reaches 250-345 and 150. Packing is a copy (~0.2 s for SmolLM2), so it is redone
-    only when the weights changed. `_linear_pointwise` is internal to torch, hence the probe.
+    On this machine (AMD EPYC, 2 cores, quiet) F.linear's MKL sgemm reaches 120-140
+    GFLOP/s at the decode shapes (M = 32..64, hot weights); oneDNN with packed weights
+    290-400, and 1.3x more than oneDNN on unpacked ones. Packing all of SmolLM2 takes
+    ~90 ms, hence sync_weights' version check. `_linear_pointwise` is internal to torch:
+    the constructor probes it and falls back to F.linear (also for non-fp32 or non-CPU).
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
@@ -87,6 +99,7 @@ class Matmul:
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.detach()
+        # 64: the row count to pack for; measured as good at 8..400 rows (prefill included).
         return torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.packed else weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,16 +114,88 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + swapped * signed_sin
 
 
+class GroupCache:
+    """K/V of each prompt, stored once per group, and of each row's own tokens, preallocated.
+
+    A decode step attends to the prompt's K/V through a (prompt, group) grid, so
+    the prompt part is read once per prompt rather than once per row: on SmolLM2
+    at 8 prompts x 8 rows, 50-token prompts, attention fell from 29 to 20 ms a step
+    (it is memory-bound). After compaction, `rows` maps batch rows into the grid.
+    """
+
+    def __init__(self, engine, prompt_mask, num_generations, steps):
+        self.engine, self.num_generations = engine, num_generations
+        self.num_prompts, self.prompt_width = prompt_mask.shape
+        num_rows = self.num_prompts * num_generations
+        shape = (num_rows, engine.num_kv_heads, max(steps - 1, 1), engine.head_dim)  # the last token is never fed
+        weight = engine.model.model.embed_tokens.weight
+        self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, kv, P, head_dim) each
+        self.own = [(weight.new_empty(shape), weight.new_empty(shape)) for _ in engine.layers]
+        self.length = 0  # own tokens written so far
+        self.rows: torch.Tensor | None = None  # grid index of each batch row; None = all, in order
+        real = prompt_mask.bool()
+        causal = torch.ones((self.prompt_width,) * 2, dtype=torch.bool, device=real.device).tril()
+        eye = torch.eye(self.prompt_width, dtype=torch.bool, device=real.device)
+        # A padding query may attend to itself only, so its row is never empty (no NaN in its K/V).
+        self.prompt_attend = ((causal & real[:, None, :]) | eye)[:, None]  # (B, 1, P, P)
+        self.prompt_bias = torch.zeros(real.shape, dtype=weight.dtype, device=real.device)
+        self.prompt_bias = self.prompt_bias.masked_fill(~real, float("-inf"))[:, None, None]  # (B, 1, 1, P)
+
+    def attend_prompt(self, layer, query, key, value):
+        """Prefill: query (B, heads, P, head_dim), key/value (B, kv, P, head_dim) -> (B, P, heads * head_dim)."""
+        self.prompt.append((key.contiguous(), value.contiguous()))  # read every step: keep it dense
+        attended = F.scaled_dot_product_attention(query, key, value, self.prompt_attend, enable_gqa=True)
+        return attended.transpose(1, 2).flatten(2)
+
+    def attend_step(self, layer, query, key, value):
+        """Decode: query (N, heads, 1, head_dim), key/value (N, kv, 1, head_dim) -> (N, 1, heads * head_dim)."""
+        own_keys, own_values = self.own[layer]
+        own_keys[:, :, self.length] = key[:, :, 0]
+        own_values[:, :, self.length] = value[:, :, 0]
+        own_keys, own_values = own_keys[:, :, : self.length + 1], own_values[:, :, : self.length + 1]
+        prompt_keys, prompt_values = self.prompt[layer]
+        rows, kv_heads, _, head_dim = key.shape
+        prompts, generations, width = self.num_prompts, self.num_generations, self.prompt_width
+        # The heads sharing a KV head become that head's queries, so K/V are never repeated.
+        query = query.reshape(rows, kv_heads, -1, head_dim) * self.engine.scale  # (N, kv, group, head_dim)
+        group = query.shape[2]
+        grid = self._to_grid(query).view(prompts, generations, kv_heads, group, head_dim)
+        grid = grid.transpose(1, 2).reshape(prompts, kv_heads, generations * group, head_dim)
+        prompt_scores = torch.matmul(grid, prompt_keys.transpose(-1, -2)) + self.prompt_bias  # (B, kv, G*group, P)
+        prompt_scores = prompt_scores.view(prompts, kv_heads, generations, group, width).transpose(1, 2)
+        prompt_scores = self._from_grid(prompt_scores.reshape(-1, kv_heads, group, width))  # (N, kv, group, P)
+        own_scores = torch.matmul(query, own_keys.transpose(-1, -2))  # (N, kv, group, length)
+        probs = torch.softmax(torch.cat([prompt_scores, own_scores], dim=-1), dim=-1)
+        prompt_probs = self._to_grid(probs[..., :width]).view(prompts, generations, kv_heads, group, width)
+        prompt_probs = prompt_probs.transpose(1, 2).reshape(prompts, kv_heads, generations * group, width)
+        from_prompt = torch.matmul(prompt_probs, prompt_values).view(prompts, kv_heads, generations, group, head_dim)
+        from_prompt = self._from_grid(from_prompt.transpose(1, 2).reshape(-1, kv_heads, group, head_dim))
+        attended = from_prompt + torch.matmul(probs[..., width:], own_values)  # (N, kv, group, head_dim)
+        return attended.reshape(rows, 1, -1)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Drop finished rows: keep (live_after,) batch indices, ascending."""
+        self.own = [(_take_rows(keys, keep, self.length), _take_rows(values, keep, self.length))
+                    for keys, values in self.own]
+        self.rows = keep if self.rows is None else self.rows[keep]
+
+    def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return x
+        return x.new_zeros((self.num_prompts * self.num_generations,) + x.shape[1:]).index_copy_(0, self.rows, x)
+
+    def _from_grid(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+
 class LeanEngine:
     """Batched sampling from a LlamaForCausalLM through a lean forward and a preallocated cache."""
 
-    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], compact_at: float = 0.5):
+    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int]):
         check_supported(model)
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
-        # compact_at: compact the running batch once this share of it has finished (0 = at every finish).
-        self.compact_at = compact_at
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -132,8 +217,7 @@ class LeanEngine:
         in-place update, the optimizer's included) and storage pointer (a replaced
         tensor). Writes through `param.data` bypass the counter: call with force=True then.
         """
-        parameters = list(self.model.parameters())
-        versions = [(parameter._version, parameter.data_ptr()) for parameter in parameters]
+        versions = [(parameter._version, parameter.data_ptr()) for parameter in self.model.parameters()]
         if versions == self.weight_versions and not force:
             return
         prepare = self.linear.prepare
@@ -162,17 +246,16 @@ class LeanEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
         num_prompts, prompt_width = prompt_ids.shape
         num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens
-        cache_width = prompt_width + steps - 1  # the last sampled token is never fed back
-        device = self.model.model.embed_tokens.weight.device
+        embedding = self.model.model.embed_tokens.weight
+        device = embedding.device
         cos, signed_sin = self._rope_table(prompt_width + steps, device)  # (positions, head_dim)
+        cache = GroupCache(self, prompt_mask.to(device), num_generations, steps)
 
-        logits, caches = self._prefill(prompt_ids.to(device), prompt_mask.to(device), cos, signed_sin,
-                                       num_generations, cache_width)  # (B*G, V)
-        # key_bias: -inf on the cache slots a row must not attend to (its prompt's padding), else 0.
-        dtype = self.model.model.embed_tokens.weight.dtype
-        key_bias = torch.zeros((num_rows, 1, 1, cache_width), dtype=dtype, device=device)
-        padding = prompt_mask.repeat_interleave(num_generations, dim=0).to(device) == 0  # (B*G, P)
-        key_bias[:, 0, 0, :prompt_width].masked_fill_(padding, float("-inf"))
+        # Prefill each prompt once; only the last position's logits are needed.
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0).to(device)  # (B, P)
+        hidden = self._layers(F.embedding(prompt_ids.to(device), embedding),  # (B, P, H)
+                              cos[positions][:, None], signed_sin[positions][:, None], cache.attend_prompt)
+        logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
         tokens = torch.full((num_rows, steps), self.pad_token_id, dtype=torch.long)
@@ -180,7 +263,6 @@ class LeanEngine:
         mask = torch.zeros((num_rows, steps), dtype=torch.long)
         ended = torch.zeros(num_rows, dtype=torch.bool)
         live = torch.arange(num_rows)  # batch row -> output row
-        done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # finished, still in the batch
         generator = torch.Generator().manual_seed(seed)
         eos = self.eos_token_ids.to(device)
 
@@ -188,31 +270,26 @@ class LeanEngine:
             uniforms = torch.rand(num_rows, generator=generator)  # drawn for all rows, see sampling.py
             if len(live) < num_rows:
                 uniforms = uniforms[live]
-            token, token_logprob = sample_tokens(logits, sampling, uniforms.to(device))  # (batch,)
-            finished = torch.isin(token, eos) & ~done
-            tokens[live, step] = token.masked_fill(done, self.pad_token_id).cpu()
-            logprobs[live, step] = token_logprob.masked_fill(done, 0.0).cpu()
-            mask[live, step] = (~done).long().cpu()
-            ended[live] |= finished.cpu()
-            done |= finished
+            token, token_logprob = sample_tokens(logits, sampling, uniforms.to(device))  # (live,)
+            tokens[live, step] = token.cpu()
+            logprobs[live, step] = token_logprob.cpu()
+            mask[live, step] = 1
+            finished = torch.isin(token, eos)
             if step == steps - 1:
+                ended[live] = finished.cpu()
                 break
-            num_done = int(done.sum())  # the one host sync per step
-            if num_done == len(live):
-                break
-            if num_done and num_done >= self.compact_at * len(live):
-                keep = (~done).nonzero().squeeze(-1)  # (live_after,)
-                stop = prompt_width + step
-                caches = [(_take_rows(keys, keep, stop), _take_rows(values, keep, stop)) for keys, values in caches]
-                live, done = live[keep.cpu()], done[keep]
-                key_bias, position, token = key_bias[keep], position[keep], token[keep]
-            slot = prompt_width + step
-            hidden = self._layers(
-                F.embedding(token, self.model.model.embed_tokens.weight)[:, None],  # (batch, 1, H)
-                cos[position][:, None, None], signed_sin[position][:, None, None],  # (batch, 1, 1, head_dim)
-                key_bias[..., : slot + 1], caches, slot,
-            )
-            logits = self._logits(hidden[:, -1])  # (batch, V)
+            if bool(finished.any()):  # the one host sync per step
+                ended[live[finished.cpu()]] = True
+                keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
+                if keep.numel() == 0:
+                    break
+                cache.keep(keep)
+                live, position, token = live[keep.cpu()], position[keep], token[keep]
+            hidden = self._layers(F.embedding(token, embedding)[:, None],  # (live, 1, H)
+                                  cos[position][:, None, None], signed_sin[position][:, None, None],  # (live, 1, 1, D)
+                                  cache.attend_step)
+            cache.length += 1
+            logits = self._logits(hidden[:, -1])  # (live, V)
             position = position + 1
 
         width = int(mask.sum(1).max())  # trim columns no row reached
@@ -226,59 +303,17 @@ class LeanEngine:
             num_generations=num_generations,
         )
 
-    def _prefill(self, prompt_ids, prompt_mask, cos, signed_sin, num_generations, cache_width):
-        """Run the prompts once; return the last position's logits per row and the group-shared cache."""
-        num_prompts, width = prompt_ids.shape
-        dtype, device = self.model.model.embed_tokens.weight.dtype, prompt_ids.device
-        real = prompt_mask.bool()
-        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-        # A padding query may attend to itself only, so its row is never empty (no NaN in its K/V).
-        attend = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)  # (B, P, P)
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        shape = (num_prompts, self.num_kv_heads, width, self.head_dim)
-        prompt_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                         for _ in self.layers]
-        hidden = self._layers(
-            F.embedding(prompt_ids, self.model.model.embed_tokens.weight),  # (B, P, H)
-            cos[positions][:, None], signed_sin[positions][:, None],  # (B, 1, P, head_dim)
-            attend[:, None], prompt_caches, 0,
-        )
-        logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
-        rows = num_prompts * num_generations
-        shape = (rows, self.num_kv_heads, cache_width, self.head_dim)
-        caches = []
-        for prompt_keys, prompt_values in prompt_caches:
-            keys = torch.empty(shape, dtype=dtype, device=device)
-            values = torch.empty(shape, dtype=dtype, device=device)
-            # Broadcast each prompt's K/V into its num_generations rows (no repeated intermediate).
-            keys.view(num_prompts, num_generations, *shape[1:])[..., :width, :] = prompt_keys[:, None]
-            values.view(num_prompts, num_generations, *shape[1:])[..., :width, :] = prompt_values[:, None]
-            caches.append((keys, values))
-        return logits, caches
-
-    def _layers(self, hidden, cos, signed_sin, attend, caches, slot):
-        """The decoder layers on hidden (N, S, H) at cache slots slot..slot+S; returns (N, S, H)."""
+    def _layers(self, hidden, cos, signed_sin, attend):
+        """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache."""
         rows, length, _ = hidden.shape
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        stop = slot + length
-        for weights, (keys, values) in zip(self.layers, caches):
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        for index, weights in enumerate(self.layers):
             normed = F.rms_norm(hidden, weights.input_norm.shape, weights.input_norm, self.eps)
-            qkv = self.linear(normed, weights.qkv).view(rows, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
-            query_key = rotate(qkv[:, : heads + kv_heads], cos, signed_sin)  # (N, heads + kv, S, head_dim)
-            keys[:, :, slot:stop] = query_key[:, heads:]
-            values[:, :, slot:stop] = qkv[:, heads + kv_heads:]
-            query = query_key[:, :heads]  # (N, heads, S, head_dim)
-            if length == 1:
-                # Decode: the heads sharing a KV head become that head's queries, so K/V are never
-                # repeated; plain matmuls beat SDPA's CPU kernel at this shape (1.4x at 120 keys).
-                query = query.reshape(rows, kv_heads, heads // kv_heads, head_dim) * self.scale
-                scores = torch.matmul(query, keys[:, :, :stop].transpose(-1, -2)) + attend  # (N, kv, group, L)
-                attended = torch.matmul(torch.softmax(scores, dim=-1), values[:, :, :stop])  # (N, kv, group, head_dim)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    query, keys[:, :, :stop], values[:, :, :stop], attend, enable_gqa=True
-                ).transpose(1, 2)  # (N, S, heads, head_dim)
-            hidden = hidden + self.linear(attended.reshape(rows, length, heads * head_dim), weights.out)
+            qkv = self.linear(normed, weights.qkv).view(rows, length, heads + 2 * kv_heads, self.head_dim)
+            qkv = qkv.transpose(1, 2)  # (N, heads + 2 * kv, S, head_dim)
+            query_key = rotate(qkv[:, : heads + kv_heads], cos, signed_sin)
+            attended = attend(index, query_key[:, :heads], query_key[:, heads:], qkv[:, heads + kv_heads:])
+            hidden = hidden + self.linear(attended, weights.out)
             normed = F.rms_norm(hidden, weights.post_norm.shape, weights.post_norm, self.eps)
             gate, up = self.linear(normed, weights.gate_up).chunk(2, dim=-1)  # (N, S, I) each
             hidden = hidden + self.linear(F.silu(gate) * up, weights.down)
