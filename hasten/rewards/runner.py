@@ -53,6 +53,8 @@ class RewardFunction:
     name: str  # shown in logs and metrics
     fn: Callable[..., Any]
     weight: float = 1.0
+    slow: bool = False  # may run in the reward worker pool (speed features)
+    deterministic: bool = False  # same inputs -> same score, so results may be cached
 
     @property
     def is_async(self) -> bool:

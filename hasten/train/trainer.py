@@ -15,6 +15,7 @@ invocation leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
                 f"config error: rewards.weights has {len(cfg.rewards.weights)} values for "
                 f"{len(functions)} reward functions ({names})"
             )
-        functions = [RewardFunction(f.name, f.fn, w) for f, w in zip(functions, cfg.rewards.weights)]
+        functions = [dataclasses.replace(f, weight=w) for f, w in zip(functions, cfg.rewards.weights)]
     return functions
 
 
