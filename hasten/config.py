@@ -122,7 +122,8 @@ class SpeedConfig:
     engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py)
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
-    logit_chunk_tokens: int = 1024  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
+    logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
+    fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
 
 
 @dataclass

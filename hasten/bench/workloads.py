@@ -315,6 +315,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
 
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
+    from ..train.fast_linear import onednn_linears
     from ..train.packing import packed_logprobs
 
     cfg, model = side.cfg, side.session.policy.model
@@ -322,8 +323,9 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
     chunks = torch.arange(rollout.num_samples).tensor_split(cfg.train.gradient_accumulation_steps)
     for rows in chunks:
-        if packed:
-            stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens)
+        if packed:  # hasten's learning pass, with its speed flags as configured
+            with onednn_linears(model, cfg.speed.fast_linear):
+                stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens)
         else:
             group = rows // rollout.num_generations  # prompt of each sample
             stats = completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
@@ -359,8 +361,10 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
     variants = {"packed": ("hasten", True), "padded": ("peer", False)}  # speed.packed_learning true / false
     result.settings["packed"] = {"speed.packed_learning": True,
                                  "speed.logit_chunk_tokens": cfg.speed.logit_chunk_tokens,
+                                 "speed.fast_linear": cfg.speed.fast_linear,
                                  "path": "hasten/train/packing.py (one row per group, prompt once)"}
     result.settings["padded"] = {"speed.packed_learning": False,
+                                 "speed.fast_linear": False,
                                  "path": "hasten/train/logprobs.py (plain padded forward, prompt once per sample)"}
 
     model = session.policy.model

@@ -23,6 +23,7 @@ from ..algo import LOSSES, LossInputs, LossSettings
 from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
+from .fast_linear import onednn_linears
 from .logprobs import completion_logprobs
 from .packing import packed_logprobs
 
@@ -59,6 +60,11 @@ class Learner:
         )
 
     def _chunk_logprobs(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
+        # speed.fast_linear: the model's matmuls in oneDNN for this forward and its backward.
+        with onednn_linears(model, self.cfg.speed.fast_linear):
+            return self._chunk_pass(model, rollout, rows, with_entropy)
+
+    def _chunk_pass(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
         if self.cfg.speed.packed_learning:
             return packed_logprobs(model, rollout, rows, self.cfg.generation.temperature, with_entropy,
                                    self.cfg.speed.logit_chunk_tokens)

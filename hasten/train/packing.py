@@ -140,10 +140,12 @@ def packed_logprobs(
     hidden = hidden[packed.source_row.to(device), packed.source_position.to(device)]  # (M, H)
     targets = packed.targets.to(device)
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
+    # One chunk holds everything: nothing to save by recomputing it in backward.
+    recompute = torch.is_grad_enabled() and step < hidden.shape[0]
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         args = (head, hidden[start:start + step], targets[start:start + step], temperature, with_entropy)
-        if chunk_tokens > 0 and torch.is_grad_enabled():
+        if recompute:
             logps, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             logps, entropy = _chunk_logprobs(*args)

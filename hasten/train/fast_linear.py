@@ -1,0 +1,121 @@
+"""oneDNN matmuls for the learning pass (speed.fast_linear).
+
+On this machine (AMD EPYC, AVX-512) torch's fp32 `aten::mm` goes to MKL,
+whose sgemm takes a generic code path on non-Intel CPUs: 140-180 GFLOP/s on
+2 cores at the learning pass's shapes (M ~ 1700 packed tokens, K, N = 576 or
+1536 for SmolLM2). oneDNN, also inside torch, runs the same products at
+330-390 GFLOP/s (forward and input gradient) and 160-270 (weight gradient,
+which needs two transposed copies). A profile of the packed learning pass on
+B1 put 77% of its time in `aten::mm`, so this is the largest lever left there.
+
+`onednn_linears(model)` is a context manager that, for its duration, routes
+every large `nn.Linear` of the model through `OneDNNLinear`, an autograd
+Function that computes forward, input gradient and weight gradient with
+`torch.ops.mkldnn._linear_pointwise` — the same math in fp32, only another
+kernel library, so results match F.linear to float rounding
+(tests/test_fast_linear.py). Frozen weights (LoRA's base) get no weight
+gradient, as with F.linear.
+
+Measured one thread at a time (process CPU time, so other load on the box
+does not count): MKL 84-90 GFLOP/s at the decoder's shapes, oneDNN 180-190
+forward and input gradient, 135-160 weight gradient; at the LM head's shape
+(N = 49k) 71-86 against 120-160.
+
+Left out on purpose:
+- small layers (LoRA's A and B, rank 16): thin matmuls where oneDNN's setup
+  cost dominates;
+- anything not fp32 on the CPU, or a torch build without oneDNN: the context
+  manager then leaves the model untouched (`available()` says which), and
+  the learner logs that choice once.
+`_linear_pointwise` is internal to torch, so `available()` probes it on a
+small product and compares with F.linear before anything relies on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+MIN_FEATURES = 128  # smaller layers stay on F.linear (see above)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN; x (M, K), weight (N, K), both contiguous fp32."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@functools.cache
+def available() -> bool:
+    """True when oneDNN's fp32 linear exists in this torch build and agrees with F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    x, weight = torch.randn(5, 16), torch.randn(8, 16)
+    try:
+        return torch.allclose(_onednn(x, weight), F.linear(x, weight), atol=1e-5)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """y = x @ weight.T + bias with oneDNN kernels in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+        out = _onednn(flat, weight.contiguous())  # (M, N)
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(flat, weight)
+        ctx.has_bias = bias is not None
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        grad_flat = grad.reshape(-1, grad.shape[-1]).contiguous()  # (M, N)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # dx = g @ W: a linear with weight W.T (K, N); the transposed copy is small.
+            grad_x = _onednn(grad_flat, weight.t().contiguous()).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            # dW = g.T @ x (N, K): a linear of g.T (N, M) with "weight" x.T (K, M).
+            grad_weight = _onednn(grad_flat.t().contiguous(), flat.t().contiguous())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_flat.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return OneDNNLinear.apply(x, module.weight, module.bias)
+
+
+def eligible(module: torch.nn.Module) -> bool:
+    return (
+        type(module) is torch.nn.Linear  # not peft's LoRA layers, which wrap their own nn.Linear
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+        and min(module.in_features, module.out_features) >= MIN_FEATURES
+    )
+
+
+@contextlib.contextmanager
+def onednn_linears(model: torch.nn.Module, enabled: bool = True):
+    """Route the model's large fp32 CPU linears through oneDNN while the block runs.
+
+    Yields the number of layers routed (0 when disabled or
+    unavailable). The original forward is restored even if the block raises.
+    """
+    routed: list[torch.nn.Module] = []
+    if enabled and available():
+        for module in model.modules():
+            if eligible(module) and "forward" not in vars(module):
+                module.forward = functools.partial(_forward, module)
+                routed.append(module)
+    try:
+        yield len(routed)
+    finally:
+        for module in routed:
+            del module.forward  # back to nn.Linear.forward

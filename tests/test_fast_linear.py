@@ -1,0 +1,106 @@
+"""speed.fast_linear: oneDNN matmuls give the same outputs, gradients and learner
+updates as F.linear (fp32, float rounding only), and the model is restored."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rollout_of
+from hasten.algo import group_advantages
+from hasten.config import Config
+from hasten.models import Policy
+from hasten.train import fast_linear
+from hasten.train.fast_linear import OneDNNLinear, onednn_linears
+from hasten.train.learner import Learner
+
+pytestmark = pytest.mark.skipif(not fast_linear.available(), reason="torch built without oneDNN's fp32 linear")
+
+
+@pytest.fixture
+def route_small_layers(monkeypatch):
+    """The tiny model's layers are below MIN_FEATURES; route them anyway."""
+    monkeypatch.setattr(fast_linear, "MIN_FEATURES", 1)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_matches_f_linear_forward_and_backward(with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 96, requires_grad=True)  # (batch, tokens, in)
+    weight = torch.randn(80, 96, requires_grad=True)  # (out, in)
+    bias = torch.randn(80, requires_grad=True) if with_bias else None
+    upstream = torch.randn(3, 7, 80)
+
+    def run(function):
+        for tensor in (x, weight, bias):
+            if tensor is not None:
+                tensor.grad = None
+        out = function(x, weight, bias)
+        (out * upstream).sum().backward()
+        grads = [t.grad.clone() for t in (x, weight, bias) if t is not None]
+        return out.detach(), grads
+
+    expected, expected_grads = run(F.linear)
+    actual, actual_grads = run(OneDNNLinear.apply)
+    assert actual.shape == expected.shape == (3, 7, 80)
+    assert torch.allclose(actual, expected, atol=1e-4, rtol=1e-5)
+    for a, b in zip(actual_grads, expected_grads):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_frozen_weight_gets_no_gradient():
+    x = torch.randn(4, 32, requires_grad=True)
+    weight = torch.randn(16, 32)  # frozen, as LoRA's base weights are
+    OneDNNLinear.apply(x, weight, None).sum().backward()
+    assert weight.grad is None
+    assert torch.allclose(x.grad, weight.sum(0).expand(4, 32), atol=1e-5)
+
+
+def test_context_routes_large_linears_and_restores_them(model, route_small_layers):
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with onednn_linears(model) as routed:
+        assert routed == len(linears) > 0
+        assert all("forward" in vars(m) for m in linears)
+    assert not any("forward" in vars(m) for m in linears)
+    with pytest.raises(RuntimeError, match="boom"):
+        with onednn_linears(model):
+            raise RuntimeError("boom")
+    assert not any("forward" in vars(m) for m in linears)
+    with onednn_linears(model, enabled=False) as routed:
+        assert routed == 0
+
+
+def test_small_layers_are_left_alone(model):
+    # The tiny model's widths (64, 128) are all under MIN_FEATURES.
+    assert fast_linear.MIN_FEATURES > 64
+    with onednn_linears(model) as routed:
+        assert routed == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_learner_loss_and_gradients_are_the_same_with_fast_linear(short_model, tokenizer, route_small_layers,
+                                                                  packed):
+    rollout = rollout_of(short_model, tokenizer, num_generations=4)
+    advantages = group_advantages(torch.randn(rollout.num_samples), 4)
+    results = []
+    for fast in (False, True):
+        model = copy.deepcopy(short_model)
+        cfg = Config()
+        cfg.train.lr = 1e-2
+        cfg.speed.packed_learning = packed
+        cfg.speed.fast_linear = fast
+        learner = Learner(Policy(model, tokenizer, "tiny"), cfg)
+        grads = []
+        learner.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
+        metrics = learner.step(rollout, advantages)
+        results.append((metrics, grads))
+    (plain_metrics, plain_grads), (fast_metrics, fast_grads) = results
+    assert plain_metrics["loss"] == pytest.approx(fast_metrics["loss"], abs=1e-5)
+    assert plain_metrics["entropy"] == pytest.approx(fast_metrics["entropy"], rel=1e-5)
+    assert len(plain_grads) == len(fast_grads) > 0
+    for a, b in zip(plain_grads, fast_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
