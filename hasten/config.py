@@ -123,6 +123,7 @@ class SpeedConfig:
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
+    token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
     fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
 
 
@@ -181,6 +182,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("eval.batch_size", lambda v: v > 0, "> 0"),
     ("output.save_every", lambda v: v >= 0, ">= 0"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
+    ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
 ]
 
 

@@ -316,12 +316,14 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
     from ..train.fast_linear import onednn_linears
+    from ..train.microbatch import micro_batches
     from ..train.packing import packed_logprobs
 
     cfg, model = side.cfg, side.session.policy.model
     temperature, mask = cfg.generation.temperature, rollout.completion_mask
     settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
-    chunks = torch.arange(rollout.num_samples).tensor_split(cfg.train.gradient_accumulation_steps)
+    chunks = micro_batches(rollout, cfg.train.gradient_accumulation_steps,
+                           cfg.speed.token_budget if packed else 0, packed)
     for rows in chunks:
         if packed:  # hasten's learning pass, with its speed flags as configured
             with onednn_linears(model, cfg.speed.fast_linear):

@@ -2,8 +2,9 @@
 
 One `step(rollout, advantages)` runs num_iterations (mu) optimizer steps on
 one generation batch. The batch is split into gradient_accumulation_steps
-chunks of whole samples; each chunk's loss is already scaled to its share of
-the batch loss (see algo/losses.py), so gradients simply add up.
+chunks of whole samples, each split again to speed.token_budget tokens when
+that is set (microbatch.py); each chunk's loss is already scaled to its share
+of the batch loss (see algo/losses.py), so gradients simply add up.
 
 No redundant passes:
 - old-policy log-probs are the detached log-probs of the first iteration's
@@ -25,6 +26,7 @@ from ..models import Policy, Reference
 from ..rollout import Rollout
 from .fast_linear import onednn_linears
 from .logprobs import completion_logprobs
+from .microbatch import micro_batches
 from .packing import packed_logprobs
 
 
@@ -83,7 +85,8 @@ class Learner:
         model = self.policy.model
         lr = self.optimizer.param_groups[0]["lr"]  # the lr these updates use
         mask = rollout.completion_mask
-        chunks = torch.arange(rollout.num_samples).tensor_split(self.cfg.train.gradient_accumulation_steps)
+        chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
+                               self.cfg.speed.packed_learning)
         ref_logps = self._reference_logprobs(rollout, chunks) if self.reference is not None else None
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
         metric_sums: dict[str, float] = {}
