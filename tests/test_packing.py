@@ -108,3 +108,47 @@ def test_learner_gradients_are_the_same_with_and_without_packing(short_model, to
     assert len(plain_grads) == len(packed_grads) > 0
     for a, b in zip(plain_grads, packed_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_grouped_attention_equals_plain(short_model, tokenizer, temperature):
+    rollout = rollout_of(short_model, tokenizer, num_generations=4)
+    rows = torch.tensor([0, 1, 2, 3, 5, 6, 9, 10, 11])  # partial groups too
+    mask = rollout.completion_mask[rows].bool()
+    with torch.no_grad():
+        expected = plain(short_model, rollout, rows, temperature, with_entropy=True)
+        grouped = packed_logprobs(short_model, rollout, rows, temperature, True, 0, grouped=True)
+    assert (expected.logps - grouped.logps)[mask].abs().max() < 1e-4
+    assert (expected.entropy - grouped.entropy)[mask].abs().max() < 1e-4
+    assert short_model.config._attn_implementation != "hasten_grouped"  # restored after the pass
+
+
+def test_grouped_attention_gradients_equal_dense(short_model, tokenizer):
+    rollout = rollout_of(short_model, tokenizer, num_generations=4)
+    rows = torch.arange(rollout.num_samples)
+    weights = torch.randn(rollout.completion_ids.shape)
+
+    def gradients(grouped):
+        short_model.zero_grad()
+        logps = packed_logprobs(short_model, rollout, rows, 1.0, False, 0, grouped=grouped).logps
+        (logps * weights * rollout.completion_mask).sum().backward()
+        return [p.grad.clone() for p in short_model.parameters()]
+
+    for a, b in zip(gradients(False), gradients(True)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_grouped_layout_blocks():
+    from hasten.train.grouped_attention import build_layout
+
+    # row 0: prompt of 2, completion 1 of 2 inputs, completion 2 of 1 input; row 1: prompt of 1, one completion
+    segments = torch.tensor([[0, 0, 1, 1, 2], [0, 1, -1, -1, -1]])
+    layout = build_layout(segments)
+    assert layout.prompt_index.tolist() == [[0, 1], [5, 0]]
+    assert layout.prompt_valid.tolist() == [[True, True], [True, False]]
+    assert layout.completion_index.tolist() == [[2, 3], [4, 0], [6, 0]]
+    assert layout.completion_row.tolist() == [0, 0, 1]
+    # completion 2 of row 0: its one query sees both prompt keys and itself, not its padding
+    assert layout.completion_mask[1, 0, 0].tolist() == [True, True, True, False]
+    # the completion of row 1 sees only the one real prompt key
+    assert layout.completion_mask[2, 0, 0].tolist() == [True, False, True, False]

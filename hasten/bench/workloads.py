@@ -327,7 +327,8 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     for rows in chunks:
         if packed:  # hasten's learning pass, with its speed flags as configured
             with onednn_linears(model, cfg.speed.fast_linear):
-                stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens)
+                stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens,
+                                        cfg.speed.grouped_attention)
         else:
             group = rows // rollout.num_generations  # prompt of each sample
             stats = completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
@@ -364,6 +365,7 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
     result.settings["packed"] = {"speed.packed_learning": True,
                                  "speed.logit_chunk_tokens": cfg.speed.logit_chunk_tokens,
                                  "speed.fast_linear": cfg.speed.fast_linear,
+                                 "speed.grouped_attention": cfg.speed.grouped_attention,
                                  "path": "hasten/train/packing.py (one row per group, prompt once)"}
     result.settings["padded"] = {"speed.packed_learning": False,
                                  "speed.fast_linear": False,

@@ -69,7 +69,7 @@ class Learner:
     def _chunk_pass(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
         if self.cfg.speed.packed_learning:
             return packed_logprobs(model, rollout, rows, self.cfg.generation.temperature, with_entropy,
-                                   self.cfg.speed.logit_chunk_tokens)
+                                   self.cfg.speed.logit_chunk_tokens, self.cfg.speed.grouped_attention)
         group = rows // rollout.num_generations  # prompt index of each sample
         return completion_logprobs(
             model,

@@ -28,12 +28,14 @@ Mistral, ...); for anything else set speed.packed_learning=false.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..rollout import Rollout
+from .grouped_attention import build_layout, grouped_attention, supported
 from .logprobs import TokenStats
 
 PAD_SEGMENT = -1
@@ -49,6 +51,7 @@ class PackedBatch:
     targets: torch.Tensor  # (M,) the completion token predicted there
     sample: torch.Tensor  # (M,) chunk-local sample index of each target
     column: torch.Tensor  # (M,) its column in the completion tensors
+    segments: torch.Tensor  # (R, L) 0 = prompt, j > 0 = completion j, -1 = padding
 
 
 def block_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -98,7 +101,7 @@ def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
         position_ids[row, : pos.numel()] = pos
         segment_ids[row, : seg.numel()] = seg
     source = torch.tensor(sources, dtype=torch.long).reshape(-1, 5)  # (M, 5)
-    return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1))
+    return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1), segment_ids)
 
 
 def backbone_and_head(model):
@@ -127,16 +130,27 @@ def packed_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
+    grouped: bool = False,
 ) -> TokenStats:
-    """Same result as logprobs.completion_logprobs on the same samples, from a packed pass."""
+    """Same result as logprobs.completion_logprobs on the same samples, from a packed pass.
+
+    grouped (speed.grouped_attention): attention on the allowed blocks only
+    (grouped_attention.py) instead of the dense kernel under the block mask.
+    """
     packed = pack(rollout, rows)
     backbone, head = backbone_and_head(model)
     device = head.weight.device
-    hidden = backbone(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=packed.attention_mask.to(device),
-        position_ids=packed.position_ids.to(device),
-    ).last_hidden_state  # (R, L, H)
+    extra, attention = {}, contextlib.nullcontext()
+    if grouped and supported(backbone):
+        extra["hasten_layout"] = build_layout(packed.segments).to(device)
+        attention = grouped_attention(backbone)
+    with attention:
+        hidden = backbone(
+            input_ids=packed.input_ids.to(device),
+            attention_mask=packed.attention_mask.to(device),
+            position_ids=packed.position_ids.to(device),
+            **extra,
+        ).last_hidden_state  # (R, L, H)
     hidden = hidden[packed.source_row.to(device), packed.source_position.to(device)]  # (M, H)
     targets = packed.targets.to(device)
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]

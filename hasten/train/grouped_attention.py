@@ -1,0 +1,158 @@
+"""Attention that skips the masked-out blocks of a packed group (speed.grouped_attention).
+
+The packed learning pass (packing.py) lays a group out as one row,
+
+    [prompt][completion 1][completion 2] ... [completion G]
+
+and hands attention a block mask: completion j sees the prompt and itself,
+never another completion. A dense kernel still scores every (query, key)
+pair of the row, L^2 of them, and the mask throws most away. For B1 (a
+~50-token prompt, 8 completions of ~46 tokens, L ~ 420) under a sixth of
+those pairs are allowed, and a profile of the pass put ~20% of its time in
+attention.
+
+Here the same attention is computed on the allowed blocks only:
+- the prompts, one padded batch of R rows: causal self-attention;
+- the completions, one padded batch of C rows: each completion's queries
+  against [its prompt's keys, its own keys (causal)].
+Both are one `scaled_dot_product_attention` call each, per layer; queries,
+keys and values are gathered into those batches and the outputs scattered
+back to the packed positions, all under autograd. Every query sees exactly
+the keys the block mask allows, so the result equals the dense masked
+attention up to float rounding (tests/test_packing.py runs the packed pass
+both ways against the plain padded pass).
+
+How it plugs in: transformers looks attention up by name in
+`AttentionInterface`; `grouped_attention(model, layout)` registers
+"hasten_grouped", switches the model's config to it for the block, and the
+layout travels to each layer as the `hasten_layout` keyword that
+transformers passes through to attention functions. Models that ignore
+AttentionInterface keep the dense masked path (packing.py checks this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NAME = "hasten_grouped"
+
+
+@dataclass
+class GroupedLayout:
+    """Where each block's tokens sit in the packed rows (flat index = row * width + column)."""
+
+    prompt_index: torch.Tensor  # (R, P) flat positions of each row's prompt, padded with 0
+    prompt_valid: torch.Tensor  # (R, P) bool
+    prompt_mask: torch.Tensor  # (R, 1, P, P) bool: causal over the valid prompt keys
+    completion_index: torch.Tensor  # (C, T) flat positions of each completion's input tokens, padded
+    completion_valid: torch.Tensor  # (C, T) bool
+    completion_row: torch.Tensor  # (C,) the packed row (group) of each completion
+    completion_mask: torch.Tensor  # (C, 1, T, P + T) bool: own prompt, then own tokens causally
+
+    def to(self, device) -> GroupedLayout:
+        return GroupedLayout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def build_layout(segments: torch.Tensor) -> GroupedLayout:
+    """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding."""
+    rows, width = segments.shape
+    prompts, completions, completion_rows = [], [], []
+    for row in range(rows):
+        base = row * width
+        prompts.append(base + (segments[row] == 0).nonzero().flatten())
+        for segment in segments[row].unique().tolist():
+            if segment > 0:  # a completion of one token has no input positions, hence no segment
+                completions.append(base + (segments[row] == segment).nonzero().flatten())
+                completion_rows.append(row)
+    prompt_index, prompt_valid = _pad(prompts)  # (R, P)
+    completion_index, completion_valid = _pad(completions)  # (C, T)
+    completion_row = torch.tensor(completion_rows, dtype=torch.long)  # (C,)
+
+    prompt_length, completion_length = prompt_index.shape[1], completion_index.shape[1]
+    causal_prompt = torch.ones(prompt_length, prompt_length, dtype=torch.bool).tril()
+    prompt_mask = causal_prompt & prompt_valid[:, None, :]  # (R, P, P)
+    prompt_mask |= torch.eye(prompt_length, dtype=torch.bool)  # padded queries see themselves: never NaN
+    causal_own = torch.ones(completion_length, completion_length, dtype=torch.bool).tril()
+    own = causal_own & completion_valid[:, None, :]  # (C, T, T)
+    sees_prompt = prompt_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, P)
+    completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, P + T)
+    return GroupedLayout(prompt_index, prompt_valid, prompt_mask[:, None], completion_index, completion_valid,
+                         completion_row, completion_mask[:, None])
+
+
+def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max((p.numel() for p in pieces), default=0) or 1
+    index = torch.zeros(len(pieces), length, dtype=torch.long)
+    valid = torch.zeros(len(pieces), length, dtype=torch.bool)
+    for i, piece in enumerate(pieces):
+        index[i, : piece.numel()] = piece
+        valid[i, : piece.numel()] = True
+    return index, valid
+
+
+def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                              scaling: float | None = None, hasten_layout: GroupedLayout | None = None,
+                              **kwargs):
+    """transformers' attention-function signature; query (B, H, L, D), key/value (B, Hkv, L, D)."""
+    if hasten_layout is None:  # called outside a packed pass: the dense masked kernel
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layout = hasten_layout
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    flat_q = query.transpose(1, 2).reshape(batch * length, heads, dim)  # (B*L, H, D)
+    flat_k = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)  # (B*L, Hkv, D)
+    flat_v = value.transpose(1, 2).reshape(batch * length, kv_heads, dim)
+    gqa = heads != kv_heads
+
+    def gather(flat, index):  # (n, l) positions -> (n, heads, l, D)
+        return flat[index].transpose(1, 2)
+
+    prompt_k, prompt_v = gather(flat_k, layout.prompt_index), gather(flat_v, layout.prompt_index)  # (R, Hkv, P, D)
+    prompt_out = F.scaled_dot_product_attention(
+        gather(flat_q, layout.prompt_index), prompt_k, prompt_v, attn_mask=layout.prompt_mask,
+        scale=scaling, enable_gqa=gqa,
+    )  # (R, H, P, D)
+    out = flat_q.new_zeros(batch * length, heads, dim)  # padding positions stay 0 (never read)
+    out = out.index_put((layout.prompt_index[layout.prompt_valid],),
+                        prompt_out.transpose(1, 2)[layout.prompt_valid])
+    if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs
+        return out.view(batch, length, heads, dim), None
+    own_k = gather(flat_k, layout.completion_index)  # (C, Hkv, T, D)
+    own_v = gather(flat_v, layout.completion_index)
+    completion_out = F.scaled_dot_product_attention(
+        gather(flat_q, layout.completion_index),
+        torch.cat([prompt_k[layout.completion_row], own_k], dim=2),  # (C, Hkv, P + T, D)
+        torch.cat([prompt_v[layout.completion_row], own_v], dim=2),
+        attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
+    )  # (C, H, T, D)
+    out = out.index_put((layout.completion_index[layout.completion_valid],),
+                        completion_out.transpose(1, 2)[layout.completion_valid])
+    return out.view(batch, length, heads, dim), None  # (B, L, H, D), as transformers' sdpa returns
+
+
+def supported(model) -> bool:
+    """True when the model picks attention by name from transformers' AttentionInterface."""
+    config = getattr(model, "config", None)
+    return config is not None and getattr(config, "_attn_implementation", None) in ("sdpa", "eager", NAME)
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """Run the block with the model's attention switched to grouped_attention_forward."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, grouped_attention_forward)
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
