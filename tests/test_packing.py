@@ -152,3 +152,18 @@ def test_grouped_layout_blocks():
     assert layout.completion_mask[1, 0, 0].tolist() == [True, True, True, False]
     # the completion of row 1 sees only the one real prompt key
     assert layout.completion_mask[2, 0, 0].tolist() == [True, False, True, False]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_target_log_softmax_matches_autograd_reference(temperature):
+    from hasten.train.packing import TargetLogSoftmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 3, 10, 3, 5, 1])
+    logps, entropy = TargetLogSoftmax.apply(logits, targets, temperature, True)
+    reference = torch.log_softmax(logits / temperature, dim=-1)
+    assert torch.allclose(logps, reference.gather(-1, targets[:, None]).squeeze(-1))
+    assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1))
+    assert not entropy.requires_grad
+    assert torch.autograd.gradcheck(lambda x: TargetLogSoftmax.apply(x, targets, temperature, False)[0], (logits,))

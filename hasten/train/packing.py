@@ -110,17 +110,49 @@ def backbone_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
+class TargetLogSoftmax(torch.autograd.Function):
+    """log softmax(logits / T)[target] and, optionally, the entropy, in few passes over (chunk, V).
+
+    The plain formulation (logprobs.py) walks the (tokens x vocab) matrix about
+    ten times between forward, entropy and backward (divide, logsumexp, its
+    exp again in backward, gather's zero-filled gradient, ...). Here the
+    softmax is formed once, in place, and kept for backward, where the
+    gradient is one pass: (onehot(target) - softmax) * grad / T. The
+    entropy comes from the same softmax (H = logsumexp - sum p * z) and is
+    not differentiated, as elsewhere.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        scaled = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        if temperature != 1.0:
+            scaled = scaled / temperature  # (chunk, V)
+        peak = scaled.amax(dim=-1, keepdim=True)  # (chunk, 1)
+        probs = (scaled - peak).exp_()  # (chunk, V), unnormalized
+        total = probs.sum(dim=-1, keepdim=True)  # (chunk, 1)
+        probs.div_(total)  # softmax
+        normalizer = (peak + total.log()).squeeze(-1)  # (chunk,) logsumexp
+        logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - normalizer  # (chunk,)
+        entropy = normalizer - torch.einsum("tv,tv->t", probs, scaled) if with_entropy else logps.new_empty(0)
+        ctx.save_for_backward(probs, targets)
+        ctx.temperature = temperature
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        probs, targets = ctx.saved_tensors
+        grad = probs * -grad_logps[:, None]  # (chunk, V)
+        grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor)."""
-    logits = head(hidden).float() / temperature  # (chunk, V)
-    normalizer = torch.logsumexp(logits, dim=-1)  # (chunk,)
-    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer
-    if not with_entropy:
-        return logps, logits.new_empty(0)
-    with torch.no_grad():
-        log_probs = logits - normalizer[:, None]
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logps, entropy
+    return TargetLogSoftmax.apply(head(hidden), targets, temperature, with_entropy)
 
 
 def packed_logprobs(
