@@ -52,3 +52,25 @@ def rollout_of(model, tokenizer, num_generations=4, max_new_tokens=12, temperatu
     engine = make_engine(model, tokenizer)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     return engine.generate(encode(tokenizer), num_generations, sampling, seed=seed)
+
+
+def learner_step(model, tokenizer, rollout, advantages, configure) -> tuple[dict, list[torch.Tensor]]:
+    """One Learner.step on a copy of `model` with a Config that `configure(cfg)` adjusts.
+
+    Returns (metrics, gradients as the optimizer saw them). Equivalence tests
+    compare the accumulated gradient, not the Adam update: Adam divides
+    near-zero gradients by their own size, which amplifies rounding.
+    """
+    import copy
+
+    from hasten.config import Config
+    from hasten.models import Policy
+    from hasten.train.learner import Learner
+
+    cfg = Config()
+    configure(cfg)
+    learner = Learner(Policy(copy.deepcopy(model), tokenizer, "tiny"), cfg)
+    grads: list[torch.Tensor] = []
+    learner.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
+    return learner.step(rollout, advantages), grads

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rollout_of
+from conftest import learner_step, rollout_of
 from hasten.algo import group_advantages
 from hasten.config import Config
 from hasten.models import Policy
@@ -85,19 +85,14 @@ def test_learner_loss_and_gradients_are_the_same_with_fast_linear(short_model, t
                                                                   packed):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     advantages = group_advantages(torch.randn(rollout.num_samples), 4)
-    results = []
-    for fast in (False, True):
-        model = copy.deepcopy(short_model)
-        cfg = Config()
-        cfg.train.lr = 1e-2
-        cfg.speed.packed_learning = packed
-        cfg.speed.fast_linear = fast
-        learner = Learner(Policy(model, tokenizer, "tiny"), cfg)
-        grads = []
-        learner.optimizer.register_step_pre_hook(
-            lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
-        metrics = learner.step(rollout, advantages)
-        results.append((metrics, grads))
+    def configure(fast):
+        def apply(cfg):
+            cfg.train.lr = 1e-2
+            cfg.speed.packed_learning = packed
+            cfg.speed.fast_linear = fast
+        return apply
+
+    results = [learner_step(short_model, tokenizer, rollout, advantages, configure(f)) for f in (False, True)]
     (plain_metrics, plain_grads), (fast_metrics, fast_grads) = results
     assert plain_metrics["loss"] == pytest.approx(fast_metrics["loss"], abs=1e-5)
     assert plain_metrics["entropy"] == pytest.approx(fast_metrics["entropy"], rel=1e-5)

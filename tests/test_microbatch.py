@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import rollout_of
+from conftest import learner_step, rollout_of
 from hasten.algo import group_advantages
 from hasten.config import Config, ConfigError, load_config
 from hasten.models import Policy
@@ -58,19 +58,14 @@ def test_negative_budget_is_a_config_error():
 def test_learner_gradient_is_the_same_with_a_token_budget(short_model, tokenizer, loss, packed):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     advantages = group_advantages(torch.randn(rollout.num_samples), 4)
-    results = []
-    for budget in (0, 25):
-        model = copy.deepcopy(short_model)
-        cfg = Config()
-        cfg.algo.loss = loss
-        cfg.speed.packed_learning = packed
-        cfg.speed.token_budget = budget
-        learner = Learner(Policy(model, tokenizer, "tiny"), cfg)
-        grads = []
-        learner.optimizer.register_step_pre_hook(
-            lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
-        metrics = learner.step(rollout, advantages)
-        results.append((metrics, grads))
+    def configure(budget):
+        def apply(cfg):
+            cfg.algo.loss = loss
+            cfg.speed.packed_learning = packed
+            cfg.speed.token_budget = budget
+        return apply
+
+    results = [learner_step(short_model, tokenizer, rollout, advantages, configure(b)) for b in (0, 25)]
     assert len(micro_batches(rollout, 1, 25, packed)) > 2  # the budget really split the batch
     (whole, whole_grads), (split, split_grads) = results
     assert whole["loss"] == pytest.approx(split["loss"], abs=1e-5)

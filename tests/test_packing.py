@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import rollout_of
+from conftest import learner_step, rollout_of
 from hasten.config import Config
 from hasten.algo import group_advantages
 from hasten.models import Policy
@@ -86,22 +86,15 @@ def test_packed_gradients_equal_plain_on_a_subset(short_model, tokenizer):
 def test_learner_gradients_are_the_same_with_and_without_packing(short_model, tokenizer, loss):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     advantages = group_advantages(torch.randn(rollout.num_samples), 4)
-    results = []
-    for packed in (False, True):
-        model = copy.deepcopy(short_model)
-        cfg = Config()
-        cfg.algo.loss = loss
-        cfg.train.lr = 1e-2
-        cfg.train.gradient_accumulation_steps = 2
-        cfg.speed.packed_learning = packed
-        learner = Learner(Policy(model, tokenizer, "tiny"), cfg)
-        grads = []
-        # Compare the accumulated gradient, not the Adam update: Adam divides
-        # near-zero gradients by their own size, which amplifies rounding.
-        learner.optimizer.register_step_pre_hook(
-            lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
-        metrics = learner.step(rollout, advantages)
-        results.append((metrics, grads))
+    def configure(packed):
+        def apply(cfg):
+            cfg.algo.loss = loss
+            cfg.train.lr = 1e-2
+            cfg.train.gradient_accumulation_steps = 2
+            cfg.speed.packed_learning = packed
+        return apply
+
+    results = [learner_step(short_model, tokenizer, rollout, advantages, configure(p)) for p in (False, True)]
     (plain_metrics, plain_grads), (packed_metrics, packed_grads) = results
     assert plain_metrics["loss"] == pytest.approx(packed_metrics["loss"], abs=1e-5)
     assert plain_metrics["grad_norm"] == pytest.approx(packed_metrics["grad_norm"], rel=1e-4)

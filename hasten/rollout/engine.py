@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample_tokens
+from .decode import DecodeState
 from .types import Rollout, SamplingParams
 
 
@@ -83,33 +83,14 @@ class KVCacheEngine:
         attention = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # (B*G, P)
         next_position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        tokens = torch.full((num_rows, steps), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((num_rows, steps), dtype=torch.float32)
-        mask = torch.zeros((num_rows, steps), dtype=torch.long)
-        ended = torch.zeros(num_rows, dtype=torch.bool)
-        live = torch.arange(num_rows)  # batch row -> output row
-        generator = torch.Generator().manual_seed(seed)
-        eos = self.eos_token_ids.to(device)
-
+        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed)
         for step in range(steps):
-            uniforms = torch.rand(num_rows, generator=generator)[live]  # drawn for all rows, see sampling.py
-            token, token_logprob = sample_tokens(logits, sampling, uniforms.to(device))
-            token_cpu = token.cpu()
-            tokens[live, step] = token_cpu
-            logprobs[live, step] = token_logprob.cpu()
-            mask[live, step] = 1
-            finished = torch.isin(token, eos)
-            if step == steps - 1:
-                ended[live] = finished.cpu()
+            token, keep = state.sample(logits, sampling, step)  # (live,)
+            if state.done:
                 break
-            if bool(finished.any()):  # the one host sync per step
-                ended[live[finished.cpu()]] = True
-                keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
-                if keep.numel() == 0:
-                    break
-                live = live[keep.cpu()]
+            if keep is not None:  # rows finished: drop them from the running batch
                 cache.batch_select_indices(keep)
-                attention, next_position, token = attention[keep], next_position[keep], token[keep]
+                attention, next_position = attention[keep], next_position[keep]
             attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
             out = self.model(
                 input_ids=token[:, None],
@@ -121,13 +102,4 @@ class KVCacheEngine:
             logits = out.logits[:, -1]  # (live, V)
             next_position = next_position + 1
 
-        width = int(mask.sum(1).max())  # trim columns no row reached
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=tokens[:, :width],
-            completion_mask=mask[:, :width],
-            sampling_logprobs=logprobs[:, :width],
-            ended_with_eos=ended,
-            num_generations=num_generations,
-        )
+        return state.rollout(prompt_ids, prompt_mask, num_generations)

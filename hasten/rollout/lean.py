@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import left_pad
-from .sampling import sample_tokens
+from .decode import DecodeState
 from .types import Rollout, SamplingParams
 
 
@@ -258,33 +258,14 @@ class LeanEngine:
         logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        tokens = torch.full((num_rows, steps), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((num_rows, steps), dtype=torch.float32)
-        mask = torch.zeros((num_rows, steps), dtype=torch.long)
-        ended = torch.zeros(num_rows, dtype=torch.bool)
-        live = torch.arange(num_rows)  # batch row -> output row
-        generator = torch.Generator().manual_seed(seed)
-        eos = self.eos_token_ids.to(device)
-
+        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed)
         for step in range(steps):
-            uniforms = torch.rand(num_rows, generator=generator)  # drawn for all rows, see sampling.py
-            if len(live) < num_rows:
-                uniforms = uniforms[live]
-            token, token_logprob = sample_tokens(logits, sampling, uniforms.to(device))  # (live,)
-            tokens[live, step] = token.cpu()
-            logprobs[live, step] = token_logprob.cpu()
-            mask[live, step] = 1
-            finished = torch.isin(token, eos)
-            if step == steps - 1:
-                ended[live] = finished.cpu()
+            token, keep = state.sample(logits, sampling, step)  # (live,)
+            if state.done:
                 break
-            if bool(finished.any()):  # the one host sync per step
-                ended[live[finished.cpu()]] = True
-                keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
-                if keep.numel() == 0:
-                    break
+            if keep is not None:  # rows finished: drop them from the running batch
                 cache.keep(keep)
-                live, position, token = live[keep.cpu()], position[keep], token[keep]
+                position = position[keep]
             hidden = self._layers(F.embedding(token, embedding)[:, None],  # (live, 1, H)
                                   cos[position][:, None, None], signed_sin[position][:, None, None],  # (live, 1, 1, D)
                                   cache.attend_step)
@@ -292,16 +273,7 @@ class LeanEngine:
             logits = self._logits(hidden[:, -1])  # (live, V)
             position = position + 1
 
-        width = int(mask.sum(1).max())  # trim columns no row reached
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=tokens[:, :width],
-            completion_mask=mask[:, :width],
-            sampling_logprobs=logprobs[:, :width],
-            ended_with_eos=ended,
-            num_generations=num_generations,
-        )
+        return state.rollout(prompt_ids, prompt_mask, num_generations)
 
     def _layers(self, hidden, cos, signed_sin, attend):
         """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache."""

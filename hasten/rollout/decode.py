@@ -1,0 +1,83 @@
+"""The bookkeeping both engines' decode loops share: output buffers, seeded
+draws, live rows and the finished-row test.
+
+An engine owns its forward and its cache; `DecodeState` owns everything
+else about a decode loop, so the two engines cannot drift apart in what
+they record or in which random number a row gets:
+
+    state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed)
+    for step in range(steps):
+        token, keep = state.sample(logits, sampling, step)
+        if state.done:
+            break
+        if keep is not None:  # some rows finished: compact the cache to `keep`
+            ...
+        logits = forward(token)
+    return state.rollout(prompt_ids, prompt_mask, num_generations)
+
+One uniform is drawn per row per step for all rows (sampling.py), and a
+finished row's draws are skipped, so compaction never changes which tokens
+a row gets. The only host sync per step is "did any row finish?".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample_tokens
+from .types import Rollout, SamplingParams
+
+
+class DecodeState:
+    def __init__(self, num_rows: int, steps: int, pad_token_id: int, eos_ids: torch.Tensor, seed: int):
+        self.num_rows, self.steps = num_rows, steps
+        self.tokens = torch.full((num_rows, steps), pad_token_id, dtype=torch.long)  # (N, T)
+        self.logprobs = torch.zeros((num_rows, steps), dtype=torch.float32)  # (N, T)
+        self.mask = torch.zeros((num_rows, steps), dtype=torch.long)  # (N, T)
+        self.ended = torch.zeros(num_rows, dtype=torch.bool)  # (N,) sampled an EOS
+        self.live = torch.arange(num_rows)  # batch row -> output row
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eos_ids = eos_ids
+        self.done = False
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingParams, step: int):
+        """Sample the live rows' next tokens from logits (live, V) and record them.
+
+        Returns (token (live,), keep): keep is None when no row finished, else
+        the batch rows that go on (the engine compacts its cache to them).
+        Sets `done` when the loop must stop (last step, or every row ended).
+        """
+        uniforms = torch.rand(self.num_rows, generator=self.generator)  # (N,) drawn for all rows
+        if len(self.live) < self.num_rows:
+            uniforms = uniforms[self.live]
+        token, token_logprob = sample_tokens(logits, sampling, uniforms.to(logits.device))  # (live,)
+        live = self.live
+        self.tokens[live, step] = token.cpu()
+        self.logprobs[live, step] = token_logprob.cpu()
+        self.mask[live, step] = 1
+        finished = torch.isin(token, self.eos_ids)  # (live,)
+        if step == self.steps - 1:
+            self.ended[live] = finished.cpu()
+            self.done = True
+            return token, None
+        if not bool(finished.any()):  # the one host sync per step
+            return token, None
+        self.ended[live[finished.cpu()]] = True
+        keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
+        if keep.numel() == 0:
+            self.done = True
+            return token, None
+        self.live = live[keep.cpu()]
+        return token[keep], keep
+
+    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> Rollout:
+        width = int(self.mask.sum(1).max())  # trim columns no row reached
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=self.tokens[:, :width],
+            completion_mask=self.mask[:, :width],
+            sampling_logprobs=self.logprobs[:, :width],
+            ended_with_eos=self.ended,
+            num_generations=num_generations,
+        )
