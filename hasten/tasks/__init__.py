@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from hasten.config import TaskConfig
-from hasten.tasks import arithmetic, jsonl, unit_conversion
+from hasten.tasks import arithmetic, chess, jsonl, unit_conversion
 from hasten.tasks.base import Task, TaskError, Verdict
 
 # name -> (builder, one-line description for `--help` and listings)
@@ -17,6 +17,8 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
     "arithmetic": (arithmetic.build_arithmetic, arithmetic.DESCRIPTION),
     "unit-conversion": (unit_conversion.build_unit_conversion, unit_conversion.DESCRIPTION),
     "jsonl": (jsonl.build_jsonl, jsonl.DESCRIPTION),
+    "chess-a": (chess.build_chess_a, chess.DESCRIPTION_A),
+    "chess-p": (chess.build_chess_p, chess.DESCRIPTION_P),
 }
 
 

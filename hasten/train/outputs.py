@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hasten.config import Config, save_config
 
@@ -103,16 +103,28 @@ class RunDir:
 
     def save_checkpoint(self, model, tokenizer, step: int | None) -> Path:
         """Save model and tokenizer to `checkpoint_dir(step)`, replacing any earlier save there."""
-        target = self.checkpoint_dir(step)
-        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
-        try:
+
+        def write(directory: Path) -> None:
             if hasattr(model, "peft_config"):
                 # Adapters only. "auto" would look the base model up on the hub to see whether
                 # the vocabulary changed; hasten never trains the embeddings through LoRA.
-                model.save_pretrained(temporary, save_embedding_layers=False)
+                model.save_pretrained(directory, save_embedding_layers=False)
             else:
-                model.save_pretrained(temporary)
-            tokenizer.save_pretrained(temporary)
+                model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+
+        return self.save_files(write, step)
+
+    def save_files(self, write: Callable[[Path], Any], step: int | None) -> Path:
+        """Run `write(directory)` on a fresh temporary directory, then move it to `checkpoint_dir(step)`.
+
+        The atomic replace of every checkpoint; models that are not HF models
+        (the games' policies) save through this too.
+        """
+        target = self.checkpoint_dir(step)
+        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
+        try:
+            write(temporary)
             if target.exists():
                 # Move the old save aside first: a rename onto a non-empty
                 # directory fails, and deleting it first would leave a window
