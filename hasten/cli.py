@@ -115,13 +115,20 @@ def _cmd_train(args, extra) -> int:
 
 def _cmd_eval(args, extra) -> int:
     cfg = _config(args, extra)
-    from .train.evaluate import evaluate
-    from .train.trainer import prepare
+    from .games import GAMES
 
-    session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
-    count = min(cfg.eval.num_examples, len(session.task.eval_rows))
-    metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
-                          cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    if cfg.task.name in GAMES:  # --model is a game run's checkpoint: mean final scores on held-out games
+        from .train.policy_loop import evaluate_checkpoint
+
+        metrics = evaluate_checkpoint(cfg)
+    else:
+        from .train.evaluate import evaluate
+        from .train.trainer import prepare
+
+        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
+        count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+        metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
+                              cfg.eval.max_new_tokens, cfg.eval.batch_size)
     result = {"model": cfg.model.name, "task": cfg.task.name, **metrics}
     if not args.json:
         for key, value in metrics.items():

@@ -191,6 +191,11 @@ def test_train_then_play_through_the_cli(tmp_path, capsys):
     assert set(summary) >= {"random_policy", "eval_before", "eval_after"}
     assert "game:" in (run / "config.yaml").read_text()
 
+    assert main(["eval", "--task", "fruit-catcher", "--model", str(run / "checkpoint"), "--json",
+                 "--game.eval_games=8", "--game.episode_steps=20"]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"score_mean", "score_greedy", "random_score_mean", "caught", "missed"} <= set(evaluated)
+
     strip = tmp_path / "strip.png"
     code = main(["play", "--checkpoint", str(run / "checkpoint"), "--episodes", "2", "--steps", "12",
                  "--every", "4", "--png", str(strip)])

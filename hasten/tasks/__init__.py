@@ -24,7 +24,9 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
 
 def make_task(cfg: TaskConfig) -> Task:
     if cfg.name not in TASKS:
-        raise TaskError(f"config error: task.name must be one of {', '.join(TASKS)} (got {cfg.name!r})")
+        from hasten.games import GAMES  # trained by train/policy_loop.py, but a valid task.name all the same
+
+        raise TaskError(f"config error: task.name must be one of {', '.join([*TASKS, *GAMES])} (got {cfg.name!r})")
     builder, _ = TASKS[cfg.name]
     return builder(cfg)
 

@@ -187,6 +187,22 @@ def run_game_eval(session: GameSession) -> dict[str, float]:
             "seconds": time.perf_counter() - started}
 
 
+def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
+    """`hasten eval --task fruit-catcher --model CHECKPOINT`: the held-out eval, plus a random policy's score.
+
+    The rules come from the checkpoint; game.eval_games, game.episode_steps
+    and task.seed from `cfg`.
+    """
+    from ..games.policy import load_policy_checkpoint
+
+    configure_threads(cfg.train.num_threads)
+    policy, rules = load_policy_checkpoint(cfg.model.name)
+    sampled = evaluate_game(policy, rules, cfg, "sample")
+    return {**sampled, "score_greedy": evaluate_game(policy, rules, cfg, "greedy")["score_mean"],
+            "random_score_mean": evaluate_game(None, rules, cfg, "random")["score_mean"],
+            "num_games": cfg.game.eval_games}
+
+
 def prepare_game(cfg: Config, log: Callable[[str], None] = print) -> GameSession:
     configure_threads(cfg.train.num_threads)
     random.seed(cfg.train.seed)
