@@ -222,3 +222,22 @@ def test_task_defaults_apply_only_where_nothing_was_given():
     assert cfg.train.lr == 3e-3 and cfg.algo.num_iterations == 4
     assert load_config(overrides=[("task.name", "fruit-catcher"), ("train.lr", 5e-4)]).train.lr == 5e-4
     assert load_config().train.lr == 1e-6
+
+
+def test_a_short_run_beats_the_random_policy(tmp_path):
+    """Learning happened: 40 small epochs (~4 s) lift the held-out score well above random play.
+
+    Measured for seeds 0-2 at these sizes: -3.5 -> -1.6 / -2.4 / -2.1 (random policy ~-3.5);
+    the noise of a 128-game mean is ~0.2.
+    """
+    from hasten.train.trainer import train
+
+    cfg = load_config(overrides=[
+        ("task.name", "fruit-catcher"), ("game.num_starts", 8), ("game.games_per_start", 8),
+        ("game.episode_steps", 40), ("game.hidden_size", 64), ("game.eval_games", 128), ("train.steps", 40),
+        ("train.lr", 1e-2), ("eval.every", 0), ("output.dir", str(tmp_path)), ("output.progress", "off"),
+        ("output.plot", False)])
+    summary = train(cfg, log=lambda text: None)
+    after = summary["eval_after"]["score_mean"]
+    assert after > summary["random_policy"]["score_mean"] + 0.7, summary
+    assert after > summary["eval_before"]["score_mean"] + 0.7, summary
