@@ -209,6 +209,7 @@ def test_train_then_play_through_the_cli(tmp_path, capsys):
     (["train", "--task", "fruit-catcher", "--game.games_per_start=1"], "game.games_per_start must be >= 2"),
     (["train", "--task", "fruit-catcher", "--game.spawn_probability=2"], "game.spawn_probability must be in [0, 1]"),
     (["play", "--checkpoint", "/nonexistent"], "no policy.pt at '/nonexistent'"),
+    (["train", "--task", "fruit-catcher", "--algo.beta=0.1"], "algo.beta must be 0 for fruit-catcher"),
 ])
 def test_bad_game_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert main(argv + [f"--output.dir={tmp_path}"] * (argv[0] == "train")) == 2

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ..algo import LOSSES, LossInputs, LossSettings, group_advantages, zero_variance_fraction
-from ..config import Config
+from ..config import Config, ConfigError
 from ..games.fruit_catcher import Draws, Rules, start_states
 from ..games.policy import CatcherPolicy, Episodes, play, save_policy
 from .learner import build_optimizer
@@ -204,6 +204,9 @@ def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
 
 
 def prepare_game(cfg: Config, log: Callable[[str], None] = print) -> GameSession:
+    if cfg.algo.beta > 0:  # say so rather than ignore it: a game run keeps no reference policy
+        raise ConfigError(f"config error: algo.beta must be 0 for {cfg.task.name} (got {cfg.algo.beta}): "
+                          "game policies train without a reference model")
     configure_threads(cfg.train.num_threads)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
