@@ -153,7 +153,11 @@ class RunDir:
             for key in _keys_in_order(steps)
             if key.startswith("rewards/") and not key.endswith("/std")
         }
-        eval_curves = {key: _series(evals, key) for key in ("accuracy", "answer_rate")}
+        eval_keys = ("accuracy", "answer_rate")
+        fractions = any(_series(evals, key)[0] for key in eval_keys)
+        if not fractions:  # games report mean final scores, not fractions
+            eval_keys = ("score_mean", "score_greedy")
+        eval_curves = {key: _series(evals, key) for key in eval_keys}
         has_train = bool(reward[0]) or any(xs for xs, _ in per_function.values())
         has_eval = any(xs for xs, _ in eval_curves.values())
         if not (has_train or has_eval):
@@ -190,11 +194,11 @@ class RunDir:
 
         right.set_title("held-out eval")
         right.set_xlabel("step")
-        right.set_ylabel("fraction")
+        right.set_ylabel("fraction" if fractions else "mean final score")
         for key, (xs, ys) in eval_curves.items():
             if xs:
                 right.plot(xs, ys, marker="o", linewidth=1.5, label=key.replace("_", " "))
-        if has_eval:
+        if has_eval and fractions:
             right.set_ylim(-0.02, 1.02)
         _finish_panel(right, has_eval, "no eval results yet")
 
