@@ -242,3 +242,10 @@ def test_a_short_run_beats_the_random_policy(tmp_path):
     after = summary["eval_after"]["score_mean"]
     assert after > summary["random_policy"]["score_mean"] + 0.7, summary
     assert after > summary["eval_before"]["score_mean"] + 0.7, summary
+
+
+def test_the_preset_spells_out_the_task_defaults():
+    from pathlib import Path
+
+    preset = Path(__file__).resolve().parent.parent / "configs" / "fruit-catcher.yaml"
+    assert load_config(preset) == load_config(overrides=[("task.name", "fruit-catcher")])
