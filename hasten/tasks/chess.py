@@ -33,10 +33,9 @@ import chess
 from hasten.config import TaskConfig
 from hasten.rewards import chess as rewards
 from hasten.rewards.runner import RewardFunction
+from hasten.tasks import TASKS  # the registry holds the descriptions, so listing tasks never loads python-chess
 from hasten.tasks.base import Task, Verdict, chat_prompt, generate_split
 
-DESCRIPTION_A = "chess: apply a UCI move to a FEN, answer the new FEN and flags (FEN validity, Levenshtein)"
-DESCRIPTION_P = "chess: list legal moves and pick the best (mate-in-one / 2-ply material heuristic)"
 MIN_PLIES, MAX_PLIES = 4, 60
 EXAMPLE_SEED = 20240601  # the worked example's position; a different stream from any task.seed draw
 
@@ -117,7 +116,7 @@ def build_chess_a(cfg: TaskConfig) -> Task:
     train_rows, eval_rows = generate_split(sample, cfg.num_train, cfg.num_eval, cfg.seed,
                                            exclude=[example["question"]])
     return Task(
-        name="chess-a", description=DESCRIPTION_A, train_rows=train_rows, eval_rows=eval_rows,
+        name="chess-a", description=TASKS["chess-a"][1], train_rows=train_rows, eval_rows=eval_rows,
         reward_functions=[
             RewardFunction("format", rewards.chess_a_format_reward, weight=0.25, deterministic=True),
             RewardFunction("fen_valid", rewards.fen_valid_reward, weight=0.25, deterministic=True),
@@ -182,7 +181,7 @@ def build_chess_p(cfg: TaskConfig) -> Task:
     train_rows, eval_rows = generate_split(sample, cfg.num_train, cfg.num_eval, cfg.seed,
                                            exclude=[example["question"]])
     return Task(
-        name="chess-p", description=DESCRIPTION_P, train_rows=train_rows, eval_rows=eval_rows,
+        name="chess-p", description=TASKS["chess-p"][1], train_rows=train_rows, eval_rows=eval_rows,
         reward_functions=[
             RewardFunction("format", rewards.chess_p_format_reward, weight=0.25, deterministic=True),
             RewardFunction("legal", rewards.move_legality_reward, weight=0.5, deterministic=True),
