@@ -225,7 +225,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
 # YAML file or override. The game trains a small MLP: lr 1e-6 would never move
 # it; 4 clipped passes per epoch learn ~5x more per epoch than 1 for ~3x the
 # time; one thread, because its ops are small and a second thread's sync cost
-# more than it saved (docs/games.md). Chess completions are a whole FEN (~40
+# more than it saved (docs/games.md). Chess completions are a whole FEN (~55
 # tokens) plus tags, and P rows cost ~25 ms each to label.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "fruit-catcher": {"train.steps": 100, "train.lr": 3e-3, "train.min_lr_ratio": 0.1, "train.num_threads": 1,
