@@ -4,6 +4,7 @@
                  [--steps N] [--section.key=value ...]
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
     hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
+    hasten play  --task fruit-catcher --checkpoint DIR [--episodes N] [--every K] [--png FILE]
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text, epilog=parser.epilog)
         command.add_argument("--config", help="YAML config file (sections as in hasten/config.py)")
         command.add_argument("--model", help="smollm2-135m (default), tiny, a model directory, or a hub id")
-        command.add_argument("--task", help="arithmetic, unit-conversion, or jsonl")
+        command.add_argument("--task", help="arithmetic, unit-conversion, jsonl, chess-a, chess-p, fruit-catcher")
         if name == "train":
             command.add_argument("--reward", action="append", default=[], metavar="FILE.py:FUNCTION",
                                  help="extra reward function (repeatable), TRL signature")
@@ -44,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
     commands.add_parser("bench", help="measure hasten against its peers (BENCH.md workloads)", add_help=False)
+    play = commands.add_parser("play", help="watch a trained game policy play (text frames, optional PNG strip)")
+    play.add_argument("--task", default="fruit-catcher", choices=["fruit-catcher"], help="the game")
+    play.add_argument("--checkpoint", required=True, help="a game run's checkpoint directory (or its policy.pt)")
+    play.add_argument("--episodes", type=int, default=2, help="episodes to play (default 2)")
+    play.add_argument("--steps", type=int, default=100, help="steps per episode (default 100)")
+    play.add_argument("--every", type=int, default=10, help="print a frame every K steps (default 10)")
+    play.add_argument("--mode", default="sample", choices=["sample", "greedy", "random"], help="how actions are chosen")
+    play.add_argument("--seed", type=int, default=0, help="seed of the starts, fruits and sampled actions")
+    play.add_argument("--png", help="also draw the first episode's frames as a PNG strip")
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -94,6 +104,10 @@ def _cmd_train(args, extra) -> int:
     if before and after and "accuracy" in after:
         print(f"held-out accuracy: before {before['accuracy']:.3f} -> after {after['accuracy']:.3f}"
               f"  (answer rate {before['answer_rate']:.3f} -> {after['answer_rate']:.3f})")
+    if before and after and "score_mean" in after:
+        print(f"held-out mean final score: random policy {summary['random_policy']['score_mean']:+.2f}, "
+              f"before {before['score_mean']:+.2f} -> after {after['score_mean']:+.2f} "
+              f"(greedy {after['score_greedy']:+.2f})")
     print(f"run directory: {summary['run_dir']}")
     print(json.dumps(summary))
     return 0
@@ -101,13 +115,20 @@ def _cmd_train(args, extra) -> int:
 
 def _cmd_eval(args, extra) -> int:
     cfg = _config(args, extra)
-    from .train.evaluate import evaluate
-    from .train.trainer import prepare
+    from .games import GAMES
 
-    session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
-    count = min(cfg.eval.num_examples, len(session.task.eval_rows))
-    metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
-                          cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    if cfg.task.name in GAMES:  # --model is a game run's checkpoint: mean final scores on held-out games
+        from .train.policy_loop import evaluate_checkpoint
+
+        metrics = evaluate_checkpoint(cfg)
+    else:
+        from .train.evaluate import evaluate
+        from .train.trainer import prepare
+
+        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
+        count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+        metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
+                              cfg.eval.max_new_tokens, cfg.eval.batch_size)
     result = {"model": cfg.model.name, "task": cfg.task.name, **metrics}
     if not args.json:
         for key, value in metrics.items():
@@ -117,10 +138,24 @@ def _cmd_eval(args, extra) -> int:
 
 
 def _cmd_tasks(args, extra) -> int:
+    from .games import GAMES
     from .tasks import list_tasks
 
-    for name, description in list_tasks():
+    for name, description in list_tasks() + list(GAMES.items()):
         print(f"{name:<18} {description}")
+    return 0
+
+
+def _cmd_play(args, extra) -> int:
+    from .errors import UserError
+
+    for name in ("episodes", "steps", "every"):
+        if getattr(args, name) < 1:
+            raise UserError(f"play error: --{name} must be >= 1 (got {getattr(args, name)})")
+    from .games.play import Showing, show
+
+    result = show(Showing(args.checkpoint, args.episodes, args.steps, args.every, args.mode, args.seed, args.png))
+    print(json.dumps(result))
     return 0
 
 
@@ -135,7 +170,7 @@ def _cmd_models(args, extra) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models": _cmd_models}
+COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models": _cmd_models, "play": _cmd_play}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    if extra and args.command in ("tasks", "models"):
+    if extra and args.command in ("tasks", "models", "play"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from .errors import USER_ERRORS
 

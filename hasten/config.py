@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl
+    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | chess-a | chess-p | fruit-catcher
     path: str | None = None  # jsonl: training file
     eval_path: str | None = None  # jsonl: held-out file (default: last 10% of `path`)
     num_train: int = 2000  # generated tasks: training questions
@@ -129,6 +129,31 @@ class SpeedConfig:
 
 
 @dataclass
+class GameConfig:
+    """fruit-catcher (hasten/games/): the game's rules, the policy MLP and one epoch's rollout.
+
+    The optimizer, schedule, clipping, seed and epochs (train.steps) come from
+    `train:`, the loss and advantage scaling from `algo:`, like any GRPO run.
+    """
+
+    width: int = 20  # grid columns
+    height: int = 15  # grid rows; the sprite lives on the bottom row
+    sprite_width: int = 3  # catches a fruit landing within sprite_width // 2 cells of its centre
+    max_fruits: int = 3  # observation: 1 + 3 * max_fruits floats
+    spawn_gap: int = 5  # a random spawn waits until the top-most active fruit is at y >= spawn_gap
+    spawn_probability: float = 0.5
+    episode_steps: int = 100
+    num_starts: int = 17  # start states per epoch: the GRPO groups
+    games_per_start: int = 32  # G games per start: 17 x 32 = 544 games x 100 steps per epoch
+    shared_draws: bool = True  # a group's G games also share the spawn draws (same fruits; only actions differ)
+    gamma: float = 0.9  # discount of the per-step score changes: ~10-step horizon, a fruit falls 14 rows
+    entropy_coef: float = 0.01  # bonus on the mean policy entropy (keeps exploring)
+    hidden_size: int = 128  # MLP width: obs -> hidden -> residual(LayerNorm, hidden) -> 3 actions
+    compile: bool = False  # torch.compile the policy (falls back, with a logged reason, where unavailable)
+    eval_games: int = 512  # held-out games per evaluation (fixed seed: comparable across epochs)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -139,6 +164,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    game: GameConfig = field(default_factory=GameConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -184,7 +210,33 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("output.save_every", lambda v: v >= 0, ">= 0"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("game.width", lambda v: v >= 3, ">= 3"),
+    ("game.height", lambda v: v >= 2, ">= 2"),
+    ("game.sprite_width", lambda v: v >= 1, ">= 1"),
+    ("game.max_fruits", lambda v: v >= 1, ">= 1"),
+    ("game.spawn_gap", lambda v: v >= 0, ">= 0"),
+    ("game.spawn_probability", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("game.episode_steps", lambda v: v >= 1, ">= 1"),
+    ("game.num_starts", lambda v: v >= 1, ">= 1"),
+    ("game.games_per_start", lambda v: v >= 2, ">= 2 (GRPO compares games within a group)"),
+    ("game.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("game.entropy_coef", lambda v: v >= 0, ">= 0"),
+    ("game.hidden_size", lambda v: v >= 1, ">= 1"),
+    ("game.eval_games", lambda v: v >= 0, ">= 0"),
 ]
+
+# Defaults that differ per task, applied over the code defaults and under any
+# YAML file or override. The game trains a small MLP: lr 1e-6 would never move
+# it; 4 clipped passes per epoch learn ~5x more per epoch than 1 for ~3x the
+# time; one thread, because its ops are small and a second thread's sync cost
+# more than it saved (docs/games.md). Chess completions are a whole FEN (~55
+# tokens) plus tags, and P rows cost ~25 ms each to label.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "fruit-catcher": {"train.steps": 100, "train.lr": 3e-3, "train.min_lr_ratio": 0.1, "train.num_threads": 1,
+                      "algo.num_iterations": 4, "eval.every": 25},
+    "chess-a": {"generation.max_new_tokens": 96, "eval.max_new_tokens": 96},
+    "chess-p": {"generation.max_new_tokens": 48, "eval.max_new_tokens": 48, "task.num_train": 500},
+}
 
 
 # ---------------------------------------------------------------- type checks
@@ -328,6 +380,7 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]]
     import yaml
 
     cfg = Config()
+    pairs: list[tuple[str, Any]] = []  # YAML's, then the overrides: later ones win
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -343,11 +396,20 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]]
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config error: '{section}' in {path} must be a mapping of keys")
-            for key, value in values.items():
-                _set(cfg, f"{section}.{key}", value)
-    for key, value in overrides or []:
+            pairs += [(f"{section}.{key}", value) for key, value in values.items()]
+    pairs += list(overrides or [])
+    for key, value in pairs:
         _set(cfg, key, value)
+    _apply_task_defaults(cfg, pairs)
     return validate(cfg)
+
+
+def _apply_task_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:
+    """Set the task's TASK_DEFAULTS for every key the file and overrides left alone."""
+    given = {key for key, _ in pairs}
+    for key, value in TASK_DEFAULTS.get(cfg.task.name, {}).items():
+        if key not in given:
+            _set(cfg, key, value)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

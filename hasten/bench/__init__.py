@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import UserError
 
-WORKLOADS = ("B1", "B2", "B3", "B4")
+WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B6: the fruit-catcher game (bench/games.py)
 PEERS = ("trl", "hf", "vllm")
 PEER_MODULES = {"trl": "trl", "hf": "transformers", "vllm": "vllm"}
 
@@ -127,6 +127,11 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
         opts.log(f"{workload}: start")
         if workload == "B4":
             results.append(run_b4(opts))
+            continue
+        if workload == "B6":  # no language model: its own module
+            from .games import run_b6
+
+            results.append(run_b6(opts))
             continue
         if side is None:
             side = HastenSide.build(opts)

@@ -6,23 +6,40 @@ line in `TASKS`; the trainer and CLI only ever call `make_task`.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from hasten.config import TaskConfig
 from hasten.tasks import arithmetic, jsonl, unit_conversion
 from hasten.tasks.base import Task, TaskError, Verdict
 
+
+def _lazy(module: str, builder: str) -> Callable[[TaskConfig], Task]:
+    """A builder that imports hasten.tasks.<module> when first called (chess loads python-chess and rapidfuzz)."""
+
+    def build(cfg: TaskConfig) -> Task:
+        return getattr(importlib.import_module(f"hasten.tasks.{module}"), builder)(cfg)
+
+    return build
+
+
 # name -> (builder, one-line description for `--help` and listings)
 TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
     "arithmetic": (arithmetic.build_arithmetic, arithmetic.DESCRIPTION),
     "unit-conversion": (unit_conversion.build_unit_conversion, unit_conversion.DESCRIPTION),
     "jsonl": (jsonl.build_jsonl, jsonl.DESCRIPTION),
+    "chess-a": (_lazy("chess", "build_chess_a"),
+                "chess: apply a UCI move to a FEN, answer the new FEN and flags (FEN validity, Levenshtein)"),
+    "chess-p": (_lazy("chess", "build_chess_p"),
+                "chess: list legal moves and pick the best (mate-in-one / 2-ply material heuristic)"),
 }
 
 
 def make_task(cfg: TaskConfig) -> Task:
     if cfg.name not in TASKS:
-        raise TaskError(f"config error: task.name must be one of {', '.join(TASKS)} (got {cfg.name!r})")
+        from hasten.games import GAMES  # trained by train/policy_loop.py, but a valid task.name all the same
+
+        raise TaskError(f"config error: task.name must be one of {', '.join([*TASKS, *GAMES])} (got {cfg.name!r})")
     builder, _ = TASKS[cfg.name]
     return builder(cfg)
 

@@ -49,6 +49,8 @@ class Task:
     eval_rows: list[dict[str, Any]]
     reward_functions: list[RewardFunction]  # with the task's default weights
     check: Callable[[str, dict[str, Any]], Verdict | None]  # None: no notion of a correct answer
+    # Task-specific held-out metrics: (completion texts, their rows) -> {name: value}, added to eval's.
+    metrics: Callable[[list[str], list[dict[str, Any]]], dict[str, float]] | None = None
 
     @staticmethod
     def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

@@ -2,8 +2,10 @@
 
 Reports accuracy (fraction judged correct), answer rate (fraction with a
 parseable answer) and the mean total reward under the run's reward
-functions, on the first `num_examples` held-out rows. Greedy decoding makes
-the numbers a property of the weights, not of a sampling seed.
+functions, on the first `num_examples` held-out rows, plus whatever the
+task's own `metrics` function adds (chess: format rate, FEN exact match,
+mean similarity). Greedy decoding makes the numbers a property of the
+weights, not of a sampling seed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def evaluate(
     parsed = correct = judged = 0
     reward_total = 0.0
     samples = []
+    texts: list[str] = []  # every completion, for the task's own metrics
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
         rollout = engine.generate([encode_prompt(tokenizer, r["prompt"]) for r in batch], 1, greedy, seed=0)
@@ -42,6 +45,7 @@ def evaluate(
                 reward_functions, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids
             )
             reward_total += float(torch.nan_to_num(scores.total).sum())
+        texts += inputs.texts
         for row, text in zip(batch, inputs.texts):
             verdict = task.check(text, row)
             if verdict is not None:
@@ -56,4 +60,6 @@ def evaluate(
         metrics["answer_rate"] = parsed / judged
     if reward_functions and rows:
         metrics["reward_mean"] = reward_total / len(rows)
+    if task.metrics is not None:
+        metrics.update(task.metrics(texts, rows))
     return metrics, samples

@@ -40,6 +40,26 @@ def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config):
+    """AdamW and its warmup + cosine (or constant) schedule from `train:`; one scheduler step per optimizer step.
+
+    Shared by the language-model Learner and the game loop (train/policy_loop.py).
+    """
+    train = cfg.train
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=train.lr,
+        betas=(train.adam_beta1, train.adam_beta2),
+        weight_decay=train.weight_decay,
+    )
+    total = train.steps * cfg.algo.num_iterations  # optimizer steps in the run
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio),
+    )
+    return optimizer, scheduler
+
+
 class Learner:
     def __init__(self, policy: Policy, cfg: Config, reference: Reference | None = None):
         self.policy = policy
@@ -47,19 +67,8 @@ class Learner:
         self.reference = reference
         self.loss_fn = LOSSES[cfg.algo.loss]
         self.settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
-        train = cfg.train
         self.parameters = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.parameters,
-            lr=train.lr,
-            betas=(train.adam_beta1, train.adam_beta2),
-            weight_decay=train.weight_decay,
-        )
-        total = train.steps * cfg.algo.num_iterations  # optimizer steps in the run
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_factor(s, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio),
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.parameters, cfg)
 
     def _chunk_logprobs(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
         # speed.fast_linear: the model's matmuls in oneDNN for this forward and its backward.

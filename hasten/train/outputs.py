@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hasten.config import Config, save_config
 
@@ -103,16 +103,28 @@ class RunDir:
 
     def save_checkpoint(self, model, tokenizer, step: int | None) -> Path:
         """Save model and tokenizer to `checkpoint_dir(step)`, replacing any earlier save there."""
-        target = self.checkpoint_dir(step)
-        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
-        try:
+
+        def write(directory: Path) -> None:
             if hasattr(model, "peft_config"):
                 # Adapters only. "auto" would look the base model up on the hub to see whether
                 # the vocabulary changed; hasten never trains the embeddings through LoRA.
-                model.save_pretrained(temporary, save_embedding_layers=False)
+                model.save_pretrained(directory, save_embedding_layers=False)
             else:
-                model.save_pretrained(temporary)
-            tokenizer.save_pretrained(temporary)
+                model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+
+        return self.save_files(write, step)
+
+    def save_files(self, write: Callable[[Path], Any], step: int | None) -> Path:
+        """Run `write(directory)` on a fresh temporary directory, then move it to `checkpoint_dir(step)`.
+
+        The atomic replace of every checkpoint; models that are not HF models
+        (the games' policies) save through this too.
+        """
+        target = self.checkpoint_dir(step)
+        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
+        try:
+            write(temporary)
             if target.exists():
                 # Move the old save aside first: a rename onto a non-empty
                 # directory fails, and deleting it first would leave a window
@@ -141,7 +153,11 @@ class RunDir:
             for key in _keys_in_order(steps)
             if key.startswith("rewards/") and not key.endswith("/std")
         }
-        eval_curves = {key: _series(evals, key) for key in ("accuracy", "answer_rate")}
+        eval_keys = ("accuracy", "answer_rate")
+        fractions = any(_series(evals, key)[0] for key in eval_keys)
+        if not fractions:  # games report mean final scores, not fractions
+            eval_keys = ("score_mean", "score_greedy")
+        eval_curves = {key: _series(evals, key) for key in eval_keys}
         has_train = bool(reward[0]) or any(xs for xs, _ in per_function.values())
         has_eval = any(xs for xs, _ in eval_curves.values())
         if not (has_train or has_eval):
@@ -178,11 +194,11 @@ class RunDir:
 
         right.set_title("held-out eval")
         right.set_xlabel("step")
-        right.set_ylabel("fraction")
+        right.set_ylabel("fraction" if fractions else "mean final score")
         for key, (xs, ys) in eval_curves.items():
             if xs:
                 right.plot(xs, ys, marker="o", linewidth=1.5, label=key.replace("_", " "))
-        if has_eval:
+        if has_eval and fractions:
             right.set_ylim(-0.02, 1.02)
         _finish_panel(right, has_eval, "no eval results yet")
 

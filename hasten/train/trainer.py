@@ -160,6 +160,12 @@ def grpo_step(session: Session, learner: Learner, sampler: PromptSampler, step: 
 
 
 def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
+    from ..games import GAMES
+
+    if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
+        from .policy_loop import train_policy
+
+        return train_policy(cfg, log)
     session = prepare(cfg, log)  # raises on bad input before anything is written
     reference = Reference(session.policy) if cfg.algo.beta > 0 else None
     learner = Learner(session.policy, cfg, reference)
