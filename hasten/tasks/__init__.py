@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hasten.config import TaskConfig
-from hasten.tasks import arithmetic, jsonl, unit_conversion
+from hasten.config import Config, TaskConfig
+from hasten.tasks import arithmetic, code, jsonl, unit_conversion
 from hasten.tasks.base import Task, TaskError, Verdict
 
 # name -> (builder, one-line description for `--help` and listings)
@@ -17,13 +17,16 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
     "arithmetic": (arithmetic.build_arithmetic, arithmetic.DESCRIPTION),
     "unit-conversion": (unit_conversion.build_unit_conversion, unit_conversion.DESCRIPTION),
     "jsonl": (jsonl.build_jsonl, jsonl.DESCRIPTION),
+    "code": (code.build_code, code.DESCRIPTION),
 }
 
 
-def make_task(cfg: TaskConfig) -> Task:
+def make_task(cfg: TaskConfig, config: Config | None = None) -> Task:
     if cfg.name not in TASKS:
         raise TaskError(f"config error: task.name must be one of {', '.join(TASKS)} (got {cfg.name!r})")
     builder, _ = TASKS[cfg.name]
+    if cfg.name == "code":  # the one task with a config section of its own (code:)
+        return code.build_code(cfg, config.code if config is not None else None)
     return builder(cfg)
 
 

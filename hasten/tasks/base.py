@@ -49,6 +49,9 @@ class Task:
     eval_rows: list[dict[str, Any]]
     reward_functions: list[RewardFunction]  # with the task's default weights
     check: Callable[[str, dict[str, Any]], Verdict | None]  # None: no notion of a correct answer
+    # Task-specific eval metrics (e.g. the code task's pass@k), called by train/evaluate.py as
+    # evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size) -> metrics.
+    evaluate_more: Callable[..., dict[str, float]] | None = None
 
     @staticmethod
     def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

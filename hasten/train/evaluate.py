@@ -56,4 +56,6 @@ def evaluate(
         metrics["answer_rate"] = parsed / judged
     if reward_functions and rows:
         metrics["reward_mean"] = reward_total / len(rows)
+    if task.evaluate_more is not None:
+        metrics.update(task.evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size))
     return metrics, samples
