@@ -189,7 +189,7 @@ def _ruff_issues(completed: subprocess.CompletedProcess) -> list[tuple[str, int]
 def _mypy_issues(completed: subprocess.CompletedProcess) -> list[tuple[str, int]]:
     issues = []
     for line in completed.stdout.splitlines():
-        match = re.match(r"(.+?\.py):(\d+): error:", line)
+        match = re.match(r"(.+?\.py):(\d+)(?::\d+)?: error:", line)
         if match:
             issues.append((match.group(1), int(match.group(2))))
     return issues
