@@ -209,3 +209,21 @@ def test_tiny_grpo_run_on_the_code_task_end_to_end(tmp_path, capsys):
     assert summary["steps"] == 2 and len(records) == 2
     assert {"rewards/tests", "rewards/execution", "rewards/syntax", "rewards/lint", "rewards/complexity"} <= set(records[0])
     assert "pass@1_greedy" in summary["eval_after"]
+
+
+def test_code_reward_bench_runs_and_every_mode_scores_the_same(capsys):
+    from hasten.bench.code_rewards import main as bench_main
+
+    assert bench_main(["--prompts", "1", "--generations", "8", "--repeats", "1", "--workers", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert "completions/s" in lines[1]  # a table first, the JSON line last
+    assert set(result["modes"]) == {"serial", "pooled", "cached", "warm"}
+    assert result["same_reward_in_every_mode"] and result["completions"] == 8
+
+
+def test_the_code_preset_loads():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "code.yaml")
+    assert cfg.task.name == "code" and cfg.generation.max_new_tokens == 192

@@ -2,7 +2,7 @@
 
 `Sandbox.run_many([(code, program), ...])` is the call the rewards make: it
 answers identical (code, tests, limits) jobs from an LRU cache, runs each
-distinct job once per batch, and spreads the rest over `workers` worker
+distinct job once per batch (both off with cache_size=0), and spreads the rest over `workers` worker
 processes (one thread each feeds its worker; the threads only wait on pipes,
 so the GIL is not the bottleneck). Workers are started lazily, restarted if
 one dies, and stopped at exit. Code that does not parse never reaches a
@@ -123,6 +123,8 @@ class Sandbox:
                 self.stats.syntax_errors += 1
                 continue
             key = self._key(code, program)
+            if self.cache_size <= 0:
+                key = f"{key}:{index}"  # no cache, no de-duplication: every job executes
             cached = self._cache_get(key)
             if cached is not None:
                 results[index] = cached
