@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hasten.cli import main
-from hasten.config import CodeConfig, ConfigError, TaskConfig, load_config
+from hasten.config import ConfigError, TaskConfig, load_config
 from hasten.rewards import score_rewards
 from hasten.rewards.code import (
     GATE_REWARD,
@@ -201,13 +201,15 @@ def test_eval_reports_greedy_and_sampled_pass_at_k(capsys):
 def test_tiny_grpo_run_on_the_code_task_end_to_end(tmp_path, capsys):
     code = main(["train", "--model", "tiny", "--task", "code", "--steps", "2", "--train.prompts_per_step=2",
                  "--generation.num_generations=2", "--generation.max_new_tokens=16", "--eval.num_examples=1",
-                 "--eval.at_start=false", "--eval.max_new_tokens=8", "--code.workers=2", f"--output.dir={tmp_path}", "--output.progress=off",
-                 "--output.plot=false"])
+                 "--eval.at_start=false", "--eval.max_new_tokens=8", "--code.workers=2",
+                 f"--output.dir={tmp_path}", "--output.progress=off", "--output.plot=false"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    records = [json.loads(line) for line in (tmp_path.glob("*/metrics.jsonl").__next__()).read_text().splitlines()]
+    metrics_file = next(tmp_path.glob("*/metrics.jsonl"))
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert summary["steps"] == 2 and len(records) == 2
-    assert {"rewards/tests", "rewards/execution", "rewards/syntax", "rewards/lint", "rewards/complexity"} <= set(records[0])
+    names = {"rewards/tests", "rewards/execution", "rewards/syntax", "rewards/lint", "rewards/complexity"}
+    assert names <= set(records[0])
     assert "pass@1_greedy" in summary["eval_after"]
 
 

@@ -120,7 +120,7 @@ class Sandbox:
                 compile(code, "<completion>", "exec")
             except (SyntaxError, ValueError) as error:  # ValueError: NUL bytes in the source
                 results[index] = syntax_error_result(program, f"syntax error: {_one_line(error)}")
-                self.stats.syntax_errors += 1
+                self._count("syntax_errors")
                 continue
             key = self._key(code, program)
             if self.cache_size <= 0:
@@ -128,10 +128,10 @@ class Sandbox:
             cached = self._cache_get(key)
             if cached is not None:
                 results[index] = cached
-                self.stats.cache_hits += 1
+                self._count("cache_hits")
             elif key in pending:
                 pending[key].append(index)
-                self.stats.cache_hits += 1
+                self._count("cache_hits")
             else:
                 pending[key] = [index]
         futures = {key: self._executor.submit(self._execute, *jobs[indices[0]]) for key, indices in pending.items()}
@@ -178,9 +178,12 @@ class Sandbox:
             raw = worker.call(job)
         finally:
             self._idle.put(worker)
-        with self._lock:
-            self.stats.executions += 1
+        self._count("executions")
         return interpret(raw, program, self.limits)
+
+    def _count(self, name: str) -> None:
+        with self._lock:  # run_many may be called from several threads at once
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
 
     @staticmethod
     def _shutdown(workers: list[_Worker], executor: ThreadPoolExecutor) -> None:

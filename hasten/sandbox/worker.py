@@ -60,12 +60,6 @@ class TestTimeout(BaseException):
     """Raised by the per-test timer; a BaseException so `except Exception` in the code under test misses it."""
 
 
-def _check(result: int) -> None:
-    if result != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, os.strerror(error))
-
-
 def _write_line(fd: int, record: dict) -> None:
     data = (json.dumps(record) + "\n").encode()
     try:
@@ -104,17 +98,21 @@ def _enter_namespaces(layers: dict) -> None:
     layers["network_namespace"] = bool(flags & CLONE_NEWNET)
     if flags & CLONE_NEWUSER:
         # Map our one outer uid to root inside, which may mount in the new mount namespace.
-        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as file:
-                file.write(text)
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as file:
+                    file.write(text)
+        except OSError:
+            pass  # unmapped: we stay the overflow uid inside, and the mounts below will be refused
 
 
 def _setup_filesystem(workdir: str, limits: dict, layers: dict) -> None:
     """In B (pid 1): private mounts, own /proc, tmpfs work dir, everything else read-only."""
+    if layers["mount_namespace"] and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        layers["mount_namespace"] = False  # e.g. an LSM that grants no capabilities in new user namespaces
     if not layers["mount_namespace"]:
         layers["read_only_root"] = layers["tmpfs_workdir"] = layers["private_proc"] = False
         return
-    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
     proc_ok = layers["pid_namespace"] and _libc.mount(
         b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0
     layers["private_proc"] = bool(proc_ok)
@@ -315,6 +313,8 @@ def _namespace_init(job: dict, workdir: str, pipes: dict, layers: dict) -> None:
         else:
             report["code"] = os.WEXITSTATUS(status)
         _write_line(result_fd, report)
+        if not layers["pid_namespace"]:
+            os.killpg(0, signal.SIGKILL)  # C's leftover children (and this process); a setsid child escapes
     except BaseException:  # noqa: BLE001
         _write_line(result_fd, {"event": "internal", "reason": traceback.format_exc(limit=2)[-300:]})
     os._exit(0)
@@ -458,7 +458,8 @@ PRELOADED = (
 ).split()
 
 
-def main() -> None:
+def prepare_worker() -> None:
+    """Once per worker, while still privileged: preload modules, open the sys.path directories."""
     import importlib
 
     for name in PRELOADED:
@@ -467,8 +468,12 @@ def main() -> None:
         except ImportError:
             pass
     for entry in sys.path:
-        if os.path.isdir(entry):
+        if os.path.isdir(entry) and entry not in _PATH_FDS:
             _PATH_FDS[entry] = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def main() -> None:
+    prepare_worker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which shuts us down
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:

@@ -189,7 +189,8 @@ def _split(rows: list[dict], cfg: TaskConfig, code: CodeConfig) -> tuple[list[di
     if marked:
         return [row for row in rows if row["split"] != "eval"], marked
     if len(rows) < 2:
-        raise TaskError(f"data error: {cfg.path} has 1 problem; holding one out needs at least 2 (or set task.eval_path)")
+        raise TaskError(f"data error: {cfg.path} has 1 problem; holding one out needs at least 2 "
+                        "(or set task.eval_path)")
     held_out = max(1, int(len(rows) * EVAL_FRACTION))
     return rows[:-held_out], rows[-held_out:]
 
