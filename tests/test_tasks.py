@@ -204,9 +204,9 @@ def test_jsonl_missing_file(tmp_path):
 
 
 def test_registry():
-    assert [name for name, _ in list_tasks()] == ["arithmetic", "unit-conversion", "jsonl"]
+    assert [name for name, _ in list_tasks()] == ["arithmetic", "unit-conversion", "jsonl", "code"]
     assert all(description for _, description in list_tasks())
     with pytest.raises(TaskError) as error:
         make_task(TaskConfig(name="x"))
-    expected = "config error: task.name must be one of arithmetic, unit-conversion, jsonl (got 'x')"
+    expected = "config error: task.name must be one of arithmetic, unit-conversion, jsonl, code (got 'x')"
     assert str(error.value) == expected
