@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | chess-a | chess-p | fruit-catcher
+    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | code | chess-a | chess-p | fruit-catcher
     path: str | None = None  # jsonl: training file
     eval_path: str | None = None  # jsonl: held-out file (default: last 10% of `path`)
     num_train: int = 2000  # generated tasks: training questions
@@ -154,6 +154,24 @@ class GameConfig:
 
 
 @dataclass
+class CodeConfig:
+    """The code task and its sandbox (docs/sandbox.md); read only when task.name is code."""
+
+    source: str = "builtin"  # training rows: builtin | mbpp (task.path) | jsonl (task.path)
+    eval_source: str = "heldout"  # heldout (the source's held-out rows) | humaneval (164 problems)
+    workers: int = 0  # sandbox worker processes; 0 = one per core, at least 2
+    cache_size: int = 4096  # executions remembered per (code, tests); 0 = no cache
+    wall_seconds: float = 10.0  # one execution, all tests
+    test_seconds: float = 3.0  # one test
+    memory_mb: int = 512  # address space per process
+    max_processes: int = 8  # processes + threads per execution
+    typecheck: bool = False  # add a mypy reward (needs mypy installed)
+    pass_k: list[int] = field(default_factory=lambda: [1, 5])  # eval: pass@k for each k <= pass_n
+    pass_n: int = 0  # eval: samples per problem for pass@k; 0 = greedy pass@1 only
+    pass_temperature: float = 0.8  # eval: sampling temperature for pass@k
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -165,6 +183,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     game: GameConfig = field(default_factory=GameConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -174,6 +193,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("cosine", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf"),
+    "code.source": ("builtin", "mbpp", "jsonl"),
+    "code.eval_source": ("heldout", "humaneval"),
 }
 
 # (key, predicate, human-readable requirement) checked after types are right.
@@ -223,6 +244,15 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("game.entropy_coef", lambda v: v >= 0, ">= 0"),
     ("game.hidden_size", lambda v: v >= 1, ">= 1"),
     ("game.eval_games", lambda v: v >= 0, ">= 0"),
+    ("code.workers", lambda v: v >= 0, ">= 0"),
+    ("code.cache_size", lambda v: v >= 0, ">= 0"),
+    ("code.wall_seconds", lambda v: v > 0, "> 0"),
+    ("code.test_seconds", lambda v: v > 0, "> 0"),
+    ("code.memory_mb", lambda v: v >= 64, ">= 64"),
+    ("code.max_processes", lambda v: v >= 4, ">= 4 (the sandbox itself uses three)"),
+    ("code.pass_k", lambda v: all(k >= 1 for k in v), "a list of k >= 1"),
+    ("code.pass_n", lambda v: v >= 0, ">= 0"),
+    ("code.pass_temperature", lambda v: v > 0, "> 0"),
 ]
 
 # Defaults that differ per task, applied over the code defaults and under any

@@ -204,10 +204,11 @@ def test_jsonl_missing_file(tmp_path):
 
 
 def test_registry():
-    assert [name for name, _ in list_tasks()] == ["arithmetic", "unit-conversion", "jsonl", "chess-a", "chess-p"]
+    assert [name for name, _ in list_tasks()] == ["arithmetic", "unit-conversion", "jsonl", "chess-a", "chess-p",
+                                                  "code"]
     assert all(description for _, description in list_tasks())
     with pytest.raises(TaskError) as error:
         make_task(TaskConfig(name="x"))
     expected = ("config error: task.name must be one of arithmetic, unit-conversion, jsonl, chess-a, chess-p, "
-                "fruit-catcher (got 'x')")
+                "code, fruit-catcher (got 'x')")
     assert str(error.value) == expected

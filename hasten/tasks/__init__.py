@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from hasten.config import TaskConfig
-from hasten.tasks import arithmetic, jsonl, unit_conversion
+from hasten.config import Config, TaskConfig
+from hasten.tasks import arithmetic, code, jsonl, unit_conversion
 from hasten.tasks.base import Task, TaskError, Verdict
 
 
@@ -32,15 +32,18 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
                 "chess: apply a UCI move to a FEN, answer the new FEN and flags (FEN validity, Levenshtein)"),
     "chess-p": (_lazy("chess", "build_chess_p"),
                 "chess: list legal moves and pick the best (mate-in-one / 2-ply material heuristic)"),
+    "code": (code.build_code, code.DESCRIPTION),
 }
 
 
-def make_task(cfg: TaskConfig) -> Task:
+def make_task(cfg: TaskConfig, config: Config | None = None) -> Task:
     if cfg.name not in TASKS:
         from hasten.games import GAMES  # trained by train/policy_loop.py, but a valid task.name all the same
 
         raise TaskError(f"config error: task.name must be one of {', '.join([*TASKS, *GAMES])} (got {cfg.name!r})")
     builder, _ = TASKS[cfg.name]
+    if cfg.name == "code":  # the one task with a config section of its own (code:)
+        return code.build_code(cfg, config.code if config is not None else None)
     return builder(cfg)
 
 

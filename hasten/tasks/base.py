@@ -51,6 +51,9 @@ class Task:
     check: Callable[[str, dict[str, Any]], Verdict | None]  # None: no notion of a correct answer
     # Task-specific held-out metrics: (completion texts, their rows) -> {name: value}, added to eval's.
     metrics: Callable[[list[str], list[dict[str, Any]]], dict[str, float]] | None = None
+    # Task-specific eval metrics (e.g. the code task's pass@k), called by train/evaluate.py as
+    # evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size) -> metrics.
+    evaluate_more: Callable[..., dict[str, float]] | None = None
 
     @staticmethod
     def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

@@ -62,4 +62,6 @@ def evaluate(
         metrics["reward_mean"] = reward_total / len(rows)
     if task.metrics is not None:
         metrics.update(task.metrics(texts, rows))
+    if task.evaluate_more is not None:
+        metrics.update(task.evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size))
     return metrics, samples

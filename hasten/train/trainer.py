@@ -72,7 +72,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
         keep_freed_memory()
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg)
     rewards = build_rewards(cfg, task)
     policy = load_policy(cfg.model, log)
     return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log))
