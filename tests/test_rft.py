@@ -166,11 +166,11 @@ def test_first_fit_respects_capacity():
 DOCUMENTED = {  # docs/rft.md's profile table
     "plain": dict(packing=False, gradient_checkpointing=True, gradient_accumulation_steps=1, adamw="plain",
                   precision="fp32", compile="off", num_workers=0),
-    "conservative": dict(packing=True, gradient_checkpointing=True, gradient_accumulation_steps=4, adamw="fused",
+    "conservative": dict(packing=True, gradient_checkpointing=True, gradient_accumulation_steps=8, adamw="fused",
                          precision="auto", compile="off", num_workers=0),
-    "balanced": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=1, adamw="fused",
+    "balanced": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=4, adamw="fused",
                      precision="auto", compile="off", num_workers=0),
-    "aggressive": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=1, adamw="fused",
+    "aggressive": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=4, adamw="fused",
                        precision="auto", compile="gpu", num_workers=1),
 }
 
@@ -186,7 +186,7 @@ def test_profiles_resolve_to_documented_settings(name):
 
 def test_profile_is_overridable_flag_by_flag_and_by_yaml(tmp_path):
     cfg = load_rft_config("sft", None, [("sft.gradient_checkpointing", Raw("false"))], profile="conservative")
-    assert cfg.sft.gradient_checkpointing is False and cfg.sft.gradient_accumulation_steps == 4
+    assert cfg.sft.gradient_checkpointing is False and cfg.sft.gradient_accumulation_steps == 8
     path = tmp_path / "run.yaml"
     path.write_text("sft:\n  gradient_accumulation_steps: 2\nmodel:\n  lora: false\n")
     cfg = load_rft_config("sft", path, [], profile="conservative")
@@ -194,13 +194,13 @@ def test_profile_is_overridable_flag_by_flag_and_by_yaml(tmp_path):
     assert set(PROFILES) == set(DOCUMENTED)
     with pytest.raises(ConfigError, match="--profile must be one of"):
         load_rft_config("sft", None, [], profile="ludicrous")
-    with pytest.raises(ConfigError, match="sft.gradient_accumulation_steps must be <= sft.batch_size"):
-        load_rft_config("sft", None, [("sft.gradient_accumulation_steps", 32)])
+    with pytest.raises(ConfigError, match="sft.precision must be one of"):
+        load_rft_config("sft", None, [("sft.precision", Raw("fp8"))])
 
 
 def test_profiles_learn_the_same_parameters(model, tokenizer):
     """plain (padded, 1 micro-batch, for-loop AdamW) and conservative (packed, checkpointed,
-    4 micro-batches, fused AdamW) take the same optimizer steps, so the weights agree."""
+    8 micro-batches, fused AdamW) take the same optimizer steps, so the weights agree."""
     examples = examples_for_loss() * 2
     trained = {}
     for name in ("plain", "conservative"):

@@ -43,20 +43,22 @@ PROFILES: dict[str, Profile] = {
         "sft.packing": False, "sft.gradient_checkpointing": True, "sft.gradient_accumulation_steps": 1,
         "sft.adamw": "plain", "sft.precision": "fp32", "sft.compile": "off", "sft.num_workers": 0,
     }),
-    # Lowest memory: packed, checkpointed, 4 micro-batches per step (16 / 4 = 4 examples each).
-    "conservative": Profile("packed, checkpointing on, 4 micro-batches per step, fused AdamW", {
-        "sft.packing": True, "sft.gradient_checkpointing": True, "sft.gradient_accumulation_steps": 4,
+    # Lowest memory: packed, checkpointed, 8 micro-batches per step (16 / 8 = 2 examples each).
+    "conservative": Profile("packed, checkpointing on, 8 micro-batches per step, fused AdamW", {
+        "sft.packing": True, "sft.gradient_checkpointing": True, "sft.gradient_accumulation_steps": 8,
         "sft.adamw": "fused", "sft.precision": "auto", "sft.compile": "off", "sft.num_workers": 0,
     }),
-    # The default: packed, no checkpointing, the whole batch as one micro-batch.
-    "balanced": Profile("packed, no checkpointing, one micro-batch per step, fused AdamW", {
-        "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 1,
+    # The default: packed, no checkpointing, 4 micro-batches per step (16 / 4 = 4 examples each).
+    # Small micro-batches are faster on this CPU, not only leaner: one SFT step of 8 SmolLM2
+    # examples took 42-48 s as one micro-batch and 19-23 s as four (A/B, docs/rft.md).
+    "balanced": Profile("packed, no checkpointing, 4 micro-batches per step, fused AdamW", {
+        "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 4,
         "sft.adamw": "fused", "sft.precision": "auto", "sft.compile": "off", "sft.num_workers": 0,
     }),
     # balanced + torch.compile of the decoder (on a GPU only: on this CPU inductor took 250 s
     # to compile the 2-layer test model, longer than any short run saves) + one loader worker.
     "aggressive": Profile("balanced + torch.compile on GPU + 1 loader worker", {
-        "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 1,
+        "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 4,
         "sft.adamw": "fused", "sft.precision": "auto", "sft.compile": "gpu", "sft.num_workers": 1,
     }),
 }
