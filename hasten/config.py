@@ -155,7 +155,7 @@ class SFTConfig:
     pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     compile: str = "off"  # off | on | gpu (on only with CUDA); torch.compile the decoder, eager (logged) on failure
-    precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (CUDA only)
     adamw: str = "fused"  # fused | foreach | plain (for-loop); fused falls back to foreach where unsupported
     num_workers: int = 0  # DataLoader processes that tokenize and pack ahead of the model
     max_examples: int = 0  # train on the first N records only; 0 = all

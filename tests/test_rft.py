@@ -220,8 +220,9 @@ def test_profiles_learn_the_same_parameters(model, tokenizer):
 
 def test_precision_and_compile_fallbacks(monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) is None
-    with pytest.raises(ConfigError, match="sft.precision=bf16 needs a CUDA GPU"):
-        resolve_precision("bf16", torch.device("cpu"))
+    assert resolve_precision("bf16", torch.device("cpu")) == torch.bfloat16  # opt-in on CPU
+    with pytest.raises(ConfigError, match="sft.precision=fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", torch.device("cpu"))
     logs = []
 
     def broken_compile(fn, **kwargs):
