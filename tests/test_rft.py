@@ -171,7 +171,7 @@ DOCUMENTED = {  # docs/rft.md's profile table
     "balanced": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=4, adamw="fused",
                      precision="auto", compile="off", num_workers=0),
     "aggressive": dict(packing=True, gradient_checkpointing=False, gradient_accumulation_steps=4, adamw="fused",
-                       precision="auto", compile="gpu", num_workers=1),
+                       precision="bf16", compile="gpu", num_workers=1),
 }
 
 
