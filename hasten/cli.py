@@ -5,6 +5,8 @@
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
     hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
     hasten play  --task fruit-catcher --checkpoint DIR [--episodes N] [--every K] [--png FILE]
+    hasten rft datagen | test | compare ...   rejection-sampling fine-tuning (see hasten rft --help)
+    hasten sft [--profile NAME] [--data rft.json] ...   SFT on RFT records (see hasten sft --help)
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     play.add_argument("--mode", default="sample", choices=["sample", "greedy", "random"], help="how actions are chosen")
     play.add_argument("--seed", type=int, default=0, help="seed of the starts, fruits and sampled actions")
     play.add_argument("--png", help="also draw the first episode's frames as a PNG strip")
+    commands.add_parser("rft", help="RFT: datagen (rejection sampling), test, compare profiles", add_help=False)
+    commands.add_parser("sft", help="fine-tune on RFT records (LoRA or full; profiles)", add_help=False)
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] in (["rft"], ["sft"]):  # hasten/rft/cli.py parses these
+        from .rft.cli import main as rft_main
+
+        return rft_main(argv)
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

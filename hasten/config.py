@@ -172,6 +172,43 @@ class CodeConfig:
 
 
 @dataclass
+class RFTConfig:
+    """Rejection-sampling data generation (`hasten rft datagen`); docs/rft.md."""
+
+    data: str = "data/rft.json"  # the records datagen writes and sft reads: [question, answer, reasoning]
+    oversample: int = 10  # samples per question; a question counts if any one is correct
+    temperature: float = 0.6
+    max_new_tokens: int = 64
+    prompts_per_batch: int = 8  # 8 prompts x 10 samples = 80 rows per generate call
+    keep: str = "one"  # one: the first correct sample per question | all: every distinct correct one
+    seed: int = 0
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on RFT records (`hasten sft`); profiles in hasten/rft/profiles.py."""
+
+    epochs: int = 3
+    lr: float = 2e-4  # a LoRA rate; a full fine-tune wants ~1e-5
+    batch_size: int = 16  # examples per optimizer step
+    gradient_accumulation_steps: int = 4  # micro-batches per step (16 / 4 = 4 examples each; at most 1 each)
+    warmup_steps: int = 2
+    lr_schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    packing: bool = True  # examples packed into rows with a block mask; logits only where the loss is
+    pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+    compile: str = "off"  # off | on | gpu (on only with CUDA); torch.compile the decoder, eager (logged) on failure
+    precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (CUDA only)
+    adamw: str = "fused"  # fused | foreach | plain (for-loop); fused falls back to foreach where unsupported
+    num_workers: int = 0  # DataLoader processes that tokenize and pack ahead of the model
+    max_examples: int = 0  # train on the first N records only; 0 = all
+    seed: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -184,6 +221,8 @@ class Config:
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     game: GameConfig = field(default_factory=GameConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
+    rft: RFTConfig = field(default_factory=RFTConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -195,6 +234,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.engine": ("auto", "lean", "hf"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
+    "rft.keep": ("one", "all"),
+    "sft.lr_schedule": ("cosine", "constant"),
+    "sft.precision": ("auto", "fp32", "bf16", "fp16"),
+    "sft.adamw": ("fused", "foreach", "plain"),
+    "sft.compile": ("off", "on", "gpu"),
 }
 
 # (key, predicate, human-readable requirement) checked after types are right.
@@ -253,6 +297,21 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("code.pass_k", lambda v: all(k >= 1 for k in v), "a list of k >= 1"),
     ("code.pass_n", lambda v: v >= 0, ">= 0"),
     ("code.pass_temperature", lambda v: v > 0, "> 0"),
+    ("rft.oversample", lambda v: v >= 1, ">= 1"),
+    ("rft.temperature", lambda v: v > 0, "> 0 (rejection sampling needs varied samples)"),
+    ("rft.max_new_tokens", lambda v: v > 0, "> 0"),
+    ("rft.prompts_per_batch", lambda v: v >= 1, ">= 1"),
+    ("sft.epochs", lambda v: v >= 1, ">= 1"),
+    ("sft.lr", lambda v: v > 0, "> 0"),
+    ("sft.batch_size", lambda v: v >= 1, ">= 1"),
+    ("sft.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("sft.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("sft.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("sft.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("sft.max_grad_norm", lambda v: v >= 0, ">= 0"),
+    ("sft.pack_length", lambda v: v >= 16, ">= 16"),
+    ("sft.num_workers", lambda v: v >= 0, ">= 0"),
+    ("sft.max_examples", lambda v: v >= 0, ">= 0"),
 ]
 
 # Defaults that differ per task, applied over the code defaults and under any

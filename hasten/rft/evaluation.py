@@ -1,0 +1,39 @@
+"""`hasten rft test`: held-out accuracy and answer rate, greedy and batched.
+
+The same measurement as `hasten eval` (train/evaluate.py: the task's checker
+on greedy completions of the first `eval.num_examples` held-out questions),
+with the RFT defaults: 100 held-out questions, LoRA adapters merged into the
+base weights first so the lean engine generates (a peft model would fall
+back to the slower transformers forward; merging does not change the
+function the model computes beyond float rounding).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..config import Config
+from ..tasks import Task, make_task
+from ..train.evaluate import evaluate
+from ..train.trainer import make_engine
+from .prompts import load_generator
+
+
+def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None]) -> dict[str, float]:
+    """Greedy held-out metrics of an in-memory policy (merged in place if it carries LoRA adapters)."""
+    if hasattr(policy.model, "merge_and_unload"):
+        policy.model = policy.model.merge_and_unload()
+    policy.model.eval()
+    engine = make_engine(cfg, policy, log)
+    started = time.perf_counter()
+    count = min(cfg.eval.num_examples, len(task.eval_rows))
+    metrics, _ = evaluate(task, engine, policy.tokenizer, [], count, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    metrics["seconds"] = time.perf_counter() - started
+    return metrics
+
+
+def run_test(cfg: Config, log: Callable[[str], None] = print) -> dict[str, float]:
+    task = make_task(cfg.task)
+    policy, _ = load_generator(cfg, log)
+    return evaluate_policy(cfg, policy, task, log)
