@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import deque
 from typing import Any, Callable
 
 from ..train.episodes import PromptSampler
@@ -67,6 +68,7 @@ class CurriculumSampler:
         # Warmup is counted in prompts drawn, so dynamic sampling's refills use it up at the rate they draw.
         self.warmup_prompts = warmup_steps * prompts_per_step
         self.drawn = 0
+        self.recent: deque[int] = deque(maxlen=max(prompts_per_step - 1, 0))  # no repeats within a batch
         self.index = {id(row): i for i, row in enumerate(rows)}
         self.success: dict[int, tuple[float, int]] = {}  # row index -> (reward sum, groups)
         self.order: list[int] | None = None
@@ -101,11 +103,19 @@ class CurriculumSampler:
         return sorted(range(len(self.rows)), key=lambda i: (-rate(i), i))
 
     def next(self, count: int) -> list[dict[str, Any]]:
-        if not self.warming_up:
-            return self.full.next(count)
-        pool = self.easiest()[: self.pool_size(count)]
-        self.drawn += count
-        picks = self.random.sample(pool, count) if count <= len(pool) else self.random.choices(pool, k=count)
+        """`count` rows, drawn one at a time so that the stream does not depend on how draws are batched
+        (prefetching and refills ask for different counts); a row drawn within the last
+        prompts_per_step - 1 draws is not drawn again while others are available."""
+        picks = []
+        ranked = self.easiest()  # fixed within a call: it changes only on observe()
+        for _ in range(count):
+            if not self.warming_up:
+                picks += [self.index[id(row)] for row in self.full.next(1)]
+                continue
+            pool = [i for i in ranked[: self.pool_size(1)] if i not in self.recent] or ranked[: self.pool_size(1)]
+            picks.append(pool[self.random.randrange(len(pool))])
+            self.recent.append(picks[-1])
+            self.drawn += 1
         return [self.rows[i] for i in picks]
 
     def observe(self, rows: list[dict[str, Any]], group_rewards: list[float]) -> None:

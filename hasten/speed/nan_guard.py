@@ -1,8 +1,8 @@
 """NaN/Inf guard (speed.nan_guard): never apply an update built from a non-finite loss or gradient.
 
 Before each optimizer step the learner asks `allow(loss, grad_norm)`. A
-non-finite value skips the step (gradients are dropped, the schedule still
-advances so the run's length is unchanged) and is logged. After
+non-finite value skips the step (gradients are dropped and the lr schedule
+does not advance: as if the update never happened) and is logged. After
 nan_guard_patience skipped steps in a row it acts, per nan_guard_action:
 
     lower_lr                 multiply the learning rate by nan_guard_lr_factor

@@ -146,9 +146,9 @@ class Learner:
         checked_norm = norm if self.precision.scaler is None else 0.0
         if self.guard is None or self.guard.allow(loss, checked_norm):
             self.precision.step(self.optimizer)
+            self.scheduler.step()
         else:
-            self.precision.skip(self.optimizer)  # speed.nan_guard: this update is dropped
-        self.scheduler.step()
+            self.precision.skip(self.optimizer)  # speed.nan_guard: as if this update never happened
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
