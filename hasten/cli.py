@@ -4,6 +4,8 @@
                  [--steps N] [--section.key=value ...]
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
     hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
+    hasten bench --ablate [--steps N]   each speed feature switched off alone from the balanced profile
+    hasten compare [--task NAME] [--steps N] [--profiles ...]   every speed profile side by side
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -36,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--config", help="YAML config file (sections as in hasten/config.py)")
         command.add_argument("--model", help="smollm2-135m (default), tiny, a model directory, or a hub id")
         command.add_argument("--task", help="arithmetic, unit-conversion, or jsonl")
+        command.add_argument("--profile", choices=("baseline", "conservative", "balanced", "aggressive"),
+                             help="speed profile (hasten/profiles.py), applied over --config, under overrides")
         if name == "train":
             command.add_argument("--reward", action="append", default=[], metavar="FILE.py:FUNCTION",
                                  help="extra reward function (repeatable), TRL signature")
@@ -44,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
     commands.add_parser("bench", help="measure hasten against its peers (BENCH.md workloads)", add_help=False)
+    commands.add_parser("compare", help="train with every speed profile on the same data; table + JSON",
+                        add_help=False)
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -82,7 +88,7 @@ def _config(args, extra):
         pairs.append(("rewards.extra", list(args.reward)))
     if getattr(args, "num_examples", None) is not None:
         pairs.append(("eval.num_examples", args.num_examples))
-    return load_config(args.config, pairs + _overrides(extra))
+    return load_config(args.config, pairs + _overrides(extra), profile=getattr(args, "profile", None))
 
 
 def _cmd_train(args, extra) -> int:
@@ -144,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["compare"]:  # its own parser too; user errors exit 2 like everywhere else
+        from .compare import main as compare_main
+        from .errors import USER_ERRORS
+
+        try:
+            return compare_main(argv[1:])
+        except USER_ERRORS as exc:
+            print(str(exc).splitlines()[0], file=sys.stderr)
+            return EXIT_USER_ERROR
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

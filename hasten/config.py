@@ -388,6 +388,8 @@ def load_config(
     if profile is not None:
         from .profiles import apply_profile
 
+        for key, value in overrides or []:  # first, so that a profile's rules read the run's real numbers
+            _set(cfg, key, value)
         apply_profile(cfg, profile)
     for key, value in overrides or []:
         _set(cfg, key, value)

@@ -5,12 +5,13 @@ and the profiles resolving to their documented settings."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
 import torch
-
 from conftest import rollout_of
+
 from hasten.algo import group_advantages
 from hasten.config import Config, ConfigError, SpeedConfig, load_config
 from hasten.models import Policy, Reference
@@ -227,8 +228,7 @@ def test_baseline_switches_every_acceleration_off():
 def test_conservative_is_the_code_defaults():
     defaults = SpeedConfig()
     for key, value in resolve("conservative", Config()).items():
-        section, name = key.split(".")
-        assert getattr(defaults, name) == value, key
+        assert getattr(defaults, key.split(".")[1]) == value, key
     assert TRADES["conservative"] == "" and TRADES["baseline"] == ""
 
 
@@ -241,7 +241,43 @@ def test_profiles_apply_between_yaml_and_overrides(tmp_path):
     assert cfg.speed.curriculum == "success_rate" and cfg.speed.curriculum_warmup_steps == 10
     assert cfg.speed.reward_workers == 4  # the command line wins
     assert load_config(path, profile="baseline").speed.engine == "hf"  # the profile wins over the file
+    short = load_config(path, [("train.steps", 8), ("generation.num_generations", 6)], profile="aggressive")
+    assert short.speed.curriculum_warmup_steps == 2  # the rule reads the run's own steps (8 // 4)
+    assert short.generation.num_generations == 6  # an explicit value is never rewritten by a profile
     assert "trades quality" in TRADES["aggressive"] and TRADES["balanced"]
     assert set(PROFILES) == set(TRADES) == {"baseline", "conservative", "balanced", "aggressive"}
     with pytest.raises(ConfigError, match="unknown profile 'fast'"):
         load_config(profile="fast")
+
+
+# ------------------------------------------------------------------ hasten compare
+
+
+def test_compare_runs_every_profile_end_to_end(tmp_path, capsys, monkeypatch):
+    from hasten.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["compare", "--model", "tiny", "--task", "arithmetic", "--steps", "1", "--eval-examples", "1",
+                 "--profiles", "baseline,balanced", "--train.prompts_per_step=2", "--generation.num_generations=2",
+                 "--generation.max_new_tokens=4", "--eval.max_new_tokens=4"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    payload = json.loads(out[-1])  # the JSON line comes last
+    rows = {row["label"]: row for row in payload["rows"]}
+    assert list(rows) == ["baseline", "balanced"] and payload["reference"] == "baseline"
+    assert rows["baseline"]["speedup"] == 1.0 and rows["balanced"]["speedup"] > 0
+    for row in rows.values():
+        assert row["median_step"] > 0 and row["peak_mib"] > 0 and 0 <= row["accuracy"] <= 1
+        assert len(row["step_seconds"][0]) == 1
+    assert rows["baseline"]["settings"]["speed"]["engine"] == "hf"
+    assert rows["balanced"]["settings"]["speed"]["dynamic_sampling"] is True
+    assert "dropped and refilled" in rows["balanced"]["quality"]
+    table = "\n".join(out[:-1])
+    assert "speed-up" in table and "held-out acc" in table and "dropped and refilled" in table
+
+
+def test_compare_rejects_an_unknown_profile_before_running(capsys):
+    from hasten.cli import main
+
+    assert main(["compare", "--profiles", "baseline,turbo"]) == 2
+    assert "compare error: unknown profile turbo" in capsys.readouterr().err

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import rollout_of
+
 from hasten.config import load_config
 from hasten.rewards import RewardScores
 from hasten.speed.curriculum import CurriculumSampler, complexity_difficulty
@@ -72,8 +72,14 @@ def test_prefetch_keeps_the_exact_row_stream(tokenizer, strategy):
 # ------------------------------------------------------------------ dynamic sampling
 
 
+ROLLOUTS = {}
+
+
 def scored(model, tokenizer, rewards: list[float], seed: int) -> ScoredBatch:
-    rollout = rollout_of(model, tokenizer, num_generations=4, max_new_tokens=6, seed=seed)  # 3 prompts x 4
+    """A round with the given rewards; rollouts are reused (only their shapes matter here)."""
+    if seed not in ROLLOUTS:
+        ROLLOUTS[seed] = rollout_of(model, tokenizer, num_generations=4, max_new_tokens=6, seed=seed)  # 3 x 4
+    rollout = ROLLOUTS[seed]
     count = rollout.num_samples
     inputs = RewardInputs(["p"] * count, ["c"] * count, ["c"] * count, {}, rollout.completion_token_lists())
     total = torch.tensor(rewards)

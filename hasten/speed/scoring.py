@@ -26,8 +26,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError, SpeedConfig
-from ..rewards.runner import (RewardError, RewardFunction, RewardScores, _Batch, _call_all, _locate_failure,
-                              _validate, score_rewards)
+from ..rewards.runner import (
+    RewardError,
+    RewardFunction,
+    RewardScores,
+    _Batch,
+    _call_all,
+    _locate_failure,
+    _validate,
+    score_rewards,
+)
 from .early_stop import apply_gate, passed_samples
 from .reward_cache import MISSING, RewardCache, sample_key
 from .reward_pool import RewardPool, Slice, join, slice_batch
