@@ -76,6 +76,17 @@ def test_pool_equals_serial_in_order(kind):
         scorer.close()
 
 
+def test_flags_as_attributes_of_a_user_function():
+    def user_reward(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    user_reward.slow = True
+    user_reward.deterministic = True
+    scorer = RewardScorer([RewardFunction("user_reward", user_reward)], SpeedConfig())
+    assert scorer.slow == [True] and scorer.cached == [True]
+    scorer.close()
+
+
 def test_slow_rewards_by_config_name_and_unknown_name():
     scorer = RewardScorer(functions(), SpeedConfig(slow_rewards=["vowels"], reward_cache=False))
     assert scorer.slow == [False, True, False]

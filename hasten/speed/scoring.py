@@ -11,6 +11,10 @@ weighted nansum. Without a gate the scores are exactly score_rewards'
     4. fast functions' misses called inline (async ones concurrently), while 3 runs
     5. join: slices in order, scores validated, cache filled, totals formed
 
+Flags come from RewardFunction.slow / .deterministic (set by hasten's own
+rewards), the same attributes on a user's function (`my_reward.slow = True`
+in the reward file), or speed.slow_rewards / speed.cache_rewards by name.
+
 A function that is not called on every sample (cache hits, gated samples) is
 called on the subset, which assumes each sample is scored on its own: true of
 per-sample rewards, and declared by flagging a function slow or
@@ -61,6 +65,11 @@ class PendingScores:
         return self.result
 
 
+def flagged(function: RewardFunction, flag: str) -> bool:
+    """RewardFunction.<flag>, or the same attribute set on the user's function (`my_reward.slow = True`)."""
+    return bool(getattr(function, flag)) or getattr(function.fn, flag, False) is True
+
+
 class RewardScorer:
     """Scores reward functions per speed.* settings; one per run (it owns the pool and the cache)."""
 
@@ -77,8 +86,10 @@ class RewardScorer:
                               f"of this run ({', '.join(names)})")
         self.speed = speed
         self.gate = names.index(speed.gate_reward) if speed.gate_reward is not None else None
-        self.slow = [speed.reward_workers > 0 and (f.slow or f.name in speed.slow_rewards) for f in functions]
-        self.cached = [speed.reward_cache and (f.deterministic or f.name in speed.cache_rewards) for f in functions]
+        self.slow = [speed.reward_workers > 0 and (flagged(f, "slow") or f.name in speed.slow_rewards)
+                     for f in functions]
+        self.cached = [speed.reward_cache and (flagged(f, "deterministic") or f.name in speed.cache_rewards)
+                       for f in functions]
         self.pool = RewardPool(speed.reward_workers, speed.reward_pool) if any(self.slow) else None
         for function, slow in zip(functions, self.slow):
             if slow:
