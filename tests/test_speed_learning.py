@@ -281,3 +281,15 @@ def test_compare_rejects_an_unknown_profile_before_running(capsys):
 
     assert main(["compare", "--profiles", "baseline,turbo"]) == 2
     assert "compare error: unknown profile turbo" in capsys.readouterr().err
+
+
+def test_ablation_switches_off_each_balanced_feature_alone():
+    from hasten.bench.ablate import features
+
+    switched, inert = features(cuda=False)
+    balanced, baseline = resolve("balanced", Config()), resolve("baseline", Config())
+    assert switched == {key: baseline[key] for key in switched}  # each variant takes baseline's value
+    assert {"speed.engine", "speed.packed_learning", "speed.reward_workers", "speed.dynamic_sampling",
+            "speed.optimizer", "speed.prefetch", "speed.keep_freed_memory", "speed.reward_cache"} <= set(switched)
+    assert inert == ["speed.tf32"]  # listed, not run, without CUDA
+    assert all(balanced[key] != value for key, value in switched.items())
