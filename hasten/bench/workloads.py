@@ -196,6 +196,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         workers.pop(label).close()
         finally:
             session.engine = recorder.engine
+            sampler.close()  # the prefetch thread
             for worker in workers.values():
                 worker.close()
 

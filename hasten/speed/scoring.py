@@ -24,7 +24,6 @@ deterministic. Unflagged functions always see the whole batch.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +53,6 @@ class PendingScores:
     values: list[list[float]]  # (F, N) scores so far, NaN = None or not scored
     slices: dict[int, list[Slice]]  # function index -> pool slices in flight
     passed: list[bool] | None  # gate verdict per sample, None = no gate
-    started: float
     keys: list[list[tuple] | None] = field(default_factory=list)  # per function: cache keys, None = not cached
     metrics: dict[str, float] = field(default_factory=dict)
     result: RewardScores | None = None
@@ -103,10 +101,9 @@ class RewardScorer:
 
     def start(self, prompts: list, completions: list, columns: dict[str, list],
               completion_ids: list[list[int]]) -> PendingScores:
-        started = time.perf_counter()
         batch = _Batch(prompts, completions, columns, completion_ids)
         if self.plain:
-            pending = PendingScores(self, batch, [], {}, None, started)
+            pending = PendingScores(self, batch, [], {}, None)
             pending.result = score_rewards(self.functions, prompts, completions, columns, completion_ids)
             return pending
         _check(prompts, completions, columns, completion_ids)
@@ -128,7 +125,7 @@ class RewardScorer:
                   for index in others if self.slow[index] and todo[index]}
         fast = [index for index in others if index not in slices and todo[index]]
         self._call_inline(fast, batch, todo, values, keys)
-        return PendingScores(self, batch, values, slices, passed, started, keys=keys)
+        return PendingScores(self, batch, values, slices, passed, keys=keys)
 
     def close(self) -> None:
         if self.pool is not None:
