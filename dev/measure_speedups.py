@@ -78,24 +78,26 @@ def adamw(rounds):
     return alternate(variants, rounds)
 
 
+def waiting(prompts, completions, **kwargs):
+    time.sleep(0.02 * len(completions))
+    return [1.0] * len(completions)
+
+def busy(prompts, completions, **kwargs):  # pure-Python CPU work, ~10 ms per sample
+    out = []
+    for _ in completions:
+        total = 0
+        for i in range(200_000):
+            total += i % 7
+        out.append(float(total % 2))
+    return out
+
+
+
 def reward_pool(rounds):
     """32 samples of a slow reward: 20 ms of waiting (a subprocess, I/O) per sample; serial vs pool."""
     from hasten.config import SpeedConfig
     from hasten.rewards import RewardFunction
     from hasten.speed.scoring import RewardScorer
-
-    def waiting(prompts, completions, **kwargs):
-        time.sleep(0.02 * len(completions))
-        return [1.0] * len(completions)
-
-    def busy(prompts, completions, **kwargs):  # pure-Python CPU work, ~10 ms per sample
-        out = []
-        for _ in completions:
-            total = 0
-            for i in range(200_000):
-                total += i % 7
-            out.append(float(total % 2))
-        return out
 
     texts = [f"completion {i}" for i in range(32)]
     variants = {}
@@ -142,16 +144,18 @@ def prefetch(rounds):
                      rounds)
 
 
-def checkpointing(rounds):
-    """Learning pass on one B1-sized rollout of SmolLM2-135M: gradient checkpointing off vs on."""
+def learning_pass(rounds):
+    """One B1 rollout of SmolLM2-135M (4 x 8 samples, 64 new tokens), packed learning pass
+    (forward + backward): fp32, bf16 autocast, and gradient checkpointing; plus how far bf16 log-probs
+    are from fp32 ones, and the rollout's pack ratio."""
     import resource
 
     from hasten.config import load_config
-    from hasten.speed.memory import set_gradient_checkpointing
-    from hasten.train.trainer import prepare
-    from hasten.train.packing import packed_logprobs
     from hasten.rollout import SamplingParams
+    from hasten.speed.memory import pack_ratio, set_gradient_checkpointing
     from hasten.train.episodes import PromptSampler, encode_prompt
+    from hasten.train.packing import packed_logprobs
+    from hasten.train.trainer import prepare
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "b1.yaml")
     session = prepare(cfg, log=lambda text: None)
@@ -159,18 +163,32 @@ def checkpointing(rounds):
     prompts = [encode_prompt(session.policy.tokenizer, r["prompt"]) for r in rows]
     rollout = session.engine.generate(prompts, 8, SamplingParams(64), seed=0)
     model = session.policy.model
-    rows_index = torch.arange(rollout.num_samples)
+    samples = torch.arange(rollout.num_samples)
+    mask = rollout.completion_mask.bool()
 
-    def run(enabled):
+    def run(mode):
         def go():
-            set_gradient_checkpointing(model, enabled)
-            packed_logprobs(model, rollout, rows_index, 1.0, False, 1024).logps.sum().backward()
+            set_gradient_checkpointing(model, mode == "checkpointing")
+            if mode == "bf16 autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logps = packed_logprobs(model, rollout, samples, 1.0, False, 1024).logps
+            else:
+                logps = packed_logprobs(model, rollout, samples, 1.0, False, 1024).logps
+            logps.sum().backward()
             model.zero_grad(set_to_none=True)
         return go
 
-    result = alternate({"off": run(False), "on": run(True)}, rounds)
+    result = alternate({mode: run(mode) for mode in ("fp32", "bf16 autocast", "checkpointing")}, rounds)
+    set_gradient_checkpointing(model, False)
+    with torch.no_grad():
+        exact = packed_logprobs(model, rollout, samples, 1.0, False, 1024).logps[mask]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded = packed_logprobs(model, rollout, samples, 1.0, False, 1024).logps[mask]
+    result["bf16_logp_abs_diff_mean"] = float((exact - rounded).abs().mean())
+    result["bf16_logp_abs_diff_max"] = float((exact - rounded).abs().max())
+    result["bf16_ratio_abs_dev_mean"] = float((rounded - exact).exp().sub(1).abs().mean())
     result["completion_tokens"] = float(rollout.completion_mask.sum())
-    result["pack_ratio"] = __import__("hasten.speed.memory", fromlist=["pack_ratio"]).pack_ratio(rollout, rows_index)
+    result["pack_ratio"] = pack_ratio(rollout, samples)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
@@ -216,7 +234,7 @@ def threads(rounds):
 
 
 MEASUREMENTS = {"matmul": matmul, "autocast": autocast_pass, "adamw": adamw, "reward_pool": reward_pool,
-                "reward_cache": reward_cache, "prefetch": prefetch, "checkpointing": checkpointing,
+                "reward_cache": reward_cache, "prefetch": prefetch, "learning_pass": learning_pass,
                 "compile": compile_tiny, "threads": threads}
 
 

@@ -140,7 +140,7 @@ class SpeedConfig:
     curriculum_warmup_steps: int = 0  # steps over which the pool grows from the easiest quarter to all data
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
     dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler). CPU: bf16 is ~4x slower
+    precision: str = "fp32"  # fp32 | bf16 | fp16 autocast in the learning pass (fp16 adds a GradScaler); changes numerics
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
