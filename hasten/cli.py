@@ -7,6 +7,8 @@
     hasten play  --task fruit-catcher --checkpoint DIR [--episodes N] [--every K] [--png FILE]
     hasten rft datagen | test | compare ...   rejection-sampling fine-tuning (see hasten rft --help)
     hasten sft [--profile NAME] [--data rft.json] ...   SFT on RFT records (see hasten sft --help)
+    hasten bench --ablate [--steps N]   each speed feature switched off alone from the balanced profile
+    hasten compare [--task NAME] [--steps N] [--profiles ...]   every speed profile side by side
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -39,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--config", help="YAML config file (sections as in hasten/config.py)")
         command.add_argument("--model", help="smollm2-135m (default), tiny, a model directory, or a hub id")
         command.add_argument("--task", help="arithmetic, unit-conversion, jsonl, code, chess-a, chess-p, fruit-catcher")
+        command.add_argument("--profile", choices=("baseline", "conservative", "balanced", "aggressive"),
+                             help="speed profile (hasten/profiles.py), applied over --config, under overrides")
         if name == "train":
             command.add_argument("--reward", action="append", default=[], metavar="FILE.py:FUNCTION",
                                  help="extra reward function (repeatable), TRL signature")
@@ -58,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     play.add_argument("--png", help="also draw the first episode's frames as a PNG strip")
     commands.add_parser("rft", help="RFT: datagen (rejection sampling), test, compare profiles", add_help=False)
     commands.add_parser("sft", help="fine-tune on RFT records (LoRA or full; profiles)", add_help=False)
+    commands.add_parser("compare", help="train with every speed profile on the same data; table + JSON",
+                        add_help=False)
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -96,7 +102,7 @@ def _config(args, extra):
         pairs.append(("rewards.extra", list(args.reward)))
     if getattr(args, "num_examples", None) is not None:
         pairs.append(("eval.num_examples", args.num_examples))
-    return load_config(args.config, pairs + _overrides(extra))
+    return load_config(args.config, pairs + _overrides(extra), profile=getattr(args, "profile", None))
 
 
 def _cmd_train(args, extra) -> int:
@@ -187,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         from .rft.cli import main as rft_main
 
         return rft_main(argv)
+    if argv[:1] == ["compare"]:  # its own parser too; user errors exit 2 like everywhere else
+        from .compare import main as compare_main
+        from .errors import USER_ERRORS
+
+        try:
+            return compare_main(argv[1:])
+        except USER_ERRORS as exc:
+            print(str(exc).splitlines()[0], file=sys.stderr)
+            return EXIT_USER_ERROR
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

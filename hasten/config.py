@@ -32,7 +32,7 @@ class ConfigError(UserError):
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"  # registry name, local HF dir, or hub id
-    dtype: str = "float32"  # fp32 on CPU: bf16 matmul is ~4x slower there (no AMX)
+    dtype: str = "float32"  # fp32: exact. bf16 changes numerics; its speed depends on the CPU (docs/speedups.md)
     lora: bool = False  # train LoRA adapters instead of all weights
     lora_r: int = 16
     lora_alpha: int = 32
@@ -117,7 +117,8 @@ class OutputConfig:
 
 @dataclass
 class SpeedConfig:
-    """Switches for speed features; each changes how fast, never what is learned."""
+    """Switches for speed features. At their defaults none changes what is learned; the keys whose
+    comment says "changes learning" (or numerics) do when switched on (docs/speedups.md)."""
 
     engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py)
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
@@ -126,6 +127,35 @@ class SpeedConfig:
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (train/grouped_attention.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
     fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
+    # The keys below are hasten/speed/ (docs/speedups.md has one section per feature). The defaults
+    # equal the `conservative` profile (hasten/profiles.py): nothing here changes what is learned
+    # unless its comment says so.
+    min_pack_ratio: float = 0.0  # packed pass only when its rows are at least this full (real / slots); 0 = always
+    reward_workers: int = 2  # threads (or processes) for slow reward functions; 0 = score them inline
+    reward_pool: str = "thread"  # thread | process: where slow reward functions run
+    slow_rewards: list[str] = field(default_factory=list)  # reward names to run in the pool (or fn.slow = True)
+    reward_cache: bool = True  # cache deterministic reward functions' scores per (prompt, completion, columns)
+    reward_cache_size: int = 50000  # LRU entries per run (one per function and sample)
+    cache_rewards: list[str] = field(default_factory=list)  # reward names to cache (or fn.deterministic = True)
+    gate_reward: str | None = None  # early termination: this reward runs first; a failing sample skips the rest
+    gate_threshold: float = 0.5  # a sample passes the gate when its gate score >= this
+    gate_failed_reward: float = 0.0  # the total reward a gated (failed) sample gets; changes learning
+    curriculum: str = "off"  # off | length | complexity | success_rate: easy prompts first; changes learning
+    curriculum_warmup_steps: int = 0  # steps over which the pool grows from the easiest quarter to all data
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
+    dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 autocast in the learning pass (fp16 adds a GradScaler); changes numerics
+    tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
+    compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    optimizer: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for_loop (AdamW kernels)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    offload_reference: bool = False  # keep the KL reference on the CPU, on the device only for its pass
+    nan_guard: bool = True  # skip an update with a non-finite loss or gradient, log it
+    nan_guard_patience: int = 3  # after this many skipped updates in a row, take nan_guard_action
+    nan_guard_action: str = "lower_lr"  # lower_lr | disable_mixed_precision | stop
+    nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
+    prefetch: bool = True  # draw and encode the next step's prompts in a background thread
 
 
 @dataclass
@@ -206,6 +236,7 @@ class SFTConfig:
     num_workers: int = 0  # DataLoader processes that tokenize and pack ahead of the model
     max_examples: int = 0  # train on the first N records only; 0 = all
     seed: int = 0
+    logit_chunk_tokens: int = 1024  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
 
 
 @dataclass
@@ -239,6 +270,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sft.precision": ("auto", "fp32", "bf16", "fp16"),
     "sft.adamw": ("fused", "foreach", "plain"),
     "sft.compile": ("off", "on", "gpu"),
+    "speed.reward_pool": ("thread", "process"),
+    "speed.curriculum": ("off", "length", "complexity", "success_rate"),
+    "speed.precision": ("fp32", "bf16", "fp16"),
+    "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
+    "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
+    "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
 }
 
 # (key, predicate, human-readable requirement) checked after types are right.
@@ -312,6 +349,13 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("sft.pack_length", lambda v: v >= 16, ">= 16"),
     ("sft.num_workers", lambda v: v >= 0, ">= 0"),
     ("sft.max_examples", lambda v: v >= 0, ">= 0"),
+    ("speed.min_pack_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("speed.reward_workers", lambda v: v >= 0, ">= 0"),
+    ("speed.reward_cache_size", lambda v: v >= 1, ">= 1"),
+    ("speed.curriculum_warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("speed.dynamic_sampling_max_rounds", lambda v: v >= 0, ">= 0"),
+    ("speed.nan_guard_patience", lambda v: v >= 1, ">= 1"),
+    ("speed.nan_guard_lr_factor", lambda v: 0 < v < 1, "in (0, 1)"),
 ]
 
 # Defaults that differ per task, applied over the code defaults and under any
@@ -464,8 +508,10 @@ def parse_override(text: str) -> tuple[str, Raw]:
     return key.strip().removeprefix("--"), Raw(raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None) -> Config:
-    """Defaults <- YAML file <- overrides, validated."""
+def load_config(
+    path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None, profile: str | None = None
+) -> Config:
+    """Defaults <- YAML file <- speed profile (hasten/profiles.py) <- overrides, validated."""
     import yaml
 
     cfg = Config()
@@ -490,6 +536,12 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]]
     for key, value in pairs:
         _set(cfg, key, value)
     _apply_task_defaults(cfg, pairs)
+    if profile is not None:  # after the run's own numbers, which a profile's rules read
+        from .profiles import apply_profile
+
+        apply_profile(cfg, profile)
+        for key, value in overrides or []:  # the command line still wins over the profile
+            _set(cfg, key, value)
     return validate(cfg)
 
 

@@ -2,6 +2,7 @@
 
     hasten bench [--workloads B1,B2,B3,B4] [--repeats N] [--peers trl,hf,vllm] [--model NAME]
                  [--quick] [--json-only] [--config configs/b1.yaml]
+    hasten bench --ablate [--steps N] [--rounds R]      (each speed feature off alone; ablate.py)
 
 The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
 TRL's GRPOTrainer, B2 decode against transformers' generate (and vLLM), B3
@@ -57,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument("--config", help="B1 config file (default: configs/b1.yaml)")
+    parser.add_argument("--ablate", action="store_true",
+                        help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
 
 
@@ -90,6 +93,14 @@ def _options(args) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table (unless --json-only) and the JSON line. Returns the exit code."""
+    if argv and "--ablate" in argv:  # a different measurement with its own options (ablate.py)
+        from .ablate import main as ablate_main
+
+        try:
+            return ablate_main(argv)
+        except UserError as error:
+            print(str(error).splitlines()[0], file=sys.stderr)
+            return 2
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a usage error argparse already printed

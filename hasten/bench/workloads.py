@@ -153,7 +153,7 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) ->
 
 
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
-    from ..train.episodes import PromptSampler
+    from ..speed.prefetch import make_feeder
     from ..train.trainer import grpo_step
     from .peers import PeerError, TrlProcess
 
@@ -179,7 +179,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 except PeerError as error:
                     result.notes.append(str(error))
         records, flops, peer_steps = [], [], {label: [] for label in workers}
-        learner, sampler = side.learner, PromptSampler(session.task.train_rows, cfg.train.seed)
+        learner, sampler = side.learner, make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         recorder = session.engine = RecordingEngine(session.engine)
         try:
             for step in range(1, steps + 1):  # A B B, A B B, ...: no two runs overlap
@@ -196,6 +196,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         workers.pop(label).close()
         finally:
             session.engine = recorder.engine
+            sampler.close()  # the prefetch thread
             for worker in workers.values():
                 worker.close()
 

@@ -119,7 +119,7 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
         gather(flat_q, layout.prompt_index), prompt_k, prompt_v, attn_mask=layout.prompt_mask,
         scale=scaling, enable_gqa=gqa,
     )  # (R, H, P, D)
-    out = flat_q.new_zeros(batch * length, heads, dim)  # padding positions stay 0 (never read)
+    out = prompt_out.new_zeros(batch * length, heads, dim)  # padding positions stay 0 (never read); autocast dtype
     out = out.index_put((layout.prompt_index[layout.prompt_valid],),
                         prompt_out.transpose(1, 2)[layout.prompt_valid])
     if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs

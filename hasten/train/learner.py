@@ -17,6 +17,7 @@ No redundant passes:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,9 @@ from .fast_linear import onednn_linears
 from .logprobs import completion_logprobs
 from .microbatch import micro_batches
 from .packing import packed_logprobs
+from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
+from ..speed.nan_guard import NanGuard
+from ..speed.precision import Precision, make_adamw
 
 
 def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -46,12 +50,7 @@ def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config):
     Shared by the language-model Learner and the game loop (train/policy_loop.py).
     """
     train = cfg.train
-    optimizer = torch.optim.AdamW(
-        parameters,
-        lr=train.lr,
-        betas=(train.adam_beta1, train.adam_beta2),
-        weight_decay=train.weight_decay,
-    )
+    optimizer = make_adamw(parameters, train, cfg.speed)  # speed.optimizer picks the kernel
     total = train.steps * cfg.algo.num_iterations  # optimizer steps in the run
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -61,24 +60,35 @@ def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config):
 
 
 class Learner:
-    def __init__(self, policy: Policy, cfg: Config, reference: Reference | None = None):
+    def __init__(self, policy: Policy, cfg: Config, reference: Reference | None = None,
+                 log: Callable[[str], None] = print):
         self.policy = policy
         self.cfg = cfg
         self.reference = reference
         self.loss_fn = LOSSES[cfg.algo.loss]
         self.settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
         self.parameters = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(self.parameters, cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.parameters, cfg)  # speed.optimizer: AdamW kernel
+        # Speed hooks (hasten/speed/): autocast + GradScaler, NaN guard, activation checkpointing.
+        self.device = next(policy.model.parameters()).device
+        self.precision = Precision(cfg.speed.precision, self.device, cfg.speed.tf32)
+        self.guard = NanGuard(cfg.speed, self._lower_lr, self.precision.disable, log) if cfg.speed.nan_guard else None
+        set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
 
     def _chunk_logprobs(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
+        # fast_linear and grouped_attention switch the model's kernels for the forward only. With
+        # gradient checkpointing, backward recomputes layers after that switch is undone and
+        # torch rejects the mismatch, so checkpointing runs them on the plain kernels.
+        plain_kernels = bool(getattr(model, "is_gradient_checkpointing", False))
         # speed.fast_linear: the model's matmuls in oneDNN for this forward and its backward.
-        with onednn_linears(model, self.cfg.speed.fast_linear):
-            return self._chunk_pass(model, rollout, rows, with_entropy)
+        with onednn_linears(model, self.cfg.speed.fast_linear and not plain_kernels):
+            return self._chunk_pass(model, rollout, rows, with_entropy, plain_kernels)
 
-    def _chunk_pass(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
-        if self.cfg.speed.packed_learning:
+    def _chunk_pass(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool, plain_kernels: bool):
+        if self.cfg.speed.packed_learning and pack_ratio(rollout, rows) >= self.cfg.speed.min_pack_ratio:
             return packed_logprobs(model, rollout, rows, self.cfg.generation.temperature, with_entropy,
-                                   self.cfg.speed.logit_chunk_tokens, self.cfg.speed.grouped_attention)
+                                   self.cfg.speed.logit_chunk_tokens,
+                                   self.cfg.speed.grouped_attention and not plain_kernels)
         group = rows // rollout.num_generations  # prompt index of each sample
         return completion_logprobs(
             model,
@@ -96,6 +106,7 @@ class Learner:
         mask = rollout.completion_mask
         chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
                                self.cfg.speed.packed_learning)
+        chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
         ref_logps = self._reference_logprobs(rollout, chunks) if self.reference is not None else None
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
         metric_sums: dict[str, float] = {}
@@ -105,7 +116,8 @@ class Learner:
         for iteration in range(self.cfg.algo.num_iterations):
             loss_total = 0.0
             for index, rows in enumerate(chunks):
-                stats = self._chunk_logprobs(model, rollout, rows, with_entropy=iteration == 0)
+                with self.precision.autocast():  # speed.precision: a no-op in fp32
+                    stats = self._chunk_logprobs(model, rollout, rows, with_entropy=iteration == 0)
                 if iteration == 0:
                     old = stats.logps.detach()  # the sampling policy: no update has happened yet
                     if self.cfg.algo.num_iterations > 1:
@@ -125,11 +137,11 @@ class Learner:
                     num_chunks=len(chunks),
                 )
                 loss, metrics = self.loss_fn(inputs, self.settings)
-                loss.backward()
+                self.precision.backward(loss)  # fp16: scaled by the GradScaler
                 loss_total += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value / len(chunks)
-            grad_norm = self._optimizer_step()
+            grad_norm = self._optimizer_step(loss_total)
         iterations = self.cfg.algo.num_iterations
         out = {key: value / iterations for key, value in metric_sums.items()}
         out.update(
@@ -138,17 +150,33 @@ class Learner:
             entropy=entropy_sum / max(float(mask.sum()), 1.0),
             lr=lr,
         )
+        if self.guard is not None:
+            out["nan_guard/skipped"] = self.guard.skipped  # over the run so far
         return out
 
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor]:
-        with self.reference.active() as reference_model:
+        offload = self.cfg.speed.offload_reference and self.reference.frozen is not None
+        with self.reference.active() as reference_model, on_device(reference_model, self.device, offload), \
+                self.precision.autocast():
             return [self._chunk_logprobs(reference_model, rollout, rows, False).logps for rows in chunks]
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss: float) -> float:
         max_norm = self.cfg.train.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
+        self.precision.unscale(self.optimizer)  # fp16: true gradient sizes before clipping
+        norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf")))
+        # Under fp16 the GradScaler owns gradient overflow (it skips such steps and lowers its scale).
+        checked_norm = norm if self.precision.scaler is None else 0.0
+        if self.guard is None or self.guard.allow(loss, checked_norm):
+            self.precision.step(self.optimizer)
+            self.scheduler.step()
+        else:
+            self.precision.skip(self.optimizer)  # speed.nan_guard: as if this update never happened
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    def _lower_lr(self, factor: float) -> None:
+        """The NaN guard's lower_lr: scale the schedule's peak (LambdaLR multiplies base_lrs)."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)

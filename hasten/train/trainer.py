@@ -19,7 +19,7 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -29,7 +29,11 @@ from ..models import Policy, Reference, load_policy
 from ..rewards import RewardFunction, load_reward, score_rewards
 from ..rollout import Engine, KVCacheEngine, SamplingParams
 from ..tasks import Task, make_task
-from .episodes import PromptSampler, encode_prompt, reward_inputs
+from ..speed.compile import compile_model
+from ..speed.dynamic_sampling import ScoredBatch, refill
+from ..speed.prefetch import Feeder, make_feeder
+from ..speed.scoring import RewardScorer
+from .episodes import reward_inputs
 from .evaluate import evaluate
 from .learner import Learner
 from .outputs import RunDir
@@ -46,6 +50,7 @@ class Session:
     rewards: list[RewardFunction]
     policy: Policy
     engine: Engine  # KVCacheEngine or LeanEngine (speed.engine)
+    scorer: RewardScorer | None = None  # reward pool, cache and gate (speed.*); owns the pool threads
 
 
 def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
@@ -75,7 +80,9 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
     task = make_task(cfg.task, cfg)
     rewards = build_rewards(cfg, task)
     policy = load_policy(cfg.model, log)
-    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log))
+    if cfg.speed.compile:
+        compile_model(policy.model, cfg.speed.compile_mode, log)
+    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed))
 
 
 def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):
@@ -113,32 +120,53 @@ def run_eval(session: Session, run: RunDir, progress: Progress, step: int) -> di
     return metrics
 
 
-def grpo_step(session: Session, learner: Learner, sampler: PromptSampler, step: int) -> dict[str, float]:
-    """One GRPO step; returns its metrics record."""
+def generate_and_score(session: Session, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
+    """Take `count` prompts, sample a group for each, score them (slow rewards joined here)."""
     cfg, tokenizer = session.cfg, session.policy.tokenizer
-    group = cfg.generation.num_generations
     sampling = SamplingParams(
         cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.generation.top_p, cfg.generation.top_k
     )
-    rows = sampler.next(cfg.train.prompts_per_step)
-
+    rows, prompts = feeder.take(count)
     started = time.perf_counter()
-    prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
-    rollout = session.engine.generate(prompts, group, sampling, seed=cfg.train.seed * 1_000_003 + step)
+    rollout = session.engine.generate(prompts, cfg.generation.num_generations, sampling, seed=seed)
     generated = time.perf_counter()
-
     inputs = reward_inputs(tokenizer, rows, rollout)
-    scores = score_rewards(session.rewards, inputs.prompts, inputs.completions, inputs.columns,
-                           inputs.completion_ids)
-    advantages = group_advantages(scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
+    pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids)
+    scores = pending.join()  # slow rewards ran in the pool while the fast ones ran here
+    group_means = scores.total.view(len(rows), -1).mean(dim=1)  # (B,)
+    feeder.observe(rows, group_means.tolist())  # curriculum success rates
+    metrics = {**pending.metrics, "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
+    return ScoredBatch(rows, rollout, inputs, scores, metrics)
+
+
+def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> dict[str, float]:
+    """One GRPO step; returns its metrics record."""
+    cfg = session.cfg
+    group = cfg.generation.num_generations
+    seed = cfg.train.seed * 1_000_003 + step
+    started = time.perf_counter()
+    rounds: list[ScoredBatch] = [generate_and_score(session, feeder, cfg.train.prompts_per_step, seed)]
+    batch: ScoredBatch | None = rounds[0]
+    dynamic: dict[str, float] = {}
+    if cfg.speed.dynamic_sampling:  # DAPO: drop flat groups, refill from the same stream (a capped loop)
+        def draw(count: int, round_index: int) -> ScoredBatch:
+            rounds.append(generate_and_score(session, feeder, count, seed + 1_000_000_007 * round_index))
+            return rounds[-1]
+
+        batch, dynamic = refill(rounds[0], draw, cfg.speed.dynamic_sampling_max_rounds, session.policy.pad_token_id)
     scored = time.perf_counter()
 
-    learned_metrics = learner.step(rollout, advantages)
+    learned_metrics: dict[str, Any] = {"skipped_update": 1.0}  # every group was flat: nothing to learn from
+    if batch is not None:
+        advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
+        learned_metrics = learner.step(batch.rollout, advantages)
     finished = time.perf_counter()
 
+    # Reward and length statistics describe the first round: the policy's plain sample, as without refills.
+    first = rounds[0]
+    scores, rollout = first.scores, first.rollout
     lengths = rollout.completion_lengths.float()
-    prompt_tokens = int(rollout.prompt_mask.sum())
-    completion_tokens = int(lengths.sum())
+    tokens = sum(int(r.rollout.prompt_mask.sum()) + int(r.rollout.completion_mask.sum()) for r in rounds)
     record = {
         "step": step,
         "reward_mean": float(scores.total.mean()),
@@ -149,12 +177,14 @@ def grpo_step(session: Session, learner: Learner, sampler: PromptSampler, step: 
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
         "eos_fraction": float(rollout.ended_with_eos.float().mean()),
+        **rounds[-1].metrics,
+        **dynamic,
         **learned_metrics,
-        "time/generate": generated - started,
-        "time/reward": scored - generated,
+        "time/generate": sum(r.metrics["time/generate"] for r in rounds),
+        "time/reward": sum(r.metrics["time/reward"] for r in rounds),
         "time/learn": finished - scored,
         "time/step": finished - started,
-        "tokens_per_second": (prompt_tokens + completion_tokens) / (finished - started),
+        "tokens_per_second": tokens / (finished - started),
     }
     return record
 
@@ -168,8 +198,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
         return train_policy(cfg, log)
     session = prepare(cfg, log)  # raises on bad input before anything is written
     reference = Reference(session.policy) if cfg.algo.beta > 0 else None
-    learner = Learner(session.policy, cfg, reference)
-    sampler = PromptSampler(session.task.train_rows, cfg.train.seed)
+    learner = Learner(session.policy, cfg, reference, log)
+    feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
     run = RunDir.create(cfg)
     progress = Progress(cfg.train.steps, cfg.output.progress)
     progress.message(f"run directory: {run.path}")
@@ -178,7 +208,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
     if cfg.eval.at_start and cfg.eval.num_examples:
         evals[0] = run_eval(session, run, progress, 0)
     for step in range(1, cfg.train.steps + 1):
-        record = grpo_step(session, learner, sampler, step)
+        record = grpo_step(session, learner, feeder, step)
         run.log_step(record)
         progress.update(step, record)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps and cfg.eval.num_examples:
@@ -189,6 +219,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
         evals[cfg.train.steps] = run_eval(session, run, progress, cfg.train.steps)
     checkpoint = run.save_checkpoint(session.policy.model, session.policy.tokenizer, None)
     progress.close()
+    feeder.close()
+    session.scorer.close()
 
     summary = {"run_dir": str(run.path), "checkpoint": str(checkpoint), "steps": cfg.train.steps}
     if evals:

@@ -1,0 +1,127 @@
+"""Speed profiles: `--profile baseline | conservative | balanced | aggressive`.
+
+A profile is a named bundle of config values applied on top of the YAML file
+and under the command-line overrides (defaults <- YAML <- profile <-
+--section.key=value), so `--profile balanced --speed.reward_workers=4` works.
+
+    baseline      every acceleration off: the plain reference path (transformers
+                  forward for generation, padded learning pass with MKL matmuls and
+                  dense attention, for-loop AdamW,
+                  rewards scored inline, nothing cached or prefetched)
+    conservative  every acceleration that cannot change what is learned (equal
+                  to the code defaults of the speed: section)
+    balanced      conservative + DAPO dynamic sampling (one extra generation
+                  round at most) + the early-termination gate as configured +
+                  on a GPU bf16 autocast, TF32 and torch.compile
+    aggressive    balanced + half the generations per prompt, 3/4 of the
+                  completion budget and an easy-first curriculum
+
+The NaN guard stays on in every profile: it is a safety net, not an
+acceleration. `TRADES` says, per profile, what it trades away; `hasten
+compare` prints it next to the numbers. Values that depend on the run are
+functions of the config so far (e.g. `aggressive` halves the configured
+num_generations rather than setting a constant), which keeps the arithmetic
+visible here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import Config, ConfigError, _set
+
+Value = Any  # a plain value, or Callable[[Config], value] read from the config so far
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+BASELINE: dict[str, Value] = {
+    "speed.engine": "hf",
+    "speed.keep_freed_memory": False,
+    "speed.packed_learning": False,
+    "speed.grouped_attention": False,
+    "speed.fast_linear": False,
+    "speed.token_budget": 0,
+    "speed.min_pack_ratio": 0.0,
+    "speed.reward_workers": 0,
+    "speed.reward_cache": False,
+    "speed.gate_reward": None,
+    "speed.curriculum": "off",
+    "speed.dynamic_sampling": False,
+    "speed.precision": "fp32",
+    "speed.tf32": False,
+    "speed.compile": False,
+    "speed.optimizer": "for_loop",
+    "speed.gradient_checkpointing": False,
+    "speed.offload_reference": False,
+    "speed.nan_guard": True,
+    "speed.prefetch": False,
+}
+
+CONSERVATIVE: dict[str, Value] = {
+    **BASELINE,
+    "speed.engine": "auto",
+    "speed.keep_freed_memory": True,
+    "speed.packed_learning": True,
+    "speed.grouped_attention": True,
+    "speed.fast_linear": True,
+    "speed.reward_workers": 2,
+    "speed.reward_cache": True,
+    "speed.optimizer": "auto",
+    "speed.prefetch": True,
+}
+
+BALANCED: dict[str, Value] = {
+    **CONSERVATIVE,
+    "speed.gate_reward": lambda cfg: cfg.speed.gate_reward,  # early termination as configured (off unless set)
+    "speed.dynamic_sampling": True,
+    "speed.dynamic_sampling_max_rounds": 1,
+    # CPU: fp32. bf16 autocast measured 1.6x faster here (AVX512-BF16) but changes numerics and is
+    # slower on CPUs without native bf16; opt in with --speed.precision=bf16 (docs/speedups.md).
+    "speed.precision": lambda cfg: "bf16" if _cuda() else "fp32",
+    "speed.tf32": True,  # only CUDA reads it
+    "speed.compile": lambda cfg: _cuda(),  # CPU: compile time is never paid back in short runs
+}
+
+AGGRESSIVE: dict[str, Value] = {
+    **BALANCED,
+    "generation.num_generations": lambda cfg: max(2, cfg.generation.num_generations // 2),  # 8 -> 4
+    "generation.max_new_tokens": lambda cfg: max(1, cfg.generation.max_new_tokens * 3 // 4),  # 64 -> 48
+    "speed.curriculum": "success_rate",
+    "speed.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
+}
+
+PROFILES: dict[str, dict[str, Value]] = {
+    "baseline": BASELINE,
+    "conservative": CONSERVATIVE,
+    "balanced": BALANCED,
+    "aggressive": AGGRESSIVE,
+}
+
+# What each profile gives up; "" = it learns exactly what baseline learns (up to float rounding).
+TRADES: dict[str, str] = {
+    "baseline": "",
+    "conservative": "",
+    "balanced": "changes the batch: zero-variance groups are dropped and refilled (DAPO); gated samples get a "
+                "fixed reward",
+    "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
+                  "first; plus balanced's changes",
+}
+
+
+def resolve(name: str, cfg: Config) -> dict[str, Any]:
+    """The concrete key -> value settings of profile `name` for the config so far."""
+    if name not in PROFILES:
+        raise ConfigError(f"config error: unknown profile '{name}' (choose from {', '.join(PROFILES)})")
+    return {key: value(cfg) if callable(value) else value for key, value in PROFILES[name].items()}
+
+
+def apply_profile(cfg: Config, name: str) -> Config:
+    """Set every key of profile `name` on `cfg` (type-checked like any override)."""
+    for key, value in resolve(name, cfg).items():
+        _set(cfg, key, value)
+    return cfg
