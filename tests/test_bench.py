@@ -95,3 +95,11 @@ def test_ratio_is_median_of_pairs_and_json_is_strict():
     payload = json.loads(to_json([result], 2.0, {"model": "tiny"}))
     assert payload["workloads"]["B1"]["rows"][0]["reward_mean"] is None
     assert payload["workloads"]["B1"]["ratios"] == {"peer/hasten": 2.0}
+
+
+@pytest.mark.parametrize("choice, expected", [("both", (False, True)), ("off", (False,)), ("on", (True,))])
+def test_trl_checkpointing_option_picks_the_trl_processes(choice, expected):
+    from hasten.bench import _options, _parser
+
+    opts = _options(_parser().parse_args(["--trl-checkpointing", choice]))
+    assert opts.trl_checkpointing == expected

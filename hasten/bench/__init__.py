@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of B1..B4 (default: all)")
     parser.add_argument("--repeats", type=int, help="B1 steps (median over 2..N; default 5), rounds elsewhere (3)")
     parser.add_argument("--peers", help="comma list of trl, hf, vllm, or none (default: those that import)")
+    parser.add_argument("--trl-checkpointing", default="both", choices=("both", "off", "on"),
+                        help="B1's TRL processes: gradient checkpointing off (TRL's CPU best), on (its default) "
+                             "or both (default); one alone needs less memory")
     parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -88,7 +91,8 @@ def _options(args) -> Any:
         print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
-                        quick=args.quick, repeats=args.repeats, config=config, log=log)
+                        quick=args.quick, repeats=args.repeats, config=config, log=log,
+                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing])
 
 
 def main(argv: list[str] | None = None) -> int:

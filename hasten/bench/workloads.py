@@ -44,6 +44,7 @@ class BenchOptions:
     config: Path = CONFIG_PATH
     log: Callable[[str], None] = print
     decode_shape: tuple[int, int, int] = (8, 8, 64)  # B2: 8 prompts x 8 samples x 64 new tokens
+    trl_checkpointing: tuple[bool, ...] = (False, True)  # B1: TRL's CPU best, then its default
 
     def rounds(self, workload: str) -> int:
         if self.repeats is not None:
@@ -169,7 +170,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
         if "trl" in opts.peers:
             model_dir = peer_model_dir(cfg.model.name, Path(workdir))
-            for checkpointing in (False, True):  # TRL's CPU best, then its default
+            for checkpointing in opts.trl_checkpointing:  # TRL's CPU best, then its default (--trl-checkpointing)
                 label = f"trl gc={'on' if checkpointing else 'off'}"
                 spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps)
                 result.settings[label] = {"model": model_dir, **spec["config"]}
