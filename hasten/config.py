@@ -148,7 +148,7 @@ class SpeedConfig:
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    optimizer: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for_loop (AdamW kernels)
+    optimizer: str = "auto"  # auto (fused where torch has it: CUDA, CPU) | fused | foreach | for_loop (AdamW kernels)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     offload_reference: bool = False  # keep the KL reference on the CPU, on the device only for its pass
     nan_guard: bool = True  # skip an update with a non-finite loss or gradient, log it

@@ -118,6 +118,25 @@ def test_generate_follows_the_weights_after_an_optimizer_step(model, tokenizer):
     assert_same_rollout(make_engine(model, tokenizer).generate(prompts, 2, sampling, seed=0), after)
 
 
+def test_fused_adamw_update_is_followed_after_weights_changed(tokenizer):
+    # torch's fused CPU AdamW does not bump _version, so the version check alone misses it;
+    # the trainer calls weights_changed() after every update for that reason.
+    from hasten.models.tiny import tiny_model
+
+    model = tiny_model(len(tokenizer), seed=3)
+    engine = lean_engine(model, tokenizer)
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12)
+    before = engine.generate(prompts, 2, sampling, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    ids = torch.tensor([prompts[0] * 3])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    engine.weights_changed()
+    after = engine.generate(prompts, 2, sampling, seed=0)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert_same_rollout(make_engine(model, tokenizer).generate(prompts, 2, sampling, seed=0), after)
+
+
 def test_sync_weights_rebuilds_only_after_a_change(model, tokenizer):
     engine = lean_engine(model, tokenizer)
     prepared = engine.layers

@@ -48,9 +48,11 @@ def tiny_config(data, **overrides):
     return load_config(overrides=list(pairs.items()))
 
 
-def test_mean_reward_rises_on_a_learnable_reward(data):
+@pytest.mark.parametrize("optimizer", ["foreach", "fused"])  # fused CPU AdamW leaves _version alone
+def test_mean_reward_rises_on_a_learnable_reward(data, optimizer):
     cfg = tiny_config(data, **{"train.steps": 40, "train.lr": 3e-3, "train.prompts_per_step": 4,
-                               "generation.max_new_tokens": 12, "eval.num_examples": 0, "output.plot": False})
+                               "generation.max_new_tokens": 12, "eval.num_examples": 0, "output.plot": False,
+                               "speed.optimizer": optimizer})
     summary = train(cfg, log=lambda text: None)
     rewards = [json.loads(line)["reward_mean"] for line in open(f"{summary['run_dir']}/metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

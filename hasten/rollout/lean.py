@@ -209,13 +209,19 @@ class LeanEngine:
         self.weight_versions: list[tuple[int, int]] = []
         self.sync_weights()
 
+    def weights_changed(self) -> None:
+        """The policy was updated: rebuild the fused and packed matrices before the next use."""
+        self.weight_versions = []
+
     @torch.no_grad()
     def sync_weights(self, force: bool = False) -> None:
         """Rebuild the fused and packed matrices if any weight changed since the last call.
 
         A change is seen through each parameter's version counter (bumped by every
         in-place update, the optimizer's included) and storage pointer (a replaced
-        tensor). Writes through `param.data` bypass the counter: call with force=True then.
+        tensor). Writes through `param.data` bypass the counter, and so does torch's fused
+        CPU AdamW (`_fused_adamw_` leaves `_version` alone, measured on torch 2.13): the
+        trainer calls `weights_changed()` after every update so neither can leave stale weights.
         """
         versions = [(parameter._version, parameter.data_ptr()) for parameter in self.model.parameters()]
         if versions == self.weight_versions and not force:

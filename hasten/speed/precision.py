@@ -84,9 +84,10 @@ class Precision:
 def adamw_kernel(choice: str, device: torch.device) -> dict[str, bool]:
     """AdamW keyword arguments for speed.optimizer on `device`."""
     if choice == "auto":
-        # CPU: foreach, not fused, although fused measured 5x faster per step here: with fused,
-        # tests/test_train.py's learning run did not learn (unexplained; see docs/speedups.md).
-        choice = "fused" if device.type == "cuda" else "foreach"
+        # Fused where torch has the kernel (CUDA and CPU): 5.4x faster per step than for-loop here.
+        # On the CPU it leaves the parameters' _version alone, which is why the trainer tells the
+        # lean engine about every update (LeanEngine.weights_changed) instead of relying on it.
+        choice = "fused" if device.type in ("cuda", "cpu") else "foreach"
     return {"fused": {"fused": True}, "foreach": {"foreach": True},
             "for_loop": {"foreach": False, "fused": False}}[choice]
 

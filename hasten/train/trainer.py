@@ -160,6 +160,8 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> 
     if batch is not None:
         advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
         learned_metrics = learner.step(batch.rollout, advantages)
+        if hasattr(session.engine, "weights_changed"):  # engines that cache weights (lean.py): not via _version
+            session.engine.weights_changed()
     finished = time.perf_counter()
 
     # Reward and length statistics describe the first round: the policy's plain sample, as without refills.
