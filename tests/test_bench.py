@@ -103,3 +103,19 @@ def test_trl_checkpointing_option_picks_the_trl_processes(choice, expected):
 
     opts = _options(_parser().parse_args(["--trl-checkpointing", choice]))
     assert opts.trl_checkpointing == expected
+
+
+def test_recording_engine_passes_weight_updates_through():
+    from hasten.bench.workloads import RecordingEngine
+
+    class Engine:
+        changed = 0
+
+        def weights_changed(self):
+            self.changed += 1
+
+    inner = Engine()
+    recorder = RecordingEngine(inner)
+    assert hasattr(recorder, "weights_changed")  # what grpo_step checks before telling the engine
+    recorder.weights_changed()
+    assert inner.changed == 1

@@ -76,6 +76,9 @@ class RecordingEngine:
         self.last = self.engine.generate(*args, **kwargs)
         return self.last
 
+    def __getattr__(self, name):  # everything else (weights_changed, sync_weights, ...) is the engine's
+        return getattr(self.engine, name)
+
 
 @dataclass
 class HastenSide:
