@@ -122,3 +122,27 @@ def check_numeric_answer(text: str, row: dict[str, Any]) -> Verdict:
     tolerance = row.get("tolerance")
     tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
     return Verdict(parsed=True, correct=within_tolerance(predicted, target, tolerance))
+
+
+def json_objects(text: str, label: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank JSONL line; a bad line is a TaskError naming it."""
+    import json
+
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"data error: {label} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise TaskError(f"{where}: expected a JSON object, got {json_type(row)}")
+        rows.append((number, row))
+    return rows
+
+
+def json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

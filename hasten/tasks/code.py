@@ -38,7 +38,7 @@ from hasten.rewards.code import (
     SandboxSettings, code_parses, code_rewards, mypy_available, program_source, ruff_binary,
 )
 from hasten.sandbox import Limits, ProgramError, assert_program, check_program
-from hasten.tasks.base import Task, TaskError, Verdict, chat_prompt
+from hasten.tasks.base import Task, TaskError, Verdict, chat_prompt, json_objects
 
 DESCRIPTION = "write a Python function from its docstring; sandboxed tests (builtin, HumanEval, MBPP, jsonl)"
 SYSTEM_PROMPT = "You are an expert Python programmer. Reply with code only."
@@ -77,17 +77,7 @@ def _jsonl(path: Path | str, label: str) -> list[tuple[int, dict]]:
     file = Path(path)
     if not file.is_file():
         raise TaskError(f"data error: '{path}' does not exist")
-    rows = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskError(f"data error: {label} line {number}: invalid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise TaskError(f"data error: {label} line {number}: expected a JSON object")
-        rows.append((number, row))
+    rows = json_objects(file.read_text(encoding="utf-8"), label)
     if not rows:
         raise TaskError(f"data error: {label} has no rows")
     return rows

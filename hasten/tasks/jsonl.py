@@ -16,14 +16,13 @@ Every malformed line is reported with its line number.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hasten.config import TaskConfig
 from hasten.rewards.builtin import answer_value, extract_answer, parse_number
 from hasten.rewards.runner import RESERVED_COLUMNS
-from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer
+from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer, json_objects, json_type
 
 DESCRIPTION = "your prompts from a JSON Lines file (task.path), rewards from rewards.extra"
 EVAL_FRACTION = 0.1
@@ -39,16 +38,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(f"data error: cannot read {path}: {exc}") from None
     rows: list[dict[str, Any]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, row in json_objects(text, str(path)):
         where = f"data error: {path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(row, dict):
-            raise TaskError(f"{where}: expected a JSON object, got {_json_type(row)}")
         problem = _prompt_problem(row)
         if problem:
             raise TaskError(f"{where}: {problem}")
@@ -69,7 +60,7 @@ def _prompt_problem(row: dict[str, Any]) -> str | None:
     if isinstance(prompt, str):
         return None if prompt.strip() else "'prompt' is empty"
     if not isinstance(prompt, list):
-        return f"'prompt' must be a string or a list of messages (got {_json_type(prompt)})"
+        return f"'prompt' must be a string or a list of messages (got {json_type(prompt)})"
     if not prompt:
         return "'prompt' is an empty list of messages"
     for index, message in enumerate(prompt):
@@ -80,11 +71,6 @@ def _prompt_problem(row: dict[str, Any]) -> str | None:
         ):
             return f"'prompt' message {index} must be an object with string 'role' and 'content'"
     return None
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def check_answer_column(text: str, row: dict[str, Any]) -> Verdict | None:
