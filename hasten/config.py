@@ -121,6 +121,7 @@ class SpeedConfig:
     comment says "changes learning" (or numerics) do when switched on (docs/speedups.md)."""
 
     engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py)
+    model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
@@ -263,6 +264,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("cosine", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf"),
+    "speed.model_impl": ("auto", "native", "hf"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
     "rft.keep": ("one", "all"),

@@ -41,6 +41,7 @@ def _cuda() -> bool:
 
 BASELINE: dict[str, Value] = {
     "speed.engine": "hf",
+    "speed.model_impl": "hf",
     "speed.keep_freed_memory": False,
     "speed.packed_learning": False,
     "speed.grouped_attention": False,
@@ -65,6 +66,7 @@ BASELINE: dict[str, Value] = {
 CONSERVATIVE: dict[str, Value] = {
     **BASELINE,
     "speed.engine": "auto",
+    "speed.model_impl": "auto",
     "speed.keep_freed_memory": True,
     "speed.packed_learning": True,
     "speed.grouped_attention": True,

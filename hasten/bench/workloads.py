@@ -89,6 +89,21 @@ class HastenSide:
     learner: Any
     size: ModelSize
     notes: list[str] = field(default_factory=list)
+    _hf_policy: Any = None
+
+    def hf_policy(self):
+        """The same weights in transformers' classes, for the peers that are transformers code (B2, B3).
+
+        hasten's own rows run on session.policy, which speed.model_impl=auto loads
+        into the native Llama (models/llama.py); a peer must stay transformers'.
+        """
+        if getattr(self.session.policy.model, "hasten_native", False):
+            if self._hf_policy is None:
+                from ..models import load_policy
+
+                self._hf_policy = load_policy(self.cfg.model, log=lambda text: None)
+            return self._hf_policy
+        return self.session.policy
 
     @classmethod
     def build(cls, opts: BenchOptions) -> HastenSide:
@@ -238,15 +253,18 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
 # ------------------------------------------------------------------ B2: decode
 
 
-def hasten_engines(policy, notes: list[str] | None = None) -> dict[str, Any]:
+def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> dict[str, Any]:
     """hasten's engines for B2, each built so no sampled token ends a row (an empty EOS list).
+
+    The kv-cache engine needs transformers' model (hf_policy; default: policy).
 
     Add a faster engine here and it becomes a B2 row. `hasten.rollout.lean`'s
     LeanEngine is picked up when the module exists and builds.
     """
     from ..rollout import KVCacheEngine
 
-    engines: dict[str, Any] = {"kv-cache": KVCacheEngine(policy.model, policy.pad_token_id, [])}
+    hf_policy = hf_policy or policy
+    engines: dict[str, Any] = {"kv-cache": KVCacheEngine(hf_policy.model, hf_policy.pad_token_id, [])}
     try:
         from ..rollout.lean import LeanEngine
     except ImportError:
@@ -272,13 +290,14 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
                                    "top_k": sampling.top_k, "prompt_tokens": [len(p) for p in prompts]}
 
     runners: dict[str, tuple[str, Callable[[Any, int], int]]] = {}
-    for name, engine in hasten_engines(policy, result.notes).items():
+    hf_policy = side.hf_policy()
+    for name, engine in hasten_engines(policy, result.notes, hf_policy).items():
         runners[name] = ("hasten", lambda params, seed, engine=engine:
                          int(engine.generate(prompts, group, params, seed).completion_mask.sum()))
     result.settings["hasten"] = {"engines": list(runners), "eos_token_ids": [], "prefill": "once per prompt"}
     if "hf" in opts.peers:
         runners["hf generate"] = ("peer", lambda params, seed: hf_generate(
-            policy.model, prompts, group, params, seed, policy.pad_token_id))
+            hf_policy.model, prompts, group, params, seed, policy.pad_token_id))
         result.settings["hf generate"] = {
             "do_sample": True, "num_return_sequences": group, "max_new_tokens": new_tokens,
             "min_new_tokens": new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -316,15 +335,14 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
 
 def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     """Learner.step without the optimizer: log-probs, loss and backward over the accumulation chunks."""
-    import torch
-
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
     from ..train.fast_linear import onednn_linears
     from ..train.microbatch import micro_batches
     from ..train.packing import packed_logprobs
 
-    cfg, model = side.cfg, side.session.policy.model
+    cfg = side.cfg
+    model = side.session.policy.model if packed else side.hf_policy().model  # the peer is transformers' pass
     temperature, mask = cfg.generation.temperature, rollout.completion_mask
     settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
     chunks = micro_batches(rollout, cfg.train.gradient_accumulation_steps,
@@ -373,10 +391,9 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                                  "speed.grouped_attention": cfg.speed.grouped_attention,
                                  "path": "hasten/train/packing.py (one row per group, prompt once)"}
     result.settings["padded"] = {"speed.packed_learning": False,
-                                 "speed.fast_linear": False,
+                                 "speed.fast_linear": False, "model": "transformers' LlamaForCausalLM",
                                  "path": "hasten/train/logprobs.py (plain padded forward, prompt once per sample)"}
 
-    model = session.policy.model
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(-1, rounds):  # round -1 is the warm-up
         for name, (_, packed) in variants.items():
@@ -384,7 +401,8 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
             started = time.perf_counter()
             learning_pass(side, rollout, advantages, packed)
             elapsed = time.perf_counter() - started
-            model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
+            for model in {id(m): m for m in (session.policy.model, side.hf_policy().model)}.values():
+                model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
             if round_index >= 0:
                 seconds[name].append(elapsed)
     flops = learning_flops(side.size, prompt_tokens, completion_tokens)

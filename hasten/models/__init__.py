@@ -8,6 +8,12 @@ Names, in the order they are tried:
                  a directory holding a LoRA adapter loads its base and the adapter)
   anything else  a hub id, when the hub is reachable
 
+Implementation (speed.model_impl, chosen by the trainer): "hf" loads
+transformers' classes; "lean" loads the same checkpoint into llama.py's
+plain-PyTorch Llama with the tokenizers-only tokenizer, so the run never
+imports transformers (~2 s of startup on 2 cores); "auto" is lean where
+llama.py reproduces the model, else hf with a log line.
+
 LoRA (model.lora=true) wraps the policy with peft. The KL reference is built
 only when beta > 0: with LoRA it is the same model with adapters disabled (no
 second copy); with a full fine-tune it is a frozen copy of the initial weights.
@@ -109,8 +115,70 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
         raise ModelError(f"model error: cannot load hub model '{name}' ({str(exc).splitlines()[0]})") from None
 
 
-def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print) -> Policy:
-    """Load the policy named by cfg, wrapped with LoRA adapters when cfg.lora."""
+def _directory(name: str, log: Callable[[str], None]) -> Path | None:
+    """The local model directory a name stands for (converting the default model once), else None."""
+    if ALIASES.get(name.lower()) == "smollm2-135m":
+        from .smollm2 import converted_dir
+
+        try:
+            return converted_dir(log)
+        except FileNotFoundError as exc:
+            raise ModelError(f"model error: {exc}") from None
+    path = Path(name).expanduser()
+    return path if path.is_dir() and (path / "config.json").is_file() else None
+
+
+NOT_LOCAL = "not a local model directory"  # hub ids (and unknown names: loading them reports it) stay on transformers
+
+
+def native_reason(cfg: ModelConfig, log: Callable[[str], None] = print) -> str | None:
+    """Why the native Llama (llama.py) cannot stand in for transformers on this model, or None."""
+    import json
+
+    from .llama import WEIGHTS_NAME, unsupported_reason
+
+    if cfg.lora:
+        return "LoRA runs through peft on transformers' modules"
+    if ALIASES.get(cfg.name.lower()) == "tiny":
+        return None  # built in transformers, then copied over (tests run both implementations)
+    directory = _directory(cfg.name, log)
+    if directory is None:
+        return NOT_LOCAL
+    if (directory / "adapter_config.json").is_file():
+        return "a LoRA adapter directory runs through peft"
+    if not (directory / WEIGHTS_NAME).is_file():
+        return f"no single {WEIGHTS_NAME} in {directory}"
+    return unsupported_reason(json.loads((directory / "config.json").read_text()))
+
+
+def _load_native(cfg: ModelConfig, log: Callable[[str], None]):
+    from .llama import NativeLlamaForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    if ALIASES.get(cfg.name.lower()) == "tiny":
+        hf_model, tokenizer = _resolve(cfg.name, dtype, log)
+        return NativeLlamaForCausalLM.from_hf(hf_model), tokenizer
+    from .tokenizer import FastTokenizer
+
+    directory = _directory(cfg.name, log)
+    tokenizer = FastTokenizer(directory)
+    return NativeLlamaForCausalLM.from_pretrained(directory, dtype), tokenizer
+
+
+def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bool = False) -> Policy:
+    """Load the policy named by cfg, wrapped with LoRA adapters when cfg.lora.
+
+    native: load it into llama.py's plain-PyTorch Llama (the caller checked
+    `native_reason` is None); otherwise transformers' classes.
+    """
+    if native:
+        model, tokenizer = _load_native(cfg, log)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if cfg.name.lower() in ALIASES:
+            model.name_or_path = ALIASES[cfg.name.lower()]
+        model.train()
+        return Policy(model=model, tokenizer=tokenizer, source=cfg.name, lora=False)
     model, tokenizer = _resolve(cfg.name, DTYPES[cfg.dtype], log)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -59,6 +59,8 @@ class LayerWeights(NamedTuple):
 
 def check_supported(model) -> None:
     """Raise ValueError unless model is a plain LlamaForCausalLM whose forward this engine reproduces."""
+    if getattr(model, "hasten_native", False):  # models/llama.py: checked when it was loaded
+        return
     from transformers import LlamaForCausalLM
 
     if hasattr(model, "peft_config"):

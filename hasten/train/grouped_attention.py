@@ -26,8 +26,10 @@ How it plugs in: transformers looks attention up by name in
 `AttentionInterface`; `grouped_attention(model, layout)` registers
 "hasten_grouped", switches the model's config to it for the block, and the
 layout travels to each layer as the `hasten_layout` keyword that
-transformers passes through to attention functions. Models that ignore
-AttentionInterface keep the dense masked path (packing.py checks this).
+transformers passes through to attention functions. The native Llama
+(models/llama.py) resolves the same name itself, without transformers.
+Models that ignore AttentionInterface keep the dense masked path (packing.py
+checks this).
 """
 
 from __future__ import annotations
@@ -146,9 +148,10 @@ def supported(model) -> bool:
 @contextlib.contextmanager
 def grouped_attention(model):
     """Run the block with the model's attention switched to grouped_attention_forward."""
-    from transformers import AttentionInterface
+    if not getattr(model.config, "hasten_native", False):  # models/llama.py looks the name up itself
+        from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, grouped_attention_forward)
+        AttentionInterface.register(NAME, grouped_attention_forward)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME

@@ -38,3 +38,4 @@ def configure_threads(num_threads: int) -> None:
 
     if num_threads:
         torch.set_num_threads(num_threads)
+

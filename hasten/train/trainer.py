@@ -26,7 +26,7 @@ import torch
 from ..algo import group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
 from ..models import Policy, Reference, load_policy
-from ..rewards import RewardFunction, load_reward, score_rewards
+from ..rewards import RewardFunction, load_reward
 from ..rollout import Engine, KVCacheEngine, SamplingParams
 from ..tasks import Task, make_task
 from ..speed.compile import compile_model
@@ -79,10 +79,27 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
     torch.manual_seed(cfg.train.seed)
     task = make_task(cfg.task, cfg)
     rewards = build_rewards(cfg, task)
-    policy = load_policy(cfg.model, log)
+    policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     if cfg.speed.compile:
         compile_model(policy.model, cfg.speed.compile_mode, log)
     return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed))
+
+
+def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
+    """speed.model_impl: models/llama.py's Llama (no transformers import) where it reproduces the model."""
+    from ..models import NOT_LOCAL, native_reason
+
+    choice = cfg.speed.model_impl
+    if choice == "hf":
+        return False
+    reason = native_reason(cfg.model, log)
+    if reason is None and cfg.speed.engine == "hf":
+        reason = "speed.engine=hf samples through transformers' KV cache"
+    if reason is not None and choice == "native":
+        raise ConfigError(f"config error: speed.model_impl=native cannot run this model ({reason})")
+    if reason is not None and reason != NOT_LOCAL:  # a hub id runs on transformers: nothing to say
+        log(f"speed.model_impl=auto: using transformers ({reason})")
+    return reason is None
 
 
 def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):

@@ -1,0 +1,349 @@
+"""A Llama-family causal LM in plain PyTorch, loading and saving Hugging Face checkpoints (speed.model_impl).
+
+Why: importing transformers costs 1.5-2.5 s on this 2-core box (its
+modeling code pulls in torch._dynamo and torch.distributed.tensor), which by
+itself breaks "launch to the first step in 3 s". Everything hasten's fast
+path needs from the model is small: a decoder that takes token ids,
+positions and a ready-made boolean mask, an lm_head, and HF's parameter
+names so checkpoints stay interchangeable. This module is that, and nothing
+else; loading it needs torch, safetensors and json.
+
+It reproduces transformers' LlamaForCausalLM forward (5.x, default RoPE,
+silu, no biases) op for op where it matters for numerics: RMSNorm in fp32
+then cast, RoPE cos/sin from the inv_freq buffer in fp32, SDPA with a
+boolean mask. tests/test_native_llama.py checks logits, log-probs and
+gradients against transformers within 1e-5 on the tiny model and that a
+saved checkpoint loads back in transformers unchanged.
+
+What stays with transformers (models/__init__.py picks): LoRA (peft wraps
+HF modules), the KV-cache engine (it uses HF's cache objects), any model
+type or option this file does not reproduce (`unsupported_reason` says
+which), and the benchmark peers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED_ARCHITECTURE = "llama"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def unsupported_reason(config: dict[str, Any]) -> str | None:
+    """Why this module cannot reproduce a model with this config.json, or None when it can."""
+    rope = config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
+    checks = {
+        f"model_type {config.get('model_type')!r} is not 'llama'": config.get("model_type") != SUPPORTED_ARCHITECTURE,
+        f"hidden_act {config.get('hidden_act')!r}": config.get("hidden_act", "silu") != "silu",
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "mlp_bias": bool(config.get("mlp_bias", False)),
+        f"rope_type {rope_type!r}": rope_type != "default",
+        "pretraining_tp > 1": config.get("pretraining_tp", 1) != 1,
+    }
+    bad = [name for name, flag in checks.items() if flag]
+    return f"the native Llama supports plain Llama only; this model has {', '.join(bad)}" if bad else None
+
+
+class LlamaSettings(SimpleNamespace):
+    """config.json as attributes, with transformers' defaults and names (model.config.hidden_size, ...)."""
+
+    hasten_native = True  # grouped_attention.py: no transformers AttentionInterface to register with
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> LlamaSettings:
+        settings = cls(**raw)
+        settings.raw = dict(raw)
+        settings.head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        settings.num_key_value_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
+        settings.rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
+        settings.tie_word_embeddings = raw.get("tie_word_embeddings", False)
+        rope = raw.get("rope_parameters") or {}
+        settings.rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        settings.hidden_act, settings.attention_bias, settings.mlp_bias = "silu", False, False
+        settings.rope_parameters = {"rope_theta": settings.rope_theta, "rope_type": "default"}
+        settings._attn_implementation = "sdpa"  # grouped_attention.py switches it for a packed pass
+        return settings
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.raw)
+
+
+class ModelOutput(NamedTuple):
+    last_hidden_state: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)  # one kernel, same math
+        dtype = hidden.dtype  # transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale
+        hidden = hidden.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Default RoPE; inv_freq is a non-persistent buffer, as in transformers (the lean engine reads it)."""
+
+    def __init__(self, settings: LlamaSettings):
+        super().__init__()
+        dim = settings.head_dim
+        inv_freq = 1.0 / (settings.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=like.device, dtype=torch.float)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (N, L, head_dim)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs):
+    """query (N, H, L, D), key/value (N, Hkv, L, D), mask (N, 1, L, L) bool -> (N, L, H, D), None."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2), None
+
+
+def attention_function(name: str) -> Callable:
+    """The attention kernel by the name in config._attn_implementation (transformers' convention)."""
+    if name == "sdpa":
+        return sdpa_attention
+    from ..train.grouped_attention import NAME, grouped_attention_forward
+
+    if name == NAME:
+        return grouped_attention_forward
+    raise ValueError(f"the native Llama has no attention implementation {name!r}")
+
+
+class Attention(nn.Module):
+    def __init__(self, settings: LlamaSettings, device=None):
+        super().__init__()
+        self.settings = settings
+        self.head_dim = settings.head_dim
+        self.scaling = self.head_dim**-0.5
+        hidden, heads, kv_heads = settings.hidden_size, settings.num_attention_heads, settings.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False, device=device)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, device=device)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, device=device)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False, device=device)
+
+    def forward(self, hidden, cos, sin, attention_mask, **kwargs):
+        rows, length, _ = hidden.shape
+        shape = (rows, length, -1, self.head_dim)
+        query = self.q_proj(hidden).view(shape).transpose(1, 2)  # (N, H, L, D)
+        key = self.k_proj(hidden).view(shape).transpose(1, 2)  # (N, Hkv, L, D)
+        value = self.v_proj(hidden).view(shape).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # (N, 1, L, D)
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
+        attend = attention_function(self.settings._attn_implementation)
+        out, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)  # (N, L, H, D)
+        return self.o_proj(out.reshape(rows, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, settings: LlamaSettings, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(settings.hidden_size, settings.intermediate_size, bias=False, device=device)
+        self.up_proj = nn.Linear(settings.hidden_size, settings.intermediate_size, bias=False, device=device)
+        self.down_proj = nn.Linear(settings.intermediate_size, settings.hidden_size, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, settings: LlamaSettings, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
+        self.self_attn = Attention(settings, device)
+        self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
+        self.mlp = MLP(settings, device)
+
+    def forward(self, hidden, cos, sin, attention_mask, **kwargs):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention_mask, **kwargs)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def causal_padding_mask(padding: torch.Tensor) -> torch.Tensor:
+    """(N, L) 1 = real token -> (N, 1, L, L) bool: causal over real keys; a padding query sees itself."""
+    length = padding.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=padding.device).tril()
+    allowed = causal & padding.bool()[:, None, :]  # (N, L, L)
+    allowed |= torch.eye(length, dtype=torch.bool, device=padding.device)  # never an empty row (no NaN)
+    return allowed[:, None]
+
+
+class Decoder(nn.Module):
+    """transformers' LlamaModel: embeddings, layers, final norm (same names, same state dict keys)."""
+
+    def __init__(self, settings: LlamaSettings, device=None):
+        super().__init__()
+        self.config = settings
+        # On meta, nn.Embedding's random init runs torch._refs.normal_, which imports torch._dynamo
+        # (~1 s); a given (empty) weight skips the init. The loaders fill every tensor anyway.
+        empty = torch.empty(settings.vocab_size, settings.hidden_size, device="meta") if device == "meta" else None
+        self.embed_tokens = nn.Embedding(settings.vocab_size, settings.hidden_size, device=device, _weight=empty)
+        self.layers = nn.ModuleList(DecoderLayer(settings, device) for _ in range(settings.num_hidden_layers))
+        self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
+        self.rotary_emb = Rotary(settings)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs) -> ModelOutput:
+        """input_ids (N, L); attention_mask (N, L) padding or (N, 1, L, L) bool; position_ids (N, L).
+
+        No KV cache: sampling runs in the lean engine (rollout/lean.py), which reads these weights.
+        """
+        if kwargs.pop("past_key_values", None) is not None or kwargs.pop("use_cache", False):
+            raise ValueError("the native Llama has no KV cache; sample with the lean engine (speed.engine=lean)")
+        rows, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(rows, -1)
+        if attention_mask is None:
+            attention_mask = torch.ones(rows, length, dtype=torch.long, device=input_ids.device)
+        if attention_mask.dim() == 2:
+            attention_mask = causal_padding_mask(attention_mask)
+        hidden = self.embed_tokens(input_ids)  # (N, L, H)
+        cos, sin = self.rotary_emb(hidden, position_ids)  # (N, L, D) each
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                hidden = checkpoint(layer, hidden, cos, sin, attention_mask, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, cos, sin, attention_mask, **kwargs)
+        return ModelOutput(last_hidden_state=self.norm(hidden))
+
+
+class NativeLlamaForCausalLM(nn.Module):
+    """The part of transformers' LlamaForCausalLM interface that hasten uses, in plain PyTorch."""
+
+    hasten_native = True  # grouped_attention.py and the engines look for this
+
+    def __init__(self, settings: LlamaSettings, generation: dict[str, Any] | None = None, device=None):
+        """device="meta" builds the layout without initializing anything (the loaders fill it)."""
+        super().__init__()
+        self.config = settings
+        self.generation_config = SimpleNamespace(**(generation or {}))
+        if getattr(self.generation_config, "eos_token_id", None) is None:
+            self.generation_config.eos_token_id = getattr(settings, "eos_token_id", None)
+        self.name_or_path = ""
+        self.model = Decoder(settings, device)
+        self.lm_head = nn.Linear(settings.hidden_size, settings.vocab_size, bias=False, device=device)
+        if settings.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- transformers-compatible accessors used by the learner, the engines and the savers
+    def get_decoder(self) -> Decoder:
+        return self.model
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        if (gradient_checkpointing_kwargs or {}).get("use_reentrant", False):
+            raise ValueError("the native Llama only checkpoints non-reentrantly")
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0, **kwargs) -> ModelOutput:
+        hidden = self.model(input_ids, attention_mask, position_ids, **kwargs).last_hidden_state
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden  # (N, K, H)
+        return ModelOutput(last_hidden_state=hidden, logits=self.lm_head(kept))
+
+    # -- loading and saving Hugging Face checkpoints
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> NativeLlamaForCausalLM:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        raw = json.loads((directory / "config.json").read_text())
+        reason = unsupported_reason(raw)
+        if reason is not None:
+            raise ValueError(reason)
+        generation_file = directory / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+        state = load_file(str(directory / WEIGHTS_NAME))  # plain tensors, read once
+        # On meta: no random init, every tensor comes from the file. (Not `with torch.device("meta")`:
+        # that mode sends init through torch._refs, which imports torch._dynamo, ~1 s.)
+        model = cls(LlamaSettings.from_dict(raw), generation, device="meta")
+        model.load_hf_state_dict(state, dtype)
+        model.name_or_path = str(directory)
+        return model
+
+    @classmethod
+    def from_hf(cls, hf_model) -> NativeLlamaForCausalLM:
+        """The same weights (copied) under this implementation; for tests and the `tiny` model."""
+        raw = hf_model.config.to_dict()
+        reason = unsupported_reason(raw)
+        if reason is not None:
+            raise ValueError(reason)
+        generation = hf_model.generation_config.to_dict() if hasattr(hf_model, "generation_config") else None
+        dtype = next(hf_model.parameters()).dtype
+        model = cls(LlamaSettings.from_dict(raw), generation, device="meta")
+        model.load_hf_state_dict({k: v.detach().clone() for k, v in hf_model.state_dict().items()}, dtype)
+        model.name_or_path = getattr(hf_model, "name_or_path", "")
+        return model
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = {name for name, _ in self.named_parameters()}
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the Llama layout: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        self.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        device = self.model.embed_tokens.weight.device
+        self.model.rotary_emb = Rotary(self.config).to(device)  # the buffer was on meta
+
+    def save_pretrained(self, directory: str | Path, **kwargs) -> None:
+        """A transformers-loadable checkpoint: config.json, generation_config.json, model.safetensors."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        raw = dict(self.config.raw)
+        raw["dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        (directory / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        generation = {k: v for k, v in vars(self.generation_config).items() if v is not None}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: transformers restores it from the embeddings
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+

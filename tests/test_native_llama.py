@@ -1,0 +1,212 @@
+"""The native Llama (models/llama.py) and its tokenizer (models/tokenizer.py) stand in for transformers':
+same logits, log-probs and gradients; checkpoints that load both ways; the same text <-> ids; and the
+trainer picks it by speed.model_impl."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import eos_prone_model, rollout_of
+from hasten.config import Config, ConfigError, ModelConfig
+from hasten.models.llama import NativeLlamaForCausalLM, unsupported_reason
+from hasten.models.tokenizer import FastTokenizer
+from hasten.rollout import SamplingParams
+from hasten.rollout.lean import LeanEngine
+from hasten.train.logprobs import completion_logprobs
+from hasten.train.packing import packed_logprobs
+
+
+def native_copy(hf_model, bias: torch.Tensor | None = None):
+    native = NativeLlamaForCausalLM.from_hf(hf_model)
+    if bias is not None:  # eos_prone_model's hook, so both see one distribution
+        native.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    return native
+
+
+@pytest.fixture
+def pair(tokenizer):
+    hf = eos_prone_model(tokenizer)
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = 3.5
+    return hf, native_copy(hf, bias)
+
+
+def plain(model, rollout, rows, temperature=1.0):
+    group = rows // rollout.num_generations
+    return completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
+                               rollout.completion_ids[rows], rollout.completion_mask[rows], temperature, True)
+
+
+def test_parameter_names_and_values_are_transformers(pair):
+    hf, native = pair
+    hf_state, native_state = hf.state_dict(), native.state_dict()
+    assert set(hf_state) == set(native_state)
+    assert all(torch.equal(hf_state[k], native_state[k]) for k in hf_state)
+    assert native.lm_head.weight is native.model.embed_tokens.weight  # tied, as in the config
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_padded_logprobs_equal_transformers(pair, tokenizer, temperature):
+    hf, native = pair
+    rollout = rollout_of(hf, tokenizer, num_generations=3)  # left-padded prompts, ragged completions
+    rows = torch.arange(rollout.num_samples)
+    mask = rollout.completion_mask.bool()
+    with torch.no_grad():
+        expected, got = plain(hf, rollout, rows, temperature), plain(native, rollout, rows, temperature)
+    assert (expected.logps - got.logps)[mask].abs().max() < 1e-5
+    assert (expected.entropy - got.entropy)[mask].abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_packed_pass_and_gradients_equal_transformers_plain_pass(pair, tokenizer, grouped):
+    hf, native = pair
+    rollout = rollout_of(hf, tokenizer, num_generations=4)
+    rows = torch.arange(rollout.num_samples)
+    mask = rollout.completion_mask
+    weights = torch.linspace(-1, 1, rollout.num_samples)[:, None]
+
+    expected = plain(hf, rollout, rows)
+    (expected.logps * mask * weights).sum().backward()
+    got = packed_logprobs(native, rollout, rows, 1.0, True, 7, grouped)
+    (got.logps * mask * weights).sum().backward()
+
+    assert (expected.logps - got.logps)[mask.bool()].abs().max() < 1e-4
+    hf_grads = dict(hf.named_parameters())
+    for name, parameter in native.named_parameters():
+        assert torch.allclose(parameter.grad, hf_grads[name].grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(pair, tokenizer):
+    hf, native = pair
+    rollout = rollout_of(hf, tokenizer, num_generations=2)
+    rows = torch.arange(rollout.num_samples)
+
+    def gradients(model):
+        model.zero_grad()
+        (plain(model, rollout, rows).logps * rollout.completion_mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = gradients(native)
+    recomputing = copy.deepcopy(native)
+    recomputing.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert recomputing.is_gradient_checkpointing
+    for a, b in zip(reference, gradients(recomputing)):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_lean_engine_samples_the_same_tokens_on_either_model(pair, tokenizer):
+    hf, native = pair
+    prompts = [tokenizer(text)["input_ids"] for text in ("hello there", "hi", "a longer prompt, with commas")]
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0)
+    results = [LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 3, sampling, 5)
+               for model in (hf, native)]
+    assert torch.equal(results[0].completion_ids, results[1].completion_ids)
+    assert torch.allclose(results[0].sampling_logprobs, results[1].sampling_logprobs, atol=1e-5)
+
+
+def test_checkpoints_load_both_ways(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hasten.models.tiny import tiny_model
+
+    hf = tiny_model(len(tokenizer))
+    native = NativeLlamaForCausalLM.from_hf(hf)
+    with torch.no_grad():
+        native.model.layers[0].mlp.up_proj.weight.add_(0.01)  # a trained model differs from its init
+    native.save_pretrained(tmp_path / "native")
+    ids = torch.tensor([tokenizer("round trip")["input_ids"]])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "native", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, native(ids).logits, atol=1e-5)
+    hf.save_pretrained(tmp_path / "hf")
+    loaded = NativeLlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, hf(ids).logits, atol=1e-5)
+
+
+def test_unsupported_models_are_named():
+    config = {"model_type": "llama", "hidden_act": "silu", "attention_bias": True}
+    assert "attention_bias" in unsupported_reason(config)
+    assert "model_type 'qwen2'" in unsupported_reason({"model_type": "qwen2"})
+    assert unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}) is None
+    assert "rope_type 'llama3'" in unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}})
+
+
+def test_fast_tokenizer_matches_transformers(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(tokenizer.chat_template)
+    fast = FastTokenizer(tmp_path)
+    texts = ["hello there", "Ünïcode and emoji 🙂, tabs\tand\nnewlines", "<|im_end|> as text"]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert fast(text, add_special_tokens=False)["input_ids"] == ids
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    for generation_prompt in (True, False):
+        assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt) == \
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert (fast.eos_token_id, fast.pad_token_id, len(fast)) == (tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                                                 len(tokenizer))
+    fast.save_pretrained(tmp_path / "copy")
+    assert FastTokenizer(tmp_path / "copy")("hi", add_special_tokens=False) == fast("hi", add_special_tokens=False)
+
+
+def _config(**speed) -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(name="tiny")
+    for key, value in speed.items():
+        setattr(cfg.speed, key, value)
+    return cfg
+
+
+def test_speed_model_impl_picks_the_implementation():
+    from hasten.train.trainer import use_native_model
+
+    logged: list[str] = []
+    assert use_native_model(_config(), logged.append) is True
+    assert use_native_model(_config(model_impl="hf"), logged.append) is False
+    assert use_native_model(_config(engine="hf"), logged.append) is False  # auto: logged, not an error
+    assert any("speed.engine=hf" in line for line in logged)
+    with pytest.raises(ConfigError, match="speed.model_impl=native"):
+        use_native_model(_config(model_impl="native", engine="hf"))
+    lora = _config(model_impl="native")
+    lora.model.lora = True
+    with pytest.raises(ConfigError, match="LoRA"):
+        use_native_model(lora)
+
+
+def test_default_model_trains_without_importing_transformers(tmp_path):
+    """`hasten train` on SmolLM2 (one step, eval, checkpoint) never imports transformers; the
+    checkpoint it writes loads in transformers with the same logits as in the native model."""
+    script = """
+import json, sys
+from hasten.cli import main
+code = main(["train", "--model", "smollm2-135m", "--task", "arithmetic", "--steps", "1",
+             "--train.prompts_per_step=1", "--generation.num_generations=2", "--generation.max_new_tokens=4",
+             "--eval.num_examples=1", "--eval.max_new_tokens=4", "--output.dir=" + sys.argv[1],
+             "--output.name=native", "--output.progress=off", "--output.plot=false"])
+print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"code": 0, "transformers": []}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = tmp_path / "native" / "checkpoint"
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    hf_tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    native = NativeLlamaForCausalLM.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert FastTokenizer(checkpoint).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    ids = torch.tensor([hf_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(hf_model(ids).logits, native(ids).logits, atol=1e-4)
