@@ -92,7 +92,16 @@ def adamw_kernel(choice: str, device: torch.device) -> dict[str, bool]:
             "for_loop": {"foreach": False, "fused": False}}[choice]
 
 
-def make_adamw(parameters: list[torch.nn.Parameter], train: TrainConfig, speed: SpeedConfig) -> torch.optim.AdamW:
+def make_adamw(parameters: list[torch.nn.Parameter], train: TrainConfig, speed: SpeedConfig):
+    """AdamW with the kernel speed.optimizer picks. The fused kernel is called directly
+    (train/adamw.py: the same update, without torch.optim's ~1 s import of torch._dynamo),
+    except under the fp16 GradScaler, which steps torch.optim optimizers only."""
     device = parameters[0].device if parameters else torch.device("cpu")
-    return torch.optim.AdamW(parameters, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                             weight_decay=train.weight_decay, **adamw_kernel(speed.optimizer, device))
+    kernel = adamw_kernel(speed.optimizer, device)
+    common = {"lr": train.lr, "betas": (train.adam_beta1, train.adam_beta2), "weight_decay": train.weight_decay}
+    if kernel.get("fused") and speed.precision != "fp16":
+        from ..train.adamw import FusedAdamW, available
+
+        if available(device.type):
+            return FusedAdamW(parameters, **common)
+    return torch.optim.AdamW(parameters, **common, **kernel)

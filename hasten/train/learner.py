@@ -32,6 +32,7 @@ from .packing import packed_logprobs
 from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
 from ..speed.nan_guard import NanGuard
 from ..speed.precision import Precision, make_adamw
+from .adamw import Schedule
 
 
 def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -52,10 +53,8 @@ def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config):
     train = cfg.train
     optimizer = make_adamw(parameters, train, cfg.speed)  # speed.optimizer picks the kernel
     total = train.steps * cfg.algo.num_iterations  # optimizer steps in the run
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio),
-    )
+    scheduler = Schedule(optimizer, lambda s: lr_factor(s, train.warmup_steps, total, train.lr_schedule,
+                                                         train.min_lr_ratio))
     return optimizer, scheduler
 
 
@@ -176,7 +175,5 @@ class Learner:
         return norm
 
     def _lower_lr(self, factor: float) -> None:
-        """The NaN guard's lower_lr: scale the schedule's peak (LambdaLR multiplies base_lrs)."""
-        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        """The NaN guard's lower_lr: scale the schedule's peak."""
+        self.scheduler.scale_peak(factor)

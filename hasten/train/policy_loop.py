@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -59,8 +59,8 @@ class GameSession:
     rules: Rules
     module: CatcherPolicy  # the parameters (saved, optimized)
     policy: nn.Module  # what is called: the module, or its torch.compile wrapper
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: Any  # torch.optim.AdamW or train/adamw.FusedAdamW (speed.optimizer)
+    scheduler: Any  # train/adamw.Schedule
 
 
 def compile_policy(module: nn.Module, enabled: bool, example: torch.Tensor, log: Callable[[str], None]) -> nn.Module:

@@ -1,0 +1,143 @@
+"""AdamW on torch's fused kernel, and the lr schedule, without torch.optim (speed.optimizer=fused|auto).
+
+Why not torch.optim.AdamW(fused=True)? It runs the very same kernel, but
+torch.optim wraps its methods in `torch._disable_dynamo`, which imports
+torch._dynamo on the first call: 1.0-1.3 s of a 2-core box's startup (sympy,
+torch.fx, torch.distributed.tensor ...), about a third of the time from
+`hasten train` to its first step. Nothing in a plain hasten step needs dynamo
+otherwise, so the import is pure startup cost.
+
+`FusedAdamW` keeps torch's state layout (per parameter: `step` as a float32
+scalar tensor, `exp_avg`, `exp_avg_sq`) and does what torch's `_fused_adam`
+does for AdamW without amsgrad: add 1 to the steps, then one
+`torch._fused_adamw_` call per (device, dtype). tests/test_adamw.py checks it
+is bit-identical to torch.optim.AdamW(fused=True) over several steps, with a
+changing lr and weight decay. `_fused_adamw_` is internal to torch, so
+`available()` probes it before anything relies on it; without it (or for
+the fp16 GradScaler, which needs a torch.optim optimizer) hasten uses
+torch.optim.AdamW.
+
+`Schedule` is LambdaLR's job: lr = peak * factor(step) on every param group,
+for any optimizer with `param_groups` (torch's included).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Iterable
+
+import torch
+
+
+@functools.cache
+def available(device_type: str = "cpu") -> bool:
+    """True when torch has the fused AdamW kernel and it agrees with AdamW's formula on a small case."""
+    if not hasattr(torch, "_fused_adamw_") or device_type not in ("cpu", "cuda"):
+        return False
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    lr, beta1, beta2, eps, decay = 0.1, 0.9, 0.99, 1e-8, 0.01
+    param = torch.linspace(-1, 1, 8, device=device_type)
+    grad = torch.linspace(0.5, -0.3, 8, device=device_type)
+    expected = param * (1 - lr * decay)  # one AdamW step by hand: m = (1-b1) g, v = (1-b2) g^2, bias-corrected
+    m_hat, v_hat = grad, grad * grad
+    expected = expected - lr * m_hat / (v_hat.sqrt() + eps)
+    optimizer = FusedAdamW([torch.nn.Parameter(param.clone())], lr=lr, betas=(beta1, beta2), eps=eps,
+                           weight_decay=decay)
+    optimizer.param_groups[0]["params"][0].grad = grad
+    try:
+        optimizer.step()
+    except (RuntimeError, TypeError):
+        return False
+    return torch.allclose(optimizer.param_groups[0]["params"][0].detach(), expected, atol=1e-5)
+
+
+class FusedAdamW:
+    """torch.optim.AdamW(fused=True)'s update and state, with the methods hasten calls (one param group)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        self.param_groups = [{"params": list(params), "lr": lr, "betas": tuple(betas), "eps": eps,
+                              "weight_decay": weight_decay}]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._pre_hooks: dict[int, Callable] = {}
+
+    def register_step_pre_hook(self, hook: Callable) -> _Handle:
+        """hook(optimizer, args, kwargs) before every step, as torch.optim calls it; returns a handle."""
+        key = max(self._pre_hooks, default=-1) + 1
+        self._pre_hooks[key] = hook
+        return _Handle(self._pre_hooks, key)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
+        for group in self.param_groups:
+            batches: dict[tuple, list[list[torch.Tensor]]] = {}  # (device, dtype) -> params, grads, m, v, steps
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state.get(param)
+                if state is None:  # lazily, as torch does: zeros, and a float32 step counter
+                    state = self.state[param] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+                lists = batches.setdefault((param.device, param.dtype), [[], [], [], [], []])
+                for bucket, tensor in zip(lists, (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                  state["step"])):
+                    bucket.append(tensor)
+            beta1, beta2 = group["betas"]
+            for params, grads, exp_avgs, exp_avg_sqs, steps in batches.values():
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
+
+
+class _Handle:
+    def __init__(self, hooks: dict, key: int):
+        self.hooks, self.key = hooks, key
+
+    def remove(self) -> None:
+        self.hooks.pop(self.key, None)
+
+
+class Schedule:
+    """Set every group's lr to its peak times factor(optimizer step); `step()` after each update.
+
+    Replaces torch.optim.lr_scheduler.LambdaLR (same values: factor(0) at
+    construction, factor(k) after k steps), without its torch.optim machinery.
+    """
+
+    def __init__(self, optimizer, factor: Callable[[int], float]):
+        self.optimizer, self.factor = optimizer, factor
+        self.peaks = [group["lr"] for group in optimizer.param_groups]
+        self.steps = 0
+        self._apply()
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def scale_peak(self, by: float) -> None:
+        """The NaN guard's lower_lr: every later lr is this much smaller."""
+        self.peaks = [peak * by for peak in self.peaks]
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = self.factor(self.steps)
+        if not math.isfinite(factor):
+            raise ValueError(f"lr schedule factor {factor} at step {self.steps}")
+        for group, peak in zip(self.optimizer.param_groups, self.peaks):
+            group["lr"] = peak * factor

@@ -1,0 +1,97 @@
+"""train/adamw.py: FusedAdamW is torch's fused AdamW update, bit for bit; Schedule is LambdaLR's lr."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hasten.config import Config
+from hasten.speed.precision import make_adamw
+from hasten.train.adamw import FusedAdamW, Schedule, available
+from hasten.train.learner import lr_factor
+
+
+def parameters(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((7, 5), (5,), (3, 2, 4))]
+
+
+def test_the_fused_kernel_is_available_here():
+    assert available("cpu")  # torch 2.13 CPU has it; the probe compares one step with AdamW's formula
+
+
+def test_fused_adamw_is_bit_identical_to_torch_over_several_steps():
+    ours, theirs = parameters(), parameters()
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    optimizer = FusedAdamW(ours, **settings)
+    reference = torch.optim.AdamW(theirs, fused=True, **settings)
+    factor = lambda step: lr_factor(step, 2, 6, "cosine", 0.1)  # noqa: E731 - warmup, then a falling lr
+    schedules = Schedule(optimizer, factor), torch.optim.lr_scheduler.LambdaLR(reference, factor)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            if step == 3 and index == 1:  # a parameter without a gradient this step is left alone
+                a.grad = b.grad = None
+                continue
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        optimizer.step()
+        reference.step()
+        for schedule in schedules:
+            schedule.step()
+        optimizer.zero_grad()
+        reference.zero_grad()
+        assert optimizer.param_groups[0]["lr"] == reference.param_groups[0]["lr"]
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(optimizer.state[a]["exp_avg_sq"], reference.state[b]["exp_avg_sq"])
+        assert torch.equal(optimizer.state[a]["step"], reference.state[b]["step"])
+
+
+def test_fused_adamw_matches_the_for_loop_update():
+    ours, theirs = parameters(), parameters()
+    optimizer, reference = FusedAdamW(ours, lr=1e-3), torch.optim.AdamW(theirs, lr=1e-3, foreach=False)
+    for a, b in zip(ours, theirs):
+        a.grad = torch.full_like(a, 0.3)
+        b.grad = a.grad.clone()
+    optimizer.step()
+    reference.step()
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_schedule_scales_its_peak_and_zero_grad_clears():
+    params = parameters()
+    optimizer = FusedAdamW(params, lr=0.5)
+    schedule = Schedule(optimizer, lambda step: 1.0 / (step + 1))
+    schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    schedule.scale_peak(0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+    params[0].grad = torch.ones_like(params[0])
+    seen = []
+    handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    optimizer.step()
+    handle.remove()
+    optimizer.step()
+    assert seen == [pytest.approx(0.125)]  # called before the step, once, then removed
+    optimizer.zero_grad(set_to_none=False)
+    assert params[0].grad.eq(0).all()
+    optimizer.zero_grad()
+    assert params[0].grad is None
+
+
+@pytest.mark.parametrize("choice, precision, expected", [
+    ("auto", "fp32", FusedAdamW), ("fused", "bf16", FusedAdamW),
+    ("fused", "fp16", torch.optim.AdamW),  # the GradScaler steps torch.optim optimizers only
+    ("foreach", "fp32", torch.optim.AdamW), ("for_loop", "fp32", torch.optim.AdamW),
+])
+def test_speed_optimizer_picks_the_implementation(choice, precision, expected):
+    cfg = Config()
+    cfg.speed.optimizer, cfg.speed.precision = choice, precision
+    optimizer = make_adamw(copy.deepcopy(parameters()), cfg.train, cfg.speed)
+    assert type(optimizer) is expected
+    assert optimizer.param_groups[0]["lr"] == cfg.train.lr
