@@ -9,9 +9,9 @@ Names, in the order they are tried:
   anything else  a hub id, when the hub is reachable
 
 Implementation (speed.model_impl, chosen by the trainer): "hf" loads
-transformers' classes; "lean" loads the same checkpoint into llama.py's
+transformers' classes; "native" loads the same checkpoint into llama.py's
 plain-PyTorch Llama with the tokenizers-only tokenizer, so the run never
-imports transformers (~2 s of startup on 2 cores); "auto" is lean where
+imports transformers (~2 s of startup on 2 cores); "auto" is native where
 llama.py reproduces the model, else hf with a log line.
 
 LoRA (model.lora=true) wraps the policy with peft. The KL reference is built
@@ -94,10 +94,9 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
         tokenizer = tiny_tokenizer()
         return tiny_model(len(tokenizer), dtype=dtype), tokenizer
     if key == "smollm2-135m":
-        from .smollm2 import converted_dir
-
+        directory = _directory(name, log)
         try:
-            return _load_pretrained(str(converted_dir(log)), dtype)
+            return _load_pretrained(str(directory), dtype)
         except FileNotFoundError as exc:
             raise ModelError(f"model error: {exc}") from None
     path = Path(name).expanduser()
@@ -171,15 +170,7 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
     native: load it into llama.py's plain-PyTorch Llama (the caller checked
     `native_reason` is None); otherwise transformers' classes.
     """
-    if native:
-        model, tokenizer = _load_native(cfg, log)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        if cfg.name.lower() in ALIASES:
-            model.name_or_path = ALIASES[cfg.name.lower()]
-        model.train()
-        return Policy(model=model, tokenizer=tokenizer, source=cfg.name, lora=False)
-    model, tokenizer = _resolve(cfg.name, DTYPES[cfg.dtype], log)
+    model, tokenizer = _load_native(cfg, log) if native else _resolve(cfg.name, DTYPES[cfg.dtype], log)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     is_peft = hasattr(model, "peft_config")

@@ -38,7 +38,8 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def unsupported_reason(config: dict[str, Any]) -> str | None:
-    """Why this module cannot reproduce a model with this config.json, or None when it can."""
+    """Why this module (and the lean engine, rollout/lean.py) cannot reproduce a model with this
+    config.json, or None when it can."""
     rope = config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
     checks = {
@@ -50,7 +51,7 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
         "pretraining_tp > 1": config.get("pretraining_tp", 1) != 1,
     }
     bad = [name for name, flag in checks.items() if flag]
-    return f"the native Llama supports plain Llama only; this model has {', '.join(bad)}" if bad else None
+    return f"plain Llama only (silu, no biases, default RoPE); this model has {', '.join(bad)}" if bad else None
 
 
 class LlamaSettings(SimpleNamespace):

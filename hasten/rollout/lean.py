@@ -67,17 +67,11 @@ def check_supported(model) -> None:
         raise ValueError("LeanEngine needs a plain Llama-family model; a peft (LoRA) model must use KVCacheEngine")
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"LeanEngine needs a Llama-family model (LlamaForCausalLM), got {type(model).__name__}")
-    config = model.config
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    unsupported = {
-        "hidden_act": config.hidden_act != "silu",
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "rope_type": rope_type != "default",
-    }
-    bad = [name for name, flag in unsupported.items() if flag]
-    if bad:
-        raise ValueError(f"LeanEngine supports silu, no biases and default RoPE; this model differs in {bad}")
+    from ..models.llama import unsupported_reason  # one list of what a lean Llama forward reproduces
+
+    reason = unsupported_reason(model.config.to_dict())
+    if reason is not None:
+        raise ValueError(f"LeanEngine: {reason}")
 
 
 class Matmul:
