@@ -28,7 +28,9 @@ from hasten.train.trainer import prepare
 from hasten.train.learner import Learner
 from hasten.algo import group_advantages
 from hasten.rewards import score_rewards
-from hasten.train.episodes import encode_prompt, reward_inputs, PromptSampler
+from hasten.rewards.batch import reward_inputs
+from hasten.rollout.prompts import encode_prompt
+from hasten.tasks.sampler import PromptSampler
 
 started = time.perf_counter()
 session = prepare(cfg, log=lambda t: None)

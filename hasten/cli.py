@@ -2,6 +2,7 @@
 
     hasten train [--config run.yaml] [--model NAME] [--task NAME] [--reward file.py:fn ...]
                  [--steps N] [--section.key=value ...]
+    hasten train --resume RUN_DIR[/checkpoint-N]   continue a run from its newest (or that) checkpoint
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
     hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
     hasten play  --task fruit-catcher --checkpoint DIR [--episodes N] [--every K] [--png FILE]
@@ -15,6 +16,8 @@
 Imports are lazy: `hasten --help` must not pay for torch or transformers.
 Any user error (config, data, reward file, model name) prints one line and
 exits with code 2; nothing is written before the inputs are checked.
+SIGINT / SIGTERM during training save a checkpoint and exit 130 / 143
+(train/loop.py); a second one exits at once with the same code.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--reward", action="append", default=[], metavar="FILE.py:FUNCTION",
                                  help="extra reward function (repeatable), TRL signature")
             command.add_argument("--steps", type=int, help="GRPO steps (train.steps)")
+            command.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR (its newest full-state "
+                                 "checkpoint, or RUN_DIR/checkpoint-N) with its saved config")
         else:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -69,27 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _overrides(extra: list[str]) -> list[tuple[str, object]]:
-    """Accept --section.key=value and --section.key value."""
-    from .config import ConfigError, parse_override
-
-    pairs, index = [], 0
-    while index < len(extra):
-        item = extra[index]
-        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"config error: unrecognized argument '{item}' (overrides look like --train.lr=1e-6)")
-        if "=" not in item:
-            if index + 1 >= len(extra):
-                raise ConfigError(f"config error: {item[2:]} needs a value")
-            item = f"{item}={extra[index + 1]}"
-            index += 1
-        pairs.append(parse_override(item[2:]))
-        index += 1
-    return pairs
-
-
 def _config(args, extra):
-    from .config import load_config
+    from .config import load_config, parse_overrides
 
     pairs = []
     if args.model:
@@ -102,14 +88,25 @@ def _config(args, extra):
         pairs.append(("rewards.extra", list(args.reward)))
     if getattr(args, "num_examples", None) is not None:
         pairs.append(("eval.num_examples", args.num_examples))
-    return load_config(args.config, pairs + _overrides(extra), profile=getattr(args, "profile", None))
+    return load_config(args.config, pairs + parse_overrides(extra), profile=getattr(args, "profile", None))
+
+
+def _resume_config(args, extra):
+    from .config import parse_overrides
+    from .train.loop import resume_config
+
+    given = [f"--{name}" for name in ("config", "model", "task", "profile", "steps") if getattr(args, name, None)]
+    return resume_config(args.resume, given + (["--reward"] if args.reward else []), parse_overrides(extra))
 
 
 def _cmd_train(args, extra) -> int:
-    cfg = _config(args, extra)
+    cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
     from .train.trainer import train
 
-    summary = train(cfg, log=lambda text: print(text, file=sys.stderr))
+    summary = train(cfg, log=lambda text: print(text, file=sys.stderr), resume=args.resume)
+    if summary.get("status") == "interrupted":
+        print(json.dumps(summary))
+        return summary["exit_code"]
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after and "accuracy" in after:
         print(f"held-out accuracy: before {before['accuracy']:.3f} -> after {after['accuracy']:.3f}"
@@ -209,13 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     if extra and args.command in ("tasks", "models", "play"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .errors import USER_ERRORS
+    from .errors import USER_ERRORS, Interrupted, report_interrupted
 
     try:
         return COMMANDS[args.command](args, extra)
     except USER_ERRORS as exc:
         print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
         return EXIT_USER_ERROR
+    except Interrupted as stop:
+        report_interrupted(stop, "hasten train --resume")
+        return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from .cli import _overrides
+    from .config import parse_overrides
     from .config import load_config
     from .profiles import PROFILES, TRADES
 
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
         pairs.append(["model.name", args.model])
     if args.task:
         pairs.append(["task.name", args.task])
-    pairs += [[key, str(value)] for key, value in _overrides(extra)]
+    pairs += [[key, str(value)] for key, value in parse_overrides(extra)]
     for profile in profiles:  # every input error surfaces now, before minutes of training
         load_config(args.config, typed(pairs), profile=profile)
 

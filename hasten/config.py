@@ -110,7 +110,10 @@ class EvalConfig:
 class OutputConfig:
     dir: str = "runs"
     name: str | None = None  # None = <time>-<task>
-    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    # Full-state checkpoints (model, optimizer, schedule, RNGs, sampler; `hasten train --resume`):
+    save_every: int = 0  # every N steps; 0 = by wall-clock only (save_minutes) and at the end
+    save_minutes: float = 30.0  # also when this long has passed since the last one; 0 = off. A short run never pays
+    save_total_limit: int = 2  # keep the newest N checkpoint-<step>/ (the final checkpoint/ is kept); 0 = all
     plot: bool = True
     progress: str = "auto"  # auto | live | plain | off
 
@@ -125,7 +128,7 @@ class SpeedConfig:
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
-    grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (train/grouped_attention.py)
+    grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
     fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
     # The keys below are hasten/speed/ (docs/speedups.md has one section per feature). The defaults
@@ -312,6 +315,8 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("eval.max_new_tokens", lambda v: v > 0, "> 0"),
     ("eval.batch_size", lambda v: v > 0, "> 0"),
     ("output.save_every", lambda v: v >= 0, ">= 0"),
+    ("output.save_minutes", lambda v: v >= 0, ">= 0"),
+    ("output.save_total_limit", lambda v: v >= 0, ">= 0"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("game.width", lambda v: v >= 3, ">= 3"),
@@ -563,3 +568,20 @@ def save_config(cfg: Config, path: Path) -> None:
     import yaml
 
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def parse_overrides(extra: list[str]) -> list[tuple[str, object]]:
+    """Command-line leftovers -> (key, value) pairs; accepts --section.key=value and --section.key value."""
+    pairs, index = [], 0
+    while index < len(extra):
+        item = extra[index]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"config error: unrecognized argument '{item}' (overrides look like --train.lr=1e-6)")
+        if "=" not in item:
+            if index + 1 >= len(extra):
+                raise ConfigError(f"config error: {item[2:]} needs a value")
+            item = f"{item}={extra[index + 1]}"
+            index += 1
+        pairs.append(parse_override(item[2:]))
+        index += 1
+    return pairs

@@ -71,6 +71,6 @@ def learner_step(model, tokenizer, rollout, advantages, configure) -> tuple[dict
     configure(cfg)
     learner = Learner(Policy(copy.deepcopy(model), tokenizer, "tiny"), cfg)
     grads: list[torch.Tensor] = []
-    learner.optimizer.register_step_pre_hook(
+    learner.optimization.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
     return learner.step(rollout, advantages), grads

@@ -1,4 +1,4 @@
-"""train/adamw.py: FusedAdamW is torch's fused AdamW update, bit for bit; Schedule is LambdaLR's lr."""
+"""speed/adamw.py: FusedAdamW is torch's fused AdamW update, bit for bit; Schedule is LambdaLR's lr."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import copy
 import pytest
 import torch
 
-from hasten.config import Config
-from hasten.speed.precision import make_adamw
-from hasten.train.adamw import FusedAdamW, Schedule, available
-from hasten.train.learner import lr_factor
+from hasten.speed.adamw import FusedAdamW, available, make_adamw
+from hasten.train.optimization import Schedule, lr_factor
 
 
 def parameters(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -90,8 +88,6 @@ def test_schedule_scales_its_peak_and_zero_grad_clears():
     ("foreach", "fp32", torch.optim.AdamW), ("for_loop", "fp32", torch.optim.AdamW),
 ])
 def test_speed_optimizer_picks_the_implementation(choice, precision, expected):
-    cfg = Config()
-    cfg.speed.optimizer, cfg.speed.precision = choice, precision
-    optimizer = make_adamw(copy.deepcopy(parameters()), cfg.train, cfg.speed)
+    optimizer = make_adamw(copy.deepcopy(parameters()), choice, 1e-3, (0.9, 0.999), 0.0, precision)
     assert type(optimizer) is expected
-    assert optimizer.param_groups[0]["lr"] == cfg.train.lr
+    assert optimizer.param_groups[0]["lr"] == 1e-3

@@ -260,6 +260,10 @@ def test_sft_cli_end_to_end_on_tiny(tmp_path, capsys):
     assert report["settings"]["profile"] == "balanced" and report["eval"]["num_examples"] == 2
     checkpoint = tmp_path / "runs" / report["run_dir"].split("/")[-1] / "checkpoint"
     assert (checkpoint / "adapter_config.json").is_file()
+    from safetensors.torch import load_file
+
+    adapters = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert adapters and all("lora_" in key for key in adapters)  # the trained adapters, not an empty file
     code = cli_main(["rft", "test", "--model", str(checkpoint), "--num-examples", "2", "--eval.max_new_tokens=4",
                      "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out.strip())["num_examples"] == 2

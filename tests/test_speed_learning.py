@@ -48,7 +48,7 @@ def weights(model):
 
 def gradients_of(learner, rollout, advantages):
     grads = []
-    learner.optimizer.register_step_pre_hook(
+    learner.optimization.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
     metrics = learner.step(rollout, advantages)
     return metrics, grads
@@ -67,7 +67,7 @@ def test_nan_guard_skips_then_lowers_lr_then_recovers(short_model, tokenizer):
         metrics = learner.step(rollout, poisoned)
         assert all(torch.equal(a, b) for a, b in zip(before, weights(short_model)))  # no NaN update applied
     assert metrics["nan_guard/skipped"] == 2
-    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)  # patience reached: lr halved
+    assert learner.optimization.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)  # patience reached: lr halved
     assert any("skipped an update" in line for line in logs) and any("multiplied by 0.5" in line for line in logs)
     learner.step(rollout, advantages)  # a finite batch trains again
     after = weights(short_model)
@@ -84,7 +84,7 @@ def test_nan_guard_stop_and_disable_mixed_precision(short_model, tokenizer):
     learner, _ = make_learner(copy.deepcopy(short_model), tokenizer, nan_guard_patience=1, precision="bf16",
                               nan_guard_action="disable_mixed_precision")
     learner.step(rollout, poisoned)
-    assert learner.precision.mode == "fp32" and not learner.precision.mixed
+    assert learner.optimization.precision.mode == "fp32" and not learner.optimization.precision.mixed
 
 
 # ------------------------------------------------------------------ precision and kernels
@@ -92,17 +92,17 @@ def test_nan_guard_stop_and_disable_mixed_precision(short_model, tokenizer):
 
 def test_fp16_gradscaler_path_trains_on_cpu(short_model, tokenizer):
     learner, _ = make_learner(short_model, tokenizer, precision="fp16")
-    assert learner.precision.scaler is not None
+    assert learner.optimization.precision.scaler is not None
     rollout, advantages = batch(short_model, tokenizer)
     before = weights(short_model)
-    scale = learner.precision.scaler.get_scale()
+    scale = learner.optimization.precision.scaler.get_scale()
     metrics = learner.step(rollout, advantages)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
     after = weights(short_model)
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in after)  # fp32 master weights
     # Either the step was applied, or the scaler found an overflow, skipped it and halved its scale.
     changed = any(not torch.equal(a, b) for a, b in zip(before, after))
-    assert changed or learner.precision.scaler.get_scale() < scale
+    assert changed or learner.optimization.precision.scaler.get_scale() < scale
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])

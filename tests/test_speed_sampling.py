@@ -12,9 +12,10 @@ from conftest import rollout_of
 from hasten.config import load_config
 from hasten.rewards import RewardScores
 from hasten.speed.curriculum import CurriculumSampler, complexity_difficulty
-from hasten.speed.dynamic_sampling import ScoredBatch, informative_groups, refill
-from hasten.speed.prefetch import Feeder
-from hasten.train.episodes import PromptSampler, RewardInputs
+from hasten.speed.dynamic_sampling import informative_groups, refill
+from hasten.train.feeder import Feeder
+from hasten.rewards.batch import RewardInputs, ScoredBatch
+from hasten.tasks.sampler import PromptSampler
 from hasten.train.learner import Learner
 from hasten.train.trainer import train
 

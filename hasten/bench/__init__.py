@@ -246,7 +246,7 @@ def run_b4(opts) -> Any:
     import statistics
 
     from ..tasks import make_task
-    from ..train.episodes import PromptSampler
+    from ..tasks.sampler import PromptSampler
     from ..train.trainer import build_rewards
     from .peers import PREFIX, PeerError, peer_env, trl_construct
     from .report import Result, Row

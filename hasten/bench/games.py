@@ -36,7 +36,7 @@ import torch
 from ..config import load_config
 from ..games.fruit_catcher import Rules, reference_step, start_states
 from ..games.policy import CatcherPolicy
-from ..train.learner import build_optimizer
+from ..train.optimization import Optimization, OptimizerSettings
 from ..train.policy_loop import GameSession, compile_policy, epoch_step
 from .report import Result, Row
 
@@ -49,7 +49,7 @@ def b6_config(quick: bool):
     return load_config(overrides=overrides + (QUICK_GAME if quick else []))
 
 
-def reference_epoch(policy: CatcherPolicy, optimizer, scheduler, rules: Rules, cfg, epoch: int) -> float:
+def reference_epoch(policy: CatcherPolicy, optimization: Optimization, rules: Rules, cfg, epoch: int) -> float:
     """One epoch of the seed recipe, the plain way; returns the mean final score."""
     game = cfg.game
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + epoch)
@@ -79,10 +79,7 @@ def reference_epoch(policy: CatcherPolicy, optimizer, scheduler, rules: Rules, c
         entropy = -(log_probs.exp() * log_probs).sum(dim=1).mean()
         total_loss = total_loss + (-(chosen * advantages).mean() - game.entropy_coef * entropy) / game.episode_steps
     total_loss.backward()
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimization.step(float(total_loss.detach()))  # clip, AdamW, schedule: the same update as hasten's side
     return float(sum(rewards).mean())
 
 
@@ -90,8 +87,11 @@ def _session(cfg, module: CatcherPolicy, compiled: bool, log) -> GameSession:
     rules = Rules.from_config(cfg.game)
     example = torch.zeros(cfg.game.num_starts * cfg.game.games_per_start, rules.observation_size)
     policy = compile_policy(module, compiled, example, log)
-    optimizer, scheduler = build_optimizer(list(module.parameters()), cfg)
-    return GameSession(cfg, rules, module, policy, optimizer, scheduler)
+    return GameSession(cfg, rules, module, policy, _optimization(module, cfg))
+
+
+def _optimization(module: torch.nn.Module, cfg) -> Optimization:
+    return Optimization(list(module.parameters()), OptimizerSettings.for_training(cfg), cfg.speed, lambda text: None)
 
 
 def run_b6(opts) -> Result:
@@ -123,7 +123,7 @@ def _measure(cfg, rounds: int, opts) -> Result:
     else:
         sides["hasten compiled"] = compiled
     reference = copy.deepcopy(initial)
-    reference_optimizer, reference_scheduler = build_optimizer(list(reference.parameters()), cfg)
+    reference_optimization = _optimization(reference, cfg)
     for name, session in sides.items():  # one unmeasured epoch: allocator and (compile) graph warm-up
         opts.log(f"B6: warm-up epoch, {name}")
         epoch_step(session, 0)
@@ -137,7 +137,7 @@ def _measure(cfg, rounds: int, opts) -> Result:
             scores[name] = epoch_step(session, round_index + 1)["reward_mean"]
             seconds[name].append(time.perf_counter() - begun)
         begun = time.perf_counter()
-        scores["reference per-step"] = reference_epoch(reference, reference_optimizer, reference_scheduler, rules,
+        scores["reference per-step"] = reference_epoch(reference, reference_optimization, rules,
                                                        cfg, round_index + 1)
         seconds["reference per-step"].append(time.perf_counter() - begun)
 

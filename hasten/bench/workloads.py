@@ -116,7 +116,8 @@ class HastenSide:
 
     def prompts(self, count: int) -> tuple[list[dict], list[list[int]]]:
         """The first `count` rows of B1's prompt stream and their token ids (both sides get these)."""
-        from ..train.episodes import PromptSampler, encode_prompt
+        from ..rollout.prompts import encode_prompt
+        from ..tasks.sampler import PromptSampler
 
         rows = PromptSampler(self.session.task.train_rows, self.cfg.train.seed).next(count)
         return rows, [encode_prompt(self.session.policy.tokenizer, row["prompt"]) for row in rows]
@@ -172,7 +173,7 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) ->
 
 
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
-    from ..speed.prefetch import make_feeder
+    from ..train.feeder import make_feeder
     from ..train.trainer import grpo_step
     from .peers import PeerError, TrlProcess
 
@@ -368,7 +369,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
 def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
     from ..algo import group_advantages
     from ..rewards import score_rewards
-    from ..train.episodes import reward_inputs
+    from ..rewards.batch import reward_inputs
 
     cfg, session, rounds = side.cfg, side.session, opts.rounds("B3")
     rows, prompts = side.prompts(cfg.train.prompts_per_step)

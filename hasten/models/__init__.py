@@ -219,3 +219,42 @@ class Reference:
         else:
             with self.policy.model.disable_adapter():
                 yield self.policy.model
+
+
+def load_trained_weights(model, directory: Path) -> None:
+    """Copy a checkpoint's trained weights into `model` in place (resume).
+
+    In place, so the optimizer's state stays attached to the same Parameter
+    objects and the KL reference (a separate frozen copy, or the
+    adapter-disabled base) stays the initial model. A peft model takes its
+    adapter file; any other model its model.safetensors (one file or shards).
+    Every parameter the model trains must be in the checkpoint.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    files = sorted(directory.glob("adapter_model.safetensors" if hasattr(model, "peft_config")
+                                  else "model*.safetensors"))
+    if not files:
+        raise ModelError(f"resume error: {directory} has no weights file (model.safetensors or adapter_model.safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file)))
+        except Exception as error:  # safetensors' own error type is not public; a torn file, say
+            raise ModelError(f"resume error: cannot read {file} ({str(error).splitlines()[0][:120]})") from None
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, state)
+        if not state or getattr(result, "unexpected_keys", None):
+            raise ModelError(f"resume error: {files[0]} does not hold this run's adapters")
+        return
+    parameters = dict(model.named_parameters())
+    missing = [name for name, p in parameters.items() if p.requires_grad and name not in state]
+    if missing:
+        raise ModelError(f"resume error: {directory} lacks {len(missing)} trained weights ({missing[0]}, ...)")
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            if name in state:
+                parameter.copy_(state[name].to(parameter.dtype))

@@ -131,7 +131,7 @@ def attention_function(name: str) -> Callable:
     """The attention kernel by the name in config._attn_implementation (transformers' convention)."""
     if name == "sdpa":
         return sdpa_attention
-    from ..train.grouped_attention import NAME, grouped_attention_forward
+    from ..speed.grouped_attention import NAME, grouped_attention_forward
 
     if name == NAME:
         return grouped_attention_forward

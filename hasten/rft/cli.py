@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--data", help="RFT records (rft.data, default data/rft.json)")
         if name == "sft":
             command.add_argument("--profile", help="plain | conservative | balanced | aggressive")
+            command.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sft run (its newest "
+                                 "checkpoint, or RUN_DIR/checkpoint-N) with its saved config")
         else:
             command.add_argument("--profiles", default="conservative,balanced,aggressive",
                                  help="comma list; plain always runs as the baseline")
@@ -67,12 +69,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _pairs(args, extra: list[str]) -> list[tuple[str, object]]:
-    from ..cli import _overrides
-    from ..config import Raw
+    from ..config import Raw, parse_overrides
 
     pairs = [(key, Raw(str(getattr(args, flag)))) for flag, key in FLAG_KEYS.items()
              if getattr(args, flag, None) is not None]
-    return pairs + _overrides(extra)
+    return pairs + parse_overrides(extra)
 
 
 def _print_result(args, lines: list[str], result: dict) -> None:
@@ -105,8 +106,15 @@ def cmd_sft(args, extra) -> int:
     from .profiles import load_rft_config
     from .sft import run_sft
 
-    cfg = load_rft_config("sft", args.config, _pairs(args, extra), profile=args.profile)
-    report = run_sft(cfg, log=_log, profile=args.profile).to_dict()
+    if args.resume:
+        from ..config import parse_overrides
+        from ..train.loop import resume_config
+
+        given = [f"--{name}" for name in ("config", "model", "task", "profile", "data") if getattr(args, name, None)]
+        cfg = resume_config(args.resume, given, parse_overrides(extra))
+    else:
+        cfg = load_rft_config("sft", args.config, _pairs(args, extra), profile=args.profile)
+    report = run_sft(cfg, log=_log, profile=args.profile, resume=args.resume).to_dict()
     lines = [f"trained {report['examples']} examples, {report['optimizer_steps']} optimizer steps in "
              f"{report['train_seconds']:.1f} s ({report['tokens_per_second']:.0f} tok/s); "
              f"loss {report['first_loss']:.4f} -> {report['final_loss']:.4f}",
@@ -164,10 +172,13 @@ def main(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    from ..errors import USER_ERRORS
+    from ..errors import USER_ERRORS, Interrupted, report_interrupted
 
     try:
         return COMMANDS[args.command](args, extra)
     except USER_ERRORS as exc:
         print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
         return EXIT_USER_ERROR
+    except Interrupted as stop:
+        report_interrupted(stop, "hasten sft --resume")
+        return stop.exit_code

@@ -27,7 +27,7 @@ from typing import Callable
 from ..config import Config
 from ..rollout import SamplingParams
 from ..tasks import Task, make_task
-from ..train.episodes import encode_prompt
+from ..rollout.prompts import encode_prompt
 from .data import RFTRecord, trim_to_answer, write_records
 from .prompts import load_generator, question_of
 

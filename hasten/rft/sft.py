@@ -6,16 +6,18 @@ EOS as the only loss targets. An optimizer step takes `sft.batch_size`
 examples, split into `sft.gradient_accumulation_steps` micro-batches; each
 micro-batch's summed token loss is divided by the step's total target
 tokens, so the gradient is the token-mean over the whole step however it
-is split. AdamW with linear warmup then cosine decay (train/learner.py's
-`lr_factor`), gradient clipping.
+is split. AdamW, warmup then cosine decay, clipping, precision and the NaN
+guard are the shared optimization layer (train/optimization.py, from the
+`sft:` section), and the run is the shared outer loop (train/loop.py):
+full-state checkpoints, `hasten sft --resume RUN_DIR`, signals, summary.
 
 Speed switches (`sft:` section; bundles in profiles.py; docs/rft.md has the
 measurements):
 - packing: packed rows + completion-only logits (batches.py) instead of a
   padded batch with full logits;
 - gradient_checkpointing: recompute decoder activations in backward;
-- adamw: fused | foreach | plain; fused falls back to foreach, logged, on a
-  device or torch without it;
+- adamw: fused | foreach | plain (speed/adamw.py's kernels: FusedAdamW,
+  torch.optim's foreach and for-loop);
 - compile: torch.compile(dynamic=True) of the decoder (`on`, or `gpu` = only
   on CUDA); if compiling or the first compiled call fails, the run logs why
   and goes on eager. On this CPU inductor needed ~250 s to compile even the
@@ -36,7 +38,6 @@ so `hasten eval --model DIR` and `hasten rft test --model DIR` load it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -45,12 +46,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import Config, ConfigError, SFTConfig
-from ..models import load_policy
+from ..config import Config, SFTConfig
+from ..errors import Interrupted
+from ..models import load_policy, load_trained_weights
+from ..rollout.prompts import encode_prompt
+from ..speed.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
-from ..train.episodes import encode_prompt
-from ..train.learner import lr_factor
-from ..train.outputs import RunDir
+from ..train import loop
+from ..train.optimization import Optimization, OptimizerSettings, sft_precision
+from ..train.outputs import RunDir, save_model_files
 from ..train.runtime import configure_threads, keep_freed_memory
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
@@ -88,26 +92,7 @@ def to_examples(records: list[RFTRecord], prompt_format: PromptFormat, tokenizer
 
 def resolve_precision(setting: str, device: torch.device) -> torch.dtype | None:
     """Autocast dtype, or None for fp32 (see the module docstring for the CPU choices)."""
-    if device.type != "cuda":
-        if setting == "fp16":
-            raise ConfigError("config error: sft.precision=fp16 needs a CUDA GPU (on CPU use bf16 or fp32)")
-        return torch.bfloat16 if setting == "bf16" else None
-    if setting == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
-
-
-def make_optimizer(parameters: list[torch.Tensor], sft: SFTConfig, log: Callable[[str], None]):
-    """(AdamW, the implementation that ran): fused where torch supports it on this device, else foreach."""
-    common = dict(lr=sft.lr, weight_decay=sft.weight_decay)
-    if sft.adamw == "fused":
-        try:
-            optimizer = torch.optim.AdamW(parameters, fused=True, **common)
-            return optimizer, "fused"
-        except (RuntimeError, TypeError) as reason:
-            log(f"sft.adamw=fused is not available here ({str(reason).splitlines()[0]}); using foreach")
-    return torch.optim.AdamW(parameters, foreach=sft.adamw != "plain", **common), (
-        "plain" if sft.adamw == "plain" else "foreach")
+    return AUTOCAST_DTYPES.get(sft_precision(setting, device))
 
 
 class CompiledOrEager:
@@ -159,9 +144,10 @@ def plan_steps(num_examples: int, sft: SFTConfig) -> list[list[list[int]]]:
 class MicroBatches(torch.utils.data.Dataset):
     """Micro-batch i of the flattened plan, built (packed or padded) where it is loaded."""
 
-    def __init__(self, examples: list[Example], plan: list[list[list[int]]], sft: SFTConfig, pad_token_id: int):
+    def __init__(self, examples: list[Example], plan: list[list[list[int]]], sft: SFTConfig, pad_token_id: int,
+                 skip: int = 0):
         self.examples, self.sft, self.pad_token_id = examples, sft, pad_token_id
-        self.flat = [micro for step in plan for micro in step]
+        self.flat = [micro for step in plan for micro in step][skip:]  # skip: micro-batches a resume has done
 
     def __len__(self) -> int:
         return len(self.flat)
@@ -183,72 +169,120 @@ def enable_gradient_checkpointing(model) -> None:
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train_examples(model, examples: list[Example], cfg: Config, pad_token_id: int, log: Callable[[str], None],
-                   on_step: Callable[[dict], None] = lambda record: None) -> tuple[dict[str, Any], list[float]]:
-    """Run every optimizer step of the plan; returns (resolved settings, per-step losses)."""
-    sft = cfg.sft
-    device = next(model.parameters()).device
-    autocast_dtype = resolve_precision(sft.precision, device)
-    if sft.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer, adamw = make_optimizer(parameters, sft, log)
-    plan = plan_steps(len(examples), sft)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, sft.warmup_steps, len(plan), sft.lr_schedule, sft.min_lr_ratio))
-    scaler = torch.amp.GradScaler("cuda") if autocast_dtype == torch.float16 else None
-    forward = None
-    if sft.compile == "on" or (sft.compile == "gpu" and device.type == "cuda"):
-        from ..train.packing import backbone_and_head
+class SFTJob:
+    """SFT optimizer steps as the loop's Job; state = the optimization layer and the losses so far.
 
-        forward = CompiledOrEager(backbone_and_head(model)[0] if sft.packing else model, log)
-    loader = torch.utils.data.DataLoader(
-        MicroBatches(examples, plan, sft, pad_token_id), batch_size=None, collate_fn=_identity,
-        num_workers=sft.num_workers, pin_memory=device.type == "cuda", persistent_workers=False)
-    batches = iter(loader)
-    losses = []
-    for step, micro_batches in enumerate(plan):
+    The plan (which examples each step takes) is a pure function of sft.seed,
+    so a resumed job only needs to know where it is: its loader starts at
+    the first micro-batch of the step it resumes at.
+    """
+
+    def __init__(self, model, examples: list[Example], cfg: Config, pad_token_id: int, log: Callable[[str], None],
+                 tokenizer=None, evaluate: Callable[[], dict[str, float]] | None = None):
+        sft = self.sft = cfg.sft
+        self.model, self.examples, self.pad_token_id, self.tokenizer = model, examples, pad_token_id, tokenizer
+        self.evaluator = evaluate
+        self.device = next(model.parameters()).device
+        if sft.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        model.train()
+        self.plan = plan_steps(len(examples), sft)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        self.optimization = Optimization(parameters, OptimizerSettings.for_sft(cfg, len(self.plan), self.device),
+                                         cfg.speed, log)
+        self.forward = None
+        if sft.compile == "on" or (sft.compile == "gpu" and self.device.type == "cuda"):
+            from ..train.packing import backbone_and_head
+
+            self.forward = CompiledOrEager(backbone_and_head(model)[0] if sft.packing else model, log)
+        self.batches = None  # the loader's iterator, from the first step this process runs
+        self.resume_command = "hasten sft --resume"
+        self.losses: list[float] = []
+        self.train_seconds = 0.0
+        self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
+
+    def _loader(self, first_step: int):
+        skip = sum(len(micro) for micro in self.plan[:first_step])
+        dataset = MicroBatches(self.examples, self.plan, self.sft, self.pad_token_id, skip)
+        return iter(torch.utils.data.DataLoader(
+            dataset, batch_size=None, collate_fn=_identity, num_workers=self.sft.num_workers,
+            pin_memory=self.device.type == "cuda", persistent_workers=False))
+
+    def step(self, step: int) -> dict[str, Any]:
         started = time.perf_counter()
-        step_targets = sum(len(examples[i].completion_ids) for micro in micro_batches for i in micro)
+        if self.batches is None:
+            self.batches = self._loader(step - 1)
+        micro_batches = self.plan[step - 1]
+        step_targets = sum(len(self.examples[i].completion_ids) for micro in micro_batches for i in micro)
         loss_total = 0.0
         for _ in micro_batches:
-            batch = next(batches)
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                nll = (packed_nll_sum(model, batch, backbone=forward) if sft.packing
-                       else padded_nll_sum(model, batch, backbone=forward))
+            batch = next(self.batches)
+            with self.optimization.autocast():
+                nll = (packed_nll_sum(self.model, batch, backbone=self.forward) if self.sft.packing
+                       else padded_nll_sum(self.model, batch, backbone=self.forward))
             loss = nll / step_targets  # this micro-batch's share of the step's token-mean loss
-            (scaler.scale(loss) if scaler else loss).backward()
+            self.optimization.backward(loss)
             loss_total += float(loss.detach())
-        if scaler:
-            scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(parameters, sft.max_grad_norm if sft.max_grad_norm > 0 else math.inf)
-        lr = optimizer.param_groups[0]["lr"]
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_total)
-        tokens = sum(examples[i].input_length for micro in micro_batches for i in micro)
-        on_step({"step": step + 1, "loss": loss_total, "lr": lr, "grad_norm": float(norm), "tokens": tokens,
-                 "target_tokens": step_targets, "time/step": time.perf_counter() - started})
-    settings = {"packing": sft.packing, "gradient_checkpointing": sft.gradient_checkpointing,
-                "gradient_accumulation_steps": sft.gradient_accumulation_steps, "adamw": adamw,
-                "precision": "fp32" if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
-                "compile": bool(forward is not None and forward.active), "num_workers": sft.num_workers,
-                "device": device.type}
-    return settings, losses
+        lr = self.optimization.lr
+        norm = self.optimization.step(loss_total)
+        self.losses.append(loss_total)
+        seconds = time.perf_counter() - started
+        self.train_seconds += seconds
+        tokens = sum(self.examples[i].input_length for micro in micro_batches for i in micro)
+        return {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                "target_tokens": step_targets, "time/step": seconds}
+
+    def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
+        return self.evaluator() if self.evaluator is not None else None
+
+    def save_model(self, directory: Path) -> None:
+        save_model_files(self.model, self.tokenizer, directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimization": self.optimization.state_dict(), "losses": list(self.losses),
+                "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        load_trained_weights(self.model, directory)
+        self.optimization.load_state_dict(state["optimization"])
+        self.losses, self.train_seconds = list(state["losses"]), float(state["train_seconds"])
+
+    def settings(self) -> dict[str, Any]:
+        """What the speed switches resolved to."""
+        sft = self.sft
+        return {"packing": sft.packing, "gradient_checkpointing": sft.gradient_checkpointing,
+                "gradient_accumulation_steps": sft.gradient_accumulation_steps, "adamw": sft.adamw,
+                "precision": self.optimization.precision.mode, "compile": bool(self.forward and self.forward.active),
+                "num_workers": sft.num_workers, "device": self.device.type}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.batches = None  # lets DataLoader workers exit
+
+
+def train_examples(model, examples: list[Example], cfg: Config, pad_token_id: int,
+                   log: Callable[[str], None]) -> tuple[dict[str, Any], list[float]]:
+    """Every optimizer step of the plan in memory, no run directory (tests and measurements):
+    returns (resolved settings, per-step losses)."""
+    job = SFTJob(model, examples, cfg, pad_token_id, log)
+    for step in range(1, job.total_steps + 1):
+        job.step(step)
+    job.close()
+    return job.settings(), job.losses
 
 
 def weights_megabytes(directory: Path) -> float:
     return sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".safetensors", ".bin")) / 1e6
 
 
-def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None = None) -> SFTReport:
-    """Train on cfg.rft.data, save the checkpoint, evaluate it (eval.num_examples > 0); returns the report."""
+def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None = None,
+            resume: Path | None = None) -> SFTReport:
+    """Train on cfg.rft.data, save the checkpoint, evaluate it (eval.num_examples > 0); returns the report.
+
+    resume: a run directory or checkpoint of an interrupted `hasten sft` (cfg is its config.yaml).
+    """
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
@@ -256,6 +290,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     if cfg.sft.max_examples:
         records = records[:cfg.sft.max_examples]
     task = make_task(cfg.task)
+    random.seed(cfg.sft.seed)
     torch.manual_seed(cfg.sft.seed)  # the LoRA initialization
     policy = load_policy(cfg.model, log)
     if torch.cuda.is_available():
@@ -263,31 +298,31 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     examples = to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0])
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")
-    run = RunDir.create(cfg)
-    log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
-    every = max(1, math.ceil(cfg.sft.epochs * math.ceil(len(examples) / cfg.sft.batch_size) / 20))
 
-    def on_step(record: dict) -> None:
-        run.log_step(record)
-        if record["step"] % every == 0 or record["step"] == 1:
-            log(f"sft step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                f"{record['tokens'] / record['time/step']:.0f} tok/s")
-
-    started = time.perf_counter()
-    settings, losses = train_examples(policy.model, examples, cfg, policy.pad_token_id, log, on_step)
-    train_seconds = time.perf_counter() - started
-    checkpoint = run.save_checkpoint(policy.model, policy.tokenizer, None)
-    report = SFTReport(
-        run_dir=str(run.path), checkpoint=str(checkpoint), examples=len(examples), optimizer_steps=len(losses),
-        train_seconds=train_seconds, trained_tokens=cfg.sft.epochs * sum(e.input_length for e in examples),
-        target_tokens=cfg.sft.epochs * sum(len(e.completion_ids) for e in examples),
-        first_loss=losses[0], final_loss=losses[-1], adapter_mb=weights_megabytes(checkpoint),
-        settings={"profile": profile, **settings},
-    )
-    if cfg.eval.num_examples:
+    def evaluate() -> dict[str, float] | None:
         from .evaluation import evaluate_policy
 
-        report.eval = evaluate_policy(cfg, policy, task, log)
-        run.log_eval(len(losses), report.eval)
-    run.write_summary(report.to_dict())
+        return evaluate_policy(cfg, policy, task, log) if cfg.eval.num_examples else None
+
+    job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
+    run, checkpoint = loop.open_run(cfg, resume)
+    log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
+    summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None)
+    if summary["status"] != "finished":  # checkpoint and summary written; the CLI exits 130 / 143
+        raise Interrupted(signal_number(summary["signal"]), saved=True)
+    final = Path(summary["checkpoint"])
+    report = SFTReport(
+        run_dir=str(run.path), checkpoint=str(final), examples=len(examples), optimizer_steps=len(job.losses),
+        train_seconds=job.train_seconds, trained_tokens=cfg.sft.epochs * sum(e.input_length for e in examples),
+        target_tokens=cfg.sft.epochs * sum(len(e.completion_ids) for e in examples),
+        first_loss=job.losses[0], final_loss=job.losses[-1], adapter_mb=weights_megabytes(final),
+        settings={"profile": profile, **job.settings()}, eval=summary.get("eval_after", {}),
+    )
+    run.write_summary({**summary, **report.to_dict()})
     return report
+
+
+def signal_number(name: str) -> int:
+    import signal
+
+    return int(signal.Signals[name])

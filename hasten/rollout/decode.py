@@ -13,7 +13,7 @@ they record or in which random number a row gets:
         if keep is not None:  # some rows finished: compact the cache to `keep`
             ...
         logits = forward(token)
-    return state.rollout(prompt_ids, prompt_mask, num_generations)
+    return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
 One uniform is drawn per row per step for all rows (sampling.py), and a
 finished row's draws are skipped, so compaction never changes which tokens
@@ -70,7 +70,8 @@ class DecodeState:
         self.live = live[keep.cpu()]
         return token[keep], keep
 
-    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> Rollout:
+    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                sampling: SamplingParams) -> Rollout:
         width = int(self.mask.sum(1).max())  # trim columns no row reached
         return Rollout(
             prompt_ids=prompt_ids,
@@ -80,4 +81,5 @@ class DecodeState:
             sampling_logprobs=self.logprobs[:, :width],
             ended_with_eos=self.ended,
             num_generations=num_generations,
+            sampling=sampling,
         )

@@ -47,6 +47,9 @@ class KVCacheEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
 
+    def weights_changed(self) -> None:
+        """Nothing to refresh: every forward reads the policy's own parameters."""
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
@@ -102,4 +105,4 @@ class KVCacheEngine:
             logits = out.logits[:, -1]  # (live, V)
             next_position = next_position + 1
 
-        return state.rollout(prompt_ids, prompt_mask, num_generations)
+        return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)

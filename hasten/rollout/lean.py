@@ -275,7 +275,7 @@ class LeanEngine:
             logits = self._logits(hidden[:, -1])  # (live, V)
             position = position + 1
 
-        return state.rollout(prompt_ids, prompt_mask, num_generations)
+        return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
     def _layers(self, hidden, cos, signed_sin, attend):
         """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache."""

@@ -30,7 +30,7 @@ class Rollout:
     """num_generations completions for each of B prompts, group-major.
 
     Row i of the completion tensors belongs to prompt i // num_generations.
-    `sampling_logprobs` are log-softmax(logits / temperature) at the sampled
+    `sampling_logprobs` are log-softmax(logits / sampling.temperature) at the sampled
     token, before top-k/top-p filtering: the same quantity the learner
     computes, so the two can be compared directly.
     """
@@ -42,6 +42,7 @@ class Rollout:
     sampling_logprobs: torch.Tensor  # (B*G, T) 0 where masked
     ended_with_eos: torch.Tensor  # (B*G,) bool; False = cut at max_new_tokens
     num_generations: int
+    sampling: SamplingParams | None = None  # how it was sampled: the learner's temperature and length cap
 
     @property
     def num_prompts(self) -> int:
@@ -61,8 +62,12 @@ class Rollout:
 
 
 class Engine(Protocol):
-    """Anything that samples completions: our KV-cache engine, later vLLM."""
+    """Anything that samples completions: our KV-cache engine, the lean engine, later vLLM."""
 
     def generate(
         self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
     ) -> Rollout: ...
+
+    def weights_changed(self) -> None:
+        """The policy's weights were updated (an optimizer step, a resume): engines that keep their own
+        copy (fused matrices, a vLLM server) refresh it before the next generate."""

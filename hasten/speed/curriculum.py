@@ -26,7 +26,7 @@ import re
 from collections import deque
 from typing import Any, Callable
 
-from ..train.episodes import PromptSampler
+from ..tasks.sampler import PromptSampler, as_random_state
 
 _KEYWORDS = re.compile(r"\b(if|elif|else|for|while|try|except|with|def|class|lambda|return|yield|and|or|not)\b")
 _OPERATORS = re.compile(r"[-+*/%^=<>]")
@@ -125,3 +125,15 @@ class CurriculumSampler:
             if index is not None:
                 total, groups = self.success.get(index, (0.0, 0))
                 self.success[index] = (total + reward, groups + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"full": self.full.state_dict(), "random": self.random.getstate(), "drawn": self.drawn,
+                "recent": list(self.recent), "success": {i: list(value) for i, value in self.success.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.full.load_state_dict(state["full"])
+        self.random.setstate(as_random_state(state["random"]))
+        self.drawn = int(state["drawn"])
+        self.recent.clear()
+        self.recent.extend(state["recent"])
+        self.success = {int(i): (float(total), int(groups)) for i, (total, groups) in state["success"].items()}

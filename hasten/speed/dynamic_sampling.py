@@ -16,31 +16,15 @@ flat. Metrics: dynamic/rounds, dynamic/dropped_groups, dynamic/groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from ..rewards import RewardScores
 from ..rollout import Rollout
-from ..train.episodes import RewardInputs
+from ..rewards.batch import RewardInputs, ScoredBatch
 
 FLAT = 1e-8  # a group is flat when max - min of its rewards is below this
-
-
-@dataclass
-class ScoredBatch:
-    """One generation round: prompts, their rollout, reward inputs and scores (group-major)."""
-
-    rows: list[dict[str, Any]]
-    rollout: Rollout
-    inputs: RewardInputs
-    scores: RewardScores
-    metrics: dict[str, float] = field(default_factory=dict)  # reward-runner metrics of this round
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.rows)
 
 
 def informative_groups(total: torch.Tensor, num_generations: int) -> list[int]:
@@ -61,7 +45,7 @@ def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
         prompt_ids=rollout.prompt_ids[groups], prompt_mask=rollout.prompt_mask[groups],
         completion_ids=rollout.completion_ids[index, :width], completion_mask=rollout.completion_mask[index, :width],
         sampling_logprobs=rollout.sampling_logprobs[index, :width], ended_with_eos=rollout.ended_with_eos[index],
-        num_generations=size,
+        num_generations=size, sampling=rollout.sampling,
     )
     inputs = batch.inputs
     chosen = RewardInputs(
@@ -94,7 +78,7 @@ def concat(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
         completion_mask=torch.cat([_pad_right(r.completion_mask, width, 0) for r in rollouts]),
         sampling_logprobs=torch.cat([_pad_right(r.sampling_logprobs, width, 0.0) for r in rollouts]),
         ended_with_eos=torch.cat([r.ended_with_eos for r in rollouts]),
-        num_generations=rollouts[0].num_generations,
+        num_generations=rollouts[0].num_generations, sampling=rollouts[0].sampling,
     )
     keys = list(dict.fromkeys(key for b in batches for key in b.inputs.columns))
     inputs = RewardInputs(

@@ -61,3 +61,9 @@ class NanGuard:
                 self.disable_mixed_precision()
                 self.log("nan guard: mixed precision switched off (fp32 from now on)")
         return False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"in_a_row": self.in_a_row, "skipped": self.skipped, "actions": self.actions}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.in_a_row, self.skipped, self.actions = state["in_a_row"], state["skipped"], state["actions"]

@@ -1,4 +1,4 @@
-"""Mixed precision (speed.precision, speed.tf32) and the AdamW kernel (speed.optimizer).
+"""Mixed precision (speed.precision, speed.tf32): autocast, the fp16 GradScaler.
 
 precision:
     fp32  no autocast (the default: exact, and the only safe choice on CPUs
@@ -15,13 +15,8 @@ bf16 is emulated and slower.
 tf32: on CUDA, lets fp32 matmuls and convolutions use TF32 tensor cores
 (Ampere and newer); it changes numerics slightly and does nothing on a CPU.
 
-optimizer: torch's AdamW kernels give the same update up to rounding:
-    for_loop  one parameter at a time (torch's CPU default)
-    foreach   multi-tensor: a few large kernels over all parameters
-    fused     a single fused kernel (CUDA, and CPU since torch 2.4)
-    auto      fused on CUDA, foreach elsewhere (fused measured 0.20 s per
-              SmolLM2-135M step on this CPU against 1.05 s for_loop and 1.17 s
-              foreach, but see docs/speedups.md: not yet trusted on CPU)
+The AdamW kernel (speed.optimizer) is speed/adamw.py; train/optimization.py
+combines both with the schedule, clipping and the NaN guard.
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from ..config import SpeedConfig, TrainConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,33 +68,16 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update()
 
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["mode"] != self.mode:  # the NaN guard switched mixed precision off before the save
+            self.disable()
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
     def disable(self) -> None:
         """Fall back to fp32 for the rest of the run (the NaN guard's disable_mixed_precision)."""
         self.mode = "fp32"
         self.scaler = None
-
-
-def adamw_kernel(choice: str, device: torch.device) -> dict[str, bool]:
-    """AdamW keyword arguments for speed.optimizer on `device`."""
-    if choice == "auto":
-        # Fused where torch has the kernel (CUDA and CPU): 5.4x faster per step than for-loop here.
-        # On the CPU it leaves the parameters' _version alone, which is why the trainer tells the
-        # lean engine about every update (LeanEngine.weights_changed) instead of relying on it.
-        choice = "fused" if device.type in ("cuda", "cpu") else "foreach"
-    return {"fused": {"fused": True}, "foreach": {"foreach": True},
-            "for_loop": {"foreach": False, "fused": False}}[choice]
-
-
-def make_adamw(parameters: list[torch.nn.Parameter], train: TrainConfig, speed: SpeedConfig):
-    """AdamW with the kernel speed.optimizer picks. The fused kernel is called directly
-    (train/adamw.py: the same update, without torch.optim's ~1 s import of torch._dynamo),
-    except under the fp16 GradScaler, which steps torch.optim optimizers only."""
-    device = parameters[0].device if parameters else torch.device("cpu")
-    kernel = adamw_kernel(speed.optimizer, device)
-    common = {"lr": train.lr, "betas": (train.adam_beta1, train.adam_beta2), "weight_decay": train.weight_decay}
-    if kernel.get("fused") and speed.precision != "fp16":
-        from ..train.adamw import FusedAdamW, available
-
-        if available(device.type):
-            return FusedAdamW(parameters, **common)
-    return torch.optim.AdamW(parameters, **common, **kernel)

@@ -52,7 +52,7 @@ class PassAtK:
     def count_correct(self, engine, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int) -> list[int]:
         """Number of the n samples per row that pass every test."""
         from hasten.rollout import SamplingParams
-        from hasten.train.episodes import encode_prompt
+        from hasten.rollout.prompts import encode_prompt
 
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature)
         per_batch = max(1, batch_size // self.num_samples)  # prompts x n samples ~ batch_size sequences

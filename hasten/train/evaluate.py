@@ -17,7 +17,8 @@ import torch
 from ..rewards import RewardFunction, score_rewards
 from ..rollout import Engine, SamplingParams
 from ..tasks import Task
-from .episodes import encode_prompt, reward_inputs
+from ..rewards.batch import reward_inputs
+from ..rollout.prompts import encode_prompt
 
 
 def evaluate(

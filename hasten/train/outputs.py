@@ -5,9 +5,9 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
     config.yaml        the resolved config, written before training starts
     metrics.jsonl      one JSON object per GRPO step (appended, flushed per line)
     eval.jsonl         one JSON object per held-out evaluation: {"step": N, ...}
-    checkpoint-<N>/    intermediate checkpoints (output.save_every)
-    checkpoint/        the final checkpoint
-    summary.json       end-of-run summary
+    checkpoint-<N>/    full-state checkpoints (output.save_every, output.save_minutes, on a signal)
+    checkpoint/        the final checkpoint (full state too)
+    summary.json       end-of-run summary (status: finished | interrupted | failed)
     progress.png       reward and held-out accuracy curves
 
 Choices:
@@ -17,10 +17,17 @@ Choices:
   scalars become numbers) so `json.loads`, jq and pandas read every line.
   Each line is written with its own open/append/close: a killed run loses at
   most the line being written, and readers skip a torn last line.
-- Checkpoints and the summary are written to a temporary sibling and renamed
-  into place, so an interrupted save leaves the previous file or directory,
-  never a half-written one. Saving goes through `save_pretrained`, so plain
-  HF models write full weights and peft models write adapters only.
+- Checkpoints and the summary are written to a temporary sibling, fsynced
+  and renamed into place, so an interrupted save (even kill -9 or a power
+  cut) leaves the previous file or directory, never a half-written one; the
+  temporary directories a killed save leaves are removed when the run is
+  opened again (`clean_stale`). Saving goes through `save_pretrained`, so
+  plain HF models write full weights and peft models write adapters only.
+- A checkpoint is full state: the model files plus `trainer_state.pt`
+  (optimizer, schedule, scaler, RNGs, sampler position, step, log offsets:
+  what train/loop.py needs to resume bit-identically) and a readable
+  `trainer_state.json`. `output.save_total_limit` keeps the newest N
+  `checkpoint-<N>/`; the final `checkpoint/` is never pruned.
 - Nothing heavy is imported at module import time: matplotlib is imported
   inside `plot()` and uses the Agg canvas directly (no pyplot, so no global
   backend switch and no figures kept alive across a long run).
@@ -31,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,6 +46,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hasten.config import Config, save_config
+from hasten.errors import UserError
+
+STATE_FILE = "trainer_state.pt"
+STATE_SUMMARY = "trainer_state.json"
+_NUMBERED = re.compile(r"checkpoint-(\d+)")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be written or resumed from; one line."""
 
 
 class RunDir:
@@ -102,29 +119,21 @@ class RunDir:
         return self.path / ("checkpoint" if step is None else f"checkpoint-{step}")
 
     def save_checkpoint(self, model, tokenizer, step: int | None) -> Path:
-        """Save model and tokenizer to `checkpoint_dir(step)`, replacing any earlier save there."""
-
-        def write(directory: Path) -> None:
-            if hasattr(model, "peft_config"):
-                # Adapters only. "auto" would look the base model up on the hub to see whether
-                # the vocabulary changed; hasten never trains the embeddings through LoRA.
-                model.save_pretrained(directory, save_embedding_layers=False)
-            else:
-                model.save_pretrained(directory)
-            tokenizer.save_pretrained(directory)
-
-        return self.save_files(write, step)
+        """Save model and tokenizer (no trainer state) to `checkpoint_dir(step)`, replacing any earlier save."""
+        return self.save_files(lambda directory: save_model_files(model, tokenizer, directory), step)
 
     def save_files(self, write: Callable[[Path], Any], step: int | None) -> Path:
-        """Run `write(directory)` on a fresh temporary directory, then move it to `checkpoint_dir(step)`.
+        """Run `write(directory)` on a fresh temporary directory, fsync it, then move it to `checkpoint_dir(step)`.
 
         The atomic replace of every checkpoint; models that are not HF models
-        (the games' policies) save through this too.
+        (the games' policies) save through this too. A failure (a full disk,
+        say) leaves the previous save in place and raises CheckpointError.
         """
         target = self.checkpoint_dir(step)
         temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
         try:
             write(temporary)
+            _fsync_tree(temporary)
             if target.exists():
                 # Move the old save aside first: a rename onto a non-empty
                 # directory fails, and deleting it first would leave a window
@@ -135,10 +144,65 @@ class RunDir:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(temporary, target)
+            _fsync_directory(self.path)
+        except OSError as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise CheckpointError(f"checkpoint error: could not write {target}: {error.strerror or error}") from None
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
         return target
+
+    def clean_stale(self) -> list[Path]:
+        """Remove what killed saves left behind (hidden .checkpoint*.tmp-* / .old-* dirs, .*.tmp-* files)."""
+        stale = [entry for entry in self.path.iterdir()
+                 if entry.name.startswith(".") and (".tmp-" in entry.name or ".old-" in entry.name)]
+        for entry in stale:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        return stale
+
+    def numbered_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint-<N>/ holding trainer state, oldest first."""
+        found = []
+        for entry in self.path.glob("checkpoint-*"):
+            match = _NUMBERED.fullmatch(entry.name)
+            if match and (entry / STATE_FILE).is_file():
+                found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    def prune(self, keep: int) -> None:
+        """Keep the newest `keep` checkpoint-<N>/ (0 = keep all)."""
+        if keep > 0:
+            for _, path in self.numbered_checkpoints()[:-keep]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def latest_checkpoint(self) -> Path | None:
+        """The checkpoint with the highest step among checkpoint-<N>/ and a final checkpoint/ with state."""
+        candidates = [(step, path) for step, path in self.numbered_checkpoints()]
+        final = self.checkpoint_dir(None)
+        if (final / STATE_SUMMARY).is_file() and (final / STATE_FILE).is_file():
+            try:
+                candidates.append((int(json.loads((final / STATE_SUMMARY).read_text())["step"]), final))
+            except (ValueError, KeyError, TypeError):
+                pass
+        return max(candidates, key=lambda item: (item[0], item[1] == final))[1] if candidates else None
+
+    def log_offsets(self) -> dict[str, int]:
+        """Bytes in metrics.jsonl and eval.jsonl now: what a resume from here truncates them back to."""
+        return {path.name: path.stat().st_size if path.is_file() else 0 for path in (self.metrics_path, self.eval_path)}
+
+    def truncate_logs(self, offsets: dict[str, int]) -> None:
+        """Drop the lines written after a checkpoint (steps a resume will run again)."""
+        for path in (self.metrics_path, self.eval_path):
+            size = offsets.get(path.name, 0)
+            if path.is_file() and path.stat().st_size > size:
+                with path.open("r+b") as handle:
+                    handle.truncate(size)
+
+    def evals(self) -> dict[int, dict[str, Any]]:
+        """step -> metrics of every held-out eval logged so far."""
+        return {record["step"]: {k: v for k, v in record.items() if k != "step"}
+                for record in _read_json_lines(self.eval_path) if isinstance(record.get("step"), int)}
 
     # ------------------------------------------------------------------ plot
 
@@ -234,6 +298,37 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return _jsonable(value.tolist())
     return str(value)
+
+
+def save_model_files(model, tokenizer, directory: Path) -> None:
+    """An HF-format model directory: full weights, or adapters only for a peft model; plus the tokenizer."""
+    if hasattr(model, "peft_config"):
+        # Adapters only. "auto" would look the base model up on the hub to see whether
+        # the vocabulary changed; hasten never trains the embeddings through LoRA.
+        model.save_pretrained(directory, save_embedding_layers=False)
+    else:
+        model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under root, then the directories: the data is on disk before the rename."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            descriptor = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        _fsync_directory(Path(directory))
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _append_json_line(path: Path, record: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..rollout import Rollout
-from .grouped_attention import build_layout, grouped_attention, supported
+from ..speed.grouped_attention import build_layout, grouped_attention, supported
 from .logprobs import TokenStats
 
 PAD_SEGMENT = -1

@@ -18,15 +18,16 @@ One epoch (a "step" in train.steps, metrics.jsonl and the progress view):
      the clipped surrogate, num_iterations and every variant apply unchanged
      (with one token, they all reduce to the mean over decisions), minus
      game.entropy_coef x the mean policy entropy;
-  6. AdamW + warmup/cosine from train: (the same build_optimizer as the
-     language-model learner), clipped at train.max_grad_norm.
+  6. the optimization layer the language-model learner uses
+     (train/optimization.py: AdamW, warmup/cosine from train:, clipping at
+     train.max_grad_norm, the NaN guard).
 This is REINFORCE with a group baseline, as in the seed recipe; with
 num_iterations > 1 the ratio against the sampling policy is clipped as in PPO.
 
 What it shares with the language-model loop: the config, advantages, losses,
-optimizer and schedule, the run directory (config.yaml, metrics.jsonl,
-eval.jsonl, checkpoint/policy.pt, summary.json, progress.png) and the
-progress view. What it does not need: an engine, a tokenizer, reward functions.
+the optimization layer, and the outer loop (train/loop.py: evals, full-state
+checkpoints with checkpoint/policy.pt, resume, signals, summary, plot).
+What it does not need: an engine, a tokenizer, reward functions.
 
 Held-out evaluation plays game.eval_games games from starts and draws seeded
 by task.seed (fixed, so numbers compare across epochs), sampling and greedy;
@@ -38,6 +39,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -46,10 +48,10 @@ from torch import nn
 from ..algo import LOSSES, LossInputs, LossSettings, group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
 from ..games.fruit_catcher import Draws, Rules, start_states
-from ..games.policy import CatcherPolicy, Episodes, play, save_policy
-from .learner import build_optimizer
+from ..games.policy import POLICY_FILE, CatcherPolicy, Episodes, play, save_policy
+from . import loop
+from .optimization import Optimization, OptimizerSettings
 from .outputs import RunDir
-from .progress import Progress
 from .runtime import configure_threads
 
 
@@ -59,8 +61,7 @@ class GameSession:
     rules: Rules
     module: CatcherPolicy  # the parameters (saved, optimized)
     policy: nn.Module  # what is called: the module, or its torch.compile wrapper
-    optimizer: Any  # torch.optim.AdamW or train/adamw.FusedAdamW (speed.optimizer)
-    scheduler: Any  # train/adamw.Schedule
+    optimization: Optimization  # AdamW, schedule, clipping, NaN guard (train/optimization.py)
 
 
 def compile_policy(module: nn.Module, enabled: bool, example: torch.Tensor, log: Callable[[str], None]) -> nn.Module:
@@ -121,22 +122,17 @@ def learn(session: GameSession, episodes: Episodes, advantages: torch.Tensor) ->
                             max_completion_length=1)
         loss, loss_metrics = loss_fn(inputs, settings)
         entropy = -(log_probs.exp() * log_probs).sum(dim=1).mean()
-        (loss - cfg.game.entropy_coef * entropy).backward()
-        max_norm = cfg.train.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(session.module.parameters(),
-                                                   max_norm if max_norm > 0 else float("inf"))
-        session.optimizer.step()
-        session.scheduler.step()
-        session.optimizer.zero_grad(set_to_none=True)
+        session.optimization.backward(loss - cfg.game.entropy_coef * entropy)
+        grad_norm = session.optimization.step(float(loss.detach()))
         metrics = {**loss_metrics, "loss": float(loss.detach()), "entropy": float(entropy.detach()),
-                   "grad_norm": float(grad_norm)}
+                   "grad_norm": grad_norm}
     return metrics
 
 
 def epoch_step(session: GameSession, epoch: int) -> dict[str, float]:
     """One GRPO epoch; returns its metrics record."""
     cfg, game = session.cfg, session.cfg.game
-    lr = session.optimizer.param_groups[0]["lr"]
+    lr = session.optimization.lr
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + epoch)
     started = time.perf_counter()
     starts = start_states(session.rules, game.num_starts, generator)  # (S, D)
@@ -214,49 +210,52 @@ def prepare_game(cfg: Config, log: Callable[[str], None] = print) -> GameSession
     module = CatcherPolicy(rules, cfg.game.hidden_size)
     example = torch.zeros(cfg.game.num_starts * cfg.game.games_per_start, rules.observation_size)
     policy = compile_policy(module, cfg.game.compile, example, log)
-    optimizer, scheduler = build_optimizer(list(module.parameters()), cfg)
-    return GameSession(cfg, rules, module, policy, optimizer, scheduler)
+    optimization = Optimization(list(module.parameters()), OptimizerSettings.for_training(cfg), cfg.speed, log)
+    return GameSession(cfg, rules, module, policy, optimization)
 
 
-def train_policy(cfg: Config, log: Callable[[str], None] = print) -> dict:
+class GameJob:
+    """Game epochs as the loop's Job; state = the optimization layer's (the epochs' draws are seeded by step)."""
+
+    def __init__(self, session: GameSession):
+        cfg = self.cfg = session.cfg
+        self.session = session
+        self.started = time.perf_counter()
+        self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
+        self.resume_command = "hasten train --resume"
+        self.random_policy = evaluate_game(None, session.rules, cfg, "random") if cfg.game.eval_games else {}
+
+    def step(self, step: int) -> dict[str, Any]:
+        return epoch_step(self.session, step)
+
+    def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
+        return run_game_eval(self.session) if self.cfg.game.eval_games else None
+
+    def save_model(self, directory: Path) -> None:
+        save_policy(self.session.module, self.session.rules, self.cfg.game.hidden_size, directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimization": self.session.optimization.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        payload = torch.load(directory / POLICY_FILE, map_location="cpu", weights_only=True)
+        with torch.no_grad():  # in place: the optimizer's state stays attached to these parameters
+            for name, parameter in self.session.module.state_dict().items():
+                parameter.copy_(payload["state_dict"][name])
+        self.session.optimization.load_state_dict(state["optimization"])
+
+    def summary(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"seconds": time.perf_counter() - self.started}
+        if self.random_policy:
+            extra["random_policy"] = self.random_policy
+        return extra
+
+    def close(self) -> None:
+        pass
+
+
+def train_policy(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None) -> dict:
     """Train a game policy with GRPO; the same run directory and summary shape as `trainer.train`."""
-    session = prepare_game(cfg, log)
-    run = RunDir.create(cfg)
-    progress = Progress(cfg.train.steps, cfg.output.progress)
-    progress.message(f"run directory: {run.path}")
-
-    def save(step: int | None):
-        return run.save_files(lambda directory: save_policy(session.module, session.rules, cfg.game.hidden_size,
-                                                            directory), step)
-
-    def evaluate(step: int) -> dict[str, float]:
-        metrics = run_game_eval(session)
-        run.log_eval(step, metrics)
-        progress.set_eval(step, metrics)
-        return metrics
-
-    started = time.perf_counter()
-    random_policy = evaluate_game(None, session.rules, cfg, "random") if cfg.game.eval_games else {}
-    evals = {0: evaluate(0)} if cfg.eval.at_start and cfg.game.eval_games else {}
-    for epoch in range(1, cfg.train.steps + 1):
-        record = epoch_step(session, epoch)
-        run.log_step(record)
-        progress.update(epoch, record)
-        if cfg.eval.every and epoch % cfg.eval.every == 0 and epoch != cfg.train.steps and cfg.game.eval_games:
-            evals[epoch] = evaluate(epoch)
-        if cfg.output.save_every and epoch % cfg.output.save_every == 0 and epoch != cfg.train.steps:
-            save(epoch)
-    if cfg.game.eval_games and cfg.train.steps not in evals:
-        evals[cfg.train.steps] = evaluate(cfg.train.steps)
-    checkpoint = save(None)
-    progress.close()
-
-    summary = {"run_dir": str(run.path), "checkpoint": str(checkpoint), "steps": cfg.train.steps,
-               "seconds": time.perf_counter() - started}
-    if evals:
-        summary["random_policy"] = random_policy
-        summary["eval_before"], summary["eval_after"] = evals[min(evals)], evals[max(evals)]
-    run.write_summary(summary)
-    if cfg.output.plot:
-        run.plot()
-    return summary
+    job = GameJob(prepare_game(cfg, log))
+    run, checkpoint = loop.open_run(cfg, resume)
+    return loop.run(job, cfg, run, log, checkpoint, created=resume is None)

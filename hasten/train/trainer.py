@@ -8,9 +8,11 @@ and hands the batch to the learner for num_iterations optimizer steps. The
 engine works on the policy's own weights, so "handing the new weights to the
 engine" costs nothing here; a vLLM engine will need an explicit sync.
 
-Everything that can fail on user input (config, task data, reward files,
-model name) is resolved before the run directory is created, so a bad
-invocation leaves nothing behind.
+`GRPOJob` is that step as train/loop.py's Job: the loop around it (evals,
+full-state checkpoints, resume, signals, summary) is shared with the game
+policy and SFT. Everything that can fail on user input (config, task data,
+reward files, model name) is resolved before the run directory is created,
+so a bad invocation leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,26 +21,27 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..algo import group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
-from ..models import Policy, Reference, load_policy
+from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
+from ..rewards.batch import ScoredBatch, reward_inputs
 from ..rollout import Engine, KVCacheEngine, SamplingParams
-from ..tasks import Task, make_task
 from ..speed.compile import compile_model
-from ..speed.dynamic_sampling import ScoredBatch, refill
-from ..speed.prefetch import Feeder, make_feeder
-from ..speed.scoring import RewardScorer
-from .episodes import reward_inputs
+from ..speed.dynamic_sampling import refill
+from ..tasks import Task, make_task
+from . import loop
 from .evaluate import evaluate
+from .feeder import Feeder, make_feeder
 from .learner import Learner
-from .outputs import RunDir
-from .progress import Progress
+from .outputs import RunDir, save_model_files
 from .runtime import configure_threads, keep_freed_memory
+from .scoring import RewardScorer
 
 
 @dataclass
@@ -123,20 +126,6 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
 
 
-def run_eval(session: Session, run: RunDir, progress: Progress, step: int) -> dict[str, float]:
-    cfg = session.cfg
-    started = time.perf_counter()
-    metrics, samples = evaluate(
-        session.task, session.engine, session.policy.tokenizer, session.rewards,
-        min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
-    )
-    metrics["seconds"] = time.perf_counter() - started
-    run.log_eval(step, metrics)
-    run.save_samples(f"eval-step{step}", samples)
-    progress.set_eval(step, metrics)
-    return metrics
-
-
 def generate_and_score(session: Session, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
     """Take `count` prompts, sample a group for each, score them (slow rewards joined here)."""
     cfg, tokenizer = session.cfg, session.policy.tokenizer
@@ -177,8 +166,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> 
     if batch is not None:
         advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
         learned_metrics = learner.step(batch.rollout, advantages)
-        if hasattr(session.engine, "weights_changed"):  # engines that cache weights (lean.py): not via _version
-            session.engine.weights_changed()
+        session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
 
     # Reward and length statistics describe the first round: the policy's plain sample, as without refills.
@@ -208,44 +196,69 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> 
     return record
 
 
-def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
+class GRPOJob:
+    """GRPO steps as the loop's Job; state = the learner's optimization + the prompt feed's position."""
+
+    def __init__(self, session: Session, log: Callable[[str], None]):
+        cfg = self.cfg = session.cfg
+        self.session = session
+        reference = Reference(session.policy) if cfg.algo.beta > 0 else None
+        self.learner = Learner(session.policy, cfg, reference, log)
+        self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
+        self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
+        self.resume_command = "hasten train --resume"
+
+    def step(self, step: int) -> dict[str, Any]:
+        return grpo_step(self.session, self.learner, self.feeder, step)
+
+    def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
+        cfg, session = self.cfg, self.session
+        if not cfg.eval.num_examples:
+            return None
+        started = time.perf_counter()
+        metrics, samples = evaluate(
+            session.task, session.engine, session.policy.tokenizer, session.rewards,
+            min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
+        )
+        metrics["seconds"] = time.perf_counter() - started
+        run.save_samples(f"eval-step{step}", samples)
+        return metrics
+
+    def save_model(self, directory) -> None:
+        save_model_files(self.session.policy.model, self.session.policy.tokenizer, directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimization": self.learner.optimization.state_dict(), "feeder": self.feeder.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], directory) -> None:
+        load_trained_weights(self.session.policy.model, directory)
+        self.session.engine.weights_changed()
+        self.learner.optimization.load_state_dict(state["optimization"])
+        self.feeder.load_state_dict(state["feeder"])
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        try:
+            self.feeder.close()
+        finally:
+            self.session.scorer.close()
+
+
+def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None) -> dict:
+    """Train with GRPO (a game task: its policy loop); `resume`: a checkpoint of this run (see loop.resolve)."""
     from ..games import GAMES
 
     if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
         from .policy_loop import train_policy
 
-        return train_policy(cfg, log)
+        return train_policy(cfg, log, resume)
     session = prepare(cfg, log)  # raises on bad input before anything is written
-    reference = Reference(session.policy) if cfg.algo.beta > 0 else None
-    learner = Learner(session.policy, cfg, reference, log)
-    feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
-    run = RunDir.create(cfg)
-    progress = Progress(cfg.train.steps, cfg.output.progress)
-    progress.message(f"run directory: {run.path}")
-
-    evals = {}
-    if cfg.eval.at_start and cfg.eval.num_examples:
-        evals[0] = run_eval(session, run, progress, 0)
-    for step in range(1, cfg.train.steps + 1):
-        record = grpo_step(session, learner, feeder, step)
-        run.log_step(record)
-        progress.update(step, record)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps and cfg.eval.num_examples:
-            evals[step] = run_eval(session, run, progress, step)
-        if cfg.output.save_every and step % cfg.output.save_every == 0 and step != cfg.train.steps:
-            run.save_checkpoint(session.policy.model, session.policy.tokenizer, step)
-    if cfg.eval.num_examples and cfg.train.steps not in evals:
-        evals[cfg.train.steps] = run_eval(session, run, progress, cfg.train.steps)
-    checkpoint = run.save_checkpoint(session.policy.model, session.policy.tokenizer, None)
-    progress.close()
-    feeder.close()
-    session.scorer.close()
-
-    summary = {"run_dir": str(run.path), "checkpoint": str(checkpoint), "steps": cfg.train.steps}
-    if evals:
-        first, last = evals[min(evals)], evals[max(evals)]
-        summary["eval_before"], summary["eval_after"] = first, last
-    run.write_summary(summary)
-    if cfg.output.plot:
-        run.plot()
-    return summary
+    try:
+        job = GRPOJob(session, log)
+    except BaseException:
+        session.scorer.close()
+        raise
+    run, checkpoint = loop.open_run(cfg, resume)
+    return loop.run(job, cfg, run, log, checkpoint, created=resume is None)

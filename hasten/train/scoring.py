@@ -39,9 +39,9 @@ from ..rewards.runner import (
     _validate,
     score_rewards,
 )
-from .early_stop import apply_gate, passed_samples
-from .reward_cache import MISSING, RewardCache, sample_key
-from .reward_pool import RewardPool, Slice, join, slice_batch
+from ..speed.early_stop import apply_gate, passed_samples
+from ..speed.reward_cache import MISSING, RewardCache, sample_key
+from ..speed.reward_pool import RewardPool, Slice, join, slice_batch
 
 
 @dataclass

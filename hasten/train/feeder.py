@@ -1,4 +1,4 @@
-"""Prompt feeding with background prefetch (speed.prefetch).
+"""The run's prompt source, with background prefetch (speed.prefetch).
 
 The trainer takes each step's prompts from a `Feeder`: rows from the sampler
 (plain shuffle or curriculum) and their token ids. With prefetch on, the next
@@ -19,13 +19,13 @@ import concurrent.futures
 from collections import deque
 from typing import Any
 
-from ..train.episodes import encode_prompt
+from ..rollout.prompts import encode_prompt
 
 
 def make_feeder(cfg, rows: list[dict[str, Any]], tokenizer) -> Feeder:
     """The run's prompt source: plain shuffle or curriculum (speed.curriculum), prefetched or not."""
-    from ..train.episodes import PromptSampler
-    from .curriculum import CurriculumSampler
+    from ..speed.curriculum import CurriculumSampler
+    from ..tasks.sampler import PromptSampler
 
     if cfg.speed.curriculum == "off":
         sampler = PromptSampler(rows, cfg.train.seed)
@@ -73,6 +73,18 @@ class Feeder:
         if hasattr(self.sampler, "observe"):
             self._settle()  # no draw may race the update
             self.sampler.observe(rows, group_rewards)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position plus the rows drawn ahead and not yet used (as row indices)."""
+        self._settle()  # a draw in flight belongs to the state
+        index = {id(row): i for i, row in enumerate(self.sampler.rows)}
+        return {"sampler": self.sampler.state_dict(), "buffer": [index[id(row)] for row, _ in self.buffer]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._settle()
+        self.sampler.load_state_dict(state["sampler"])
+        rows = [self.sampler.rows[i] for i in state["buffer"]]
+        self.buffer = deque((row, encode_prompt(self.tokenizer, row["prompt"])) for row in rows)
 
     def close(self) -> None:
         if self.executor is not None:

@@ -1,0 +1,297 @@
+"""The outer loop every training job runs: steps, evals, checkpoints, signals, summary.
+
+GRPO (trainer.py), the game policy (policy_loop.py) and SFT (rft/sft.py)
+are each a `Job`: what one step does, how to evaluate, how to save and
+restore the model and the job's state. Everything around the steps is here,
+once:
+
+    evals        at the start (job.eval_at_start), every job.eval_every steps, at the end
+    checkpoints  full state, every output.save_every steps and whenever
+                 output.save_minutes of wall-clock passed since the last one, plus
+                 the final checkpoint/; output.save_total_limit keeps the newest N
+    resume       `run(..., resume_from=checkpoint)`: the model and job state, the
+                 step, python's and torch's RNGs are restored, and metrics.jsonl /
+                 eval.jsonl are cut back to what they held at that checkpoint, so
+                 the resumed run continues bit-identically (tests/test_resume.py)
+    signals      SIGINT / SIGTERM: the current step finishes, a checkpoint and the
+                 summary are written, and the run returns status "interrupted"
+                 (the CLI exits 130 / 143). A second signal stops at once
+                 (`Interrupted`), through every `finally`: the job's pools and
+                 threads are always closed
+    failure      a run that fails before its first step completed removes its
+                 fresh directory (nothing half-written is left); a later failure
+                 keeps it, summary.json saying status "failed" and why
+
+What a checkpoint's trainer_state.pt holds: {"step", "job" (the job's
+state_dict: optimizer, schedule, scaler, sampler ...), "rng" (python, torch),
+"logs" (byte offsets of the two logs)}. It is read back with
+torch.load(weights_only=True): plain tensors and containers only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..config import Config
+from ..errors import Interrupted
+from ..tasks.sampler import as_random_state
+from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, RunDir
+from .progress import Progress
+
+
+class Job(Protocol):
+    """One kind of training, as the loop sees it."""
+
+    total_steps: int
+    resume_command: str  # "hasten train --resume": what the user runs to continue
+    eval_at_start: bool
+    eval_every: int  # 0 = only at the start (if eval_at_start) and the end
+
+    def step(self, step: int) -> dict[str, Any]: ...  # run step `step` (1-based); its metrics record
+
+    def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None: ...  # None: this job has no eval
+
+    def save_model(self, directory: Path) -> None: ...  # the model files (HF format for language models)
+
+    def state_dict(self) -> dict[str, Any]: ...  # optimizer, schedule, sampler ... (torch.save-able)
+
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None: ...  # and the weights
+
+    def summary(self) -> dict[str, Any]: ...  # extra summary.json fields
+
+    def close(self) -> None: ...  # pools, threads, workers
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Signals:
+    """SIGINT/SIGTERM handlers for the loop's lifetime: the first asks for a stop, the second raises."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for signum in SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            raise Interrupted(signum)
+        self.received = signum
+        self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+                 "(send it again to stop at once)")
+
+
+@dataclass
+class Checkpoints:
+    """When to save: output.save_every steps, output.save_minutes of wall-clock."""
+
+    every: int
+    minutes: float
+    keep: int
+    last_saved: float  # time.monotonic() of the last save (or the start)
+
+    def due(self, step: int) -> bool:
+        if self.every and step % self.every == 0:
+            return True
+        return bool(self.minutes) and time.monotonic() - self.last_saved >= self.minutes * 60
+
+
+def find_checkpoint(path: str | Path) -> tuple[RunDir, Path]:
+    """`--resume PATH`: a run directory (its newest full-state checkpoint) or one checkpoint-<N>/ in it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"resume error: {path} is not a run directory or checkpoint")
+    if (path / STATE_FILE).is_file():
+        run_dir, checkpoint = RunDir(path.parent), path
+    else:
+        run_dir = RunDir(path)
+        checkpoint = run_dir.latest_checkpoint()
+        if checkpoint is None:
+            raise CheckpointError(f"resume error: {path} has no full-state checkpoint ({STATE_FILE}) to resume from")
+    if not (run_dir.path / "config.yaml").is_file():
+        raise CheckpointError(f"resume error: {run_dir.path} has no config.yaml (is it a hasten run directory?)")
+    try:
+        readable = json.loads((checkpoint / STATE_SUMMARY).read_text())
+    except (OSError, ValueError):
+        readable = {}
+    if readable.get("final"):
+        raise CheckpointError(f"resume error: {run_dir.path} finished at step {readable.get('step')}; "
+                              "nothing to resume")
+    return run_dir, checkpoint
+
+
+RESUME_OVERRIDES = ("output.progress", "output.plot")  # how a resumed run shows itself; nothing it learns from
+
+
+def resume_config(path: str | Path, given: list[str], overrides: list[tuple[str, Any]]) -> Config:
+    """The run's own config.yaml: a resumed run continues exactly what was started.
+
+    given: the command-line options that would change it (each is an error).
+    """
+    from ..config import ConfigError, load_config
+
+    given = given + [f"--{key}" for key, _ in overrides if key not in RESUME_OVERRIDES]
+    if given:
+        raise ConfigError(f"config error: --resume continues the run's saved config.yaml; drop {', '.join(given)} "
+                          "(or edit the run's config.yaml)")
+    run_dir, _ = find_checkpoint(path)
+    return load_config(run_dir.path / "config.yaml", overrides)
+
+
+def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | None]:
+    """A new run directory, or the resumed one (stale temporaries of killed saves removed) and its checkpoint."""
+    if resume is None:
+        return RunDir.create(cfg), None
+    run_dir, checkpoint = find_checkpoint(resume)
+    run_dir.clean_stale()
+    return run_dir, checkpoint
+
+
+def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = print,
+        resume_from: Path | None = None, created: bool = True) -> dict[str, Any]:
+    """Run `job` to cfg's end (or a signal) in `run_dir`; returns the summary (also summary.json).
+
+    created: this call made run_dir (a failure before the first step removes it).
+    """
+    progress = Progress(job.total_steps, cfg.output.progress)
+    start = 0
+    try:
+        with Signals(progress.message) as signals:
+            if resume_from is not None:
+                start = restore(job, run_dir, resume_from)
+                progress.message(f"resumed from {resume_from} at step {start}")
+            else:
+                progress.message(f"run directory: {run_dir.path}")
+            return _steps(job, cfg, run_dir, progress, signals, start)
+    except Exception as error:
+        _failed(run_dir, created, start, error, log)
+        raise
+    finally:
+        progress.close()
+        job.close()
+
+
+def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int) -> dict:
+    saves = Checkpoints(cfg.output.save_every, cfg.output.save_minutes, cfg.output.save_total_limit, time.monotonic())
+    evals = run_dir.evals()  # a resumed run's earlier evals (the summary's eval_before)
+    if start == 0 and job.eval_at_start:
+        _evaluate(job, run_dir, progress, 0, evals)
+    step = start
+    while step < job.total_steps and signals.received is None:
+        step += 1
+        record = job.step(step)
+        run_dir.log_step(record)
+        progress.update(step, record)
+        if step == job.total_steps:
+            break
+        if job.eval_every and step % job.eval_every == 0:
+            _evaluate(job, run_dir, progress, step, evals)
+        if saves.due(step) or signals.received is not None:
+            save(job, run_dir, step, final=False)
+            run_dir.prune(saves.keep)
+            saves.last_saved = time.monotonic()
+    if signals.received is not None and step < job.total_steps:  # a stop asked in the last step just finishes
+        if step > start and not (run_dir.checkpoint_dir(step) / STATE_FILE).is_file():
+            save(job, run_dir, step, final=False)
+        name = signal.Signals(signals.received).name
+        summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
+                           exit_code=128 + signals.received)
+        checkpoint = run_dir.latest_checkpoint()
+        progress.message(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
+                         if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
+        return summary
+    # The final save comes first: a failing final eval cannot cost the trained model, and an eval
+    # may change the model in place (SFT's merges LoRA adapters into the weights for the lean engine).
+    checkpoint = save(job, run_dir, job.total_steps, final=True)
+    if job.total_steps not in evals:
+        _evaluate(job, run_dir, progress, job.total_steps, evals)
+    return _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="finished",
+                    checkpoint=str(checkpoint))
+
+
+def _evaluate(job: Job, run_dir: RunDir, progress: Progress, step: int, evals: dict) -> None:
+    metrics = job.evaluate(step, run_dir)
+    if metrics is not None:
+        run_dir.log_eval(step, metrics)
+        progress.set_eval(step, metrics)
+        evals[step] = metrics
+
+
+def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
+    """A full-state checkpoint of `job` after `step`: checkpoint-<step>/ or, final, checkpoint/."""
+    state = {"step": step, "job": job.state_dict(), "logs": run_dir.log_offsets(),
+             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}
+
+    def write(directory: Path) -> None:
+        job.save_model(directory)
+        torch.save(state, directory / STATE_FILE)
+        readable = {"step": step, "final": final, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "resume": f"{job.resume_command} {directory}"}
+        (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
+
+    return run_dir.save_files(write, None if final else step)
+
+
+def restore(job: Job, run_dir: RunDir, checkpoint: Path) -> int:
+    """Load `checkpoint` into `job` and cut the logs back to it; returns its step."""
+    try:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"resume error: {checkpoint} has no {STATE_FILE} (not a full-state checkpoint)") from None
+    except Exception as error:  # a truncated or foreign file
+        raise CheckpointError(f"resume error: cannot read {checkpoint / STATE_FILE} "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
+    job.load_state_dict(state["job"], checkpoint)
+    random.setstate(as_random_state(state["rng"]["python"]))
+    torch.set_rng_state(state["rng"]["torch"])
+    run_dir.truncate_logs(state["logs"])
+    return int(state["step"])
+
+
+def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fields) -> dict[str, Any]:
+    summary = {"run_dir": str(run_dir.path), "steps": step, **fields, **job.summary()}
+    if evals:
+        summary["eval_before"], summary["eval_after"] = evals[min(evals)], evals[max(evals)]
+    run_dir.write_summary(summary)
+    if plot:
+        run_dir.plot()
+    return summary
+
+
+def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None]) -> None:
+    steps_done = sum(1 for _ in _lines(run_dir.metrics_path))
+    if created and start == 0 and steps_done == 0:
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # nothing worth keeping: leave nothing behind
+        return
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    try:
+        run_dir.write_summary({"run_dir": str(run_dir.path), "status": "failed", "steps": steps_done,
+                               "error": f"{type(error).__name__}: {reason}"})
+    except OSError:
+        pass  # the failure may be the disk itself; the error is what the user needs
+    log(f"run failed; its directory is kept: {run_dir.path}")
+
+
+def _lines(path: Path):
+    if path.is_file():
+        yield from (line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())

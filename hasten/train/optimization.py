@@ -1,0 +1,184 @@
+"""The optimization layer: one `Optimization` for every training loop (GRPO, game policy, SFT).
+
+What it owns, written once (STYLE.md 18):
+    AdamW            the kernel speed.optimizer picks (speed/adamw.py)
+    schedule         linear warmup, then cosine decay to min_lr_ratio (or constant); one
+                     schedule step per optimizer step
+    precision        autocast and the fp16 GradScaler (speed/precision.py)
+    clipping         the global gradient norm, at max_grad_norm (0 = no clipping, norm still logged)
+    NaN guard        an update from a non-finite loss or gradient is skipped (speed/nan_guard.py)
+
+A loop calls `autocast()` around its forward, `backward(loss)` per
+micro-batch and `step(loss)` once per optimizer step. `state_dict()` holds
+everything a resumed run needs to continue bit-identically: AdamW's moments
+and step counts, the schedule's position and peaks (the guard may have
+lowered them), the GradScaler, the guard's counters.
+
+Settings come from the `train:` and `speed:` sections for GRPO and the game
+policy (`OptimizerSettings.for_training`) and from `sft:` for SFT
+(`for_sft`): the same machinery under two config sections, because SFT's
+learning rate and schedule are a different job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..config import Config, ConfigError, SpeedConfig
+from ..speed.adamw import make_adamw
+from ..speed.nan_guard import NanGuard
+from ..speed.precision import Precision
+
+
+def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier on the peak lr: linear warmup, then cosine decay (or constant)."""
+    if warmup_steps > 0 and optimizer_step < warmup_steps:
+        return (optimizer_step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = (optimizer_step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Schedule:
+    """Set every group's lr to its peak times factor(optimizer step); `step()` after each update.
+
+    Replaces torch.optim.lr_scheduler.LambdaLR (same values: factor(0) at
+    construction, factor(k) after k steps), without its torch.optim machinery.
+    """
+
+    def __init__(self, optimizer, factor: Callable[[int], float]):
+        self.optimizer, self.factor = optimizer, factor
+        self.peaks = [group["lr"] for group in optimizer.param_groups]
+        self.steps = 0
+        self._apply()
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def scale_peak(self, by: float) -> None:
+        """The NaN guard's lower_lr: every later lr is this much smaller."""
+        self.peaks = [peak * by for peak in self.peaks]
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = self.factor(self.steps)
+        if not math.isfinite(factor):
+            raise ValueError(f"lr schedule factor {factor} at step {self.steps}")
+        for group, peak in zip(self.optimizer.param_groups, self.peaks):
+            group["lr"] = peak * factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "peaks": list(self.peaks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.peaks = int(state["steps"]), list(state["peaks"])
+        self._apply()
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float
+    total_steps: int  # optimizer steps in the run: the schedule's length
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    kernel: str = "auto"  # speed.optimizer: auto | fused | foreach | for_loop
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    tf32: bool = False
+
+    @classmethod
+    def for_training(cls, cfg: Config) -> OptimizerSettings:
+        """GRPO and the game policy: `train:` and `speed:`; mu optimizer steps per GRPO step."""
+        train = cfg.train
+        return cls(lr=train.lr, total_steps=train.steps * cfg.algo.num_iterations, warmup_steps=train.warmup_steps,
+                   lr_schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
+                   betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
+                   kernel=cfg.speed.optimizer, precision=cfg.speed.precision, tf32=cfg.speed.tf32)
+
+    @classmethod
+    def for_sft(cls, cfg: Config, total_steps: int, device: torch.device) -> OptimizerSettings:
+        sft = cfg.sft
+        kernel = {"fused": "fused", "foreach": "foreach", "plain": "for_loop"}[sft.adamw]
+        return cls(lr=sft.lr, total_steps=total_steps, warmup_steps=sft.warmup_steps, lr_schedule=sft.lr_schedule,
+                   min_lr_ratio=sft.min_lr_ratio, weight_decay=sft.weight_decay, max_grad_norm=sft.max_grad_norm,
+                   kernel=kernel, precision=sft_precision(sft.precision, device))
+
+
+def sft_precision(setting: str, device: torch.device) -> str:
+    """sft.precision -> fp32 | bf16 | fp16. auto: bf16 (fp16 without bf16) on CUDA, fp32 on CPU."""
+    if device.type != "cuda":
+        if setting == "fp16":
+            raise ConfigError("config error: sft.precision=fp16 needs a CUDA GPU (on CPU use bf16 or fp32)")
+        return "bf16" if setting == "bf16" else "fp32"
+    if setting == "auto":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return setting
+
+
+class Optimization:
+    """AdamW + schedule + precision + clipping + NaN guard over `parameters`."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], settings: OptimizerSettings, speed: SpeedConfig,
+                 log: Callable[[str], None] = print):
+        self.parameters = parameters
+        self.settings = settings
+        device = parameters[0].device if parameters else torch.device("cpu")
+        self.optimizer = make_adamw(parameters, settings.kernel, settings.lr, settings.betas, settings.weight_decay,
+                                    settings.precision)
+        self.schedule = Schedule(self.optimizer, lambda step: lr_factor(
+            step, settings.warmup_steps, settings.total_steps, settings.lr_schedule, settings.min_lr_ratio))
+        self.precision = Precision(settings.precision, device, settings.tf32)
+        self.guard = (NanGuard(speed, self.schedule.scale_peak, self.precision.disable, log)
+                      if speed.nan_guard else None)
+
+    @property
+    def lr(self) -> float:
+        """The lr the next update uses."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()  # a no-op in fp32
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)  # fp16: scaled by the GradScaler
+
+    def step(self, loss: float) -> float:
+        """Clip, guard, update, advance the schedule, drop the gradients; returns the gradient norm."""
+        max_norm = self.settings.max_grad_norm
+        self.precision.unscale(self.optimizer)  # fp16: true gradient sizes before clipping
+        norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf")))
+        # Under fp16 the GradScaler owns gradient overflow (it skips such steps and lowers its scale).
+        checked_norm = norm if self.precision.scaler is None else 0.0
+        if self.guard is None or self.guard.allow(loss, checked_norm):
+            self.precision.step(self.optimizer)
+            self.schedule.step()
+        else:
+            self.precision.skip(self.optimizer)  # speed.nan_guard: as if this update never happened
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def skipped_updates(self) -> int:
+        return 0 if self.guard is None else self.guard.skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                "precision": self.precision.state_dict(),
+                "guard": None if self.guard is None else self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        self.schedule.load_state_dict(state["schedule"])  # after the optimizer: it rewrites the groups' lr
+        if self.guard is not None and state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])
