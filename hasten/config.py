@@ -160,6 +160,7 @@ class SpeedConfig:
     nan_guard_action: str = "lower_lr"  # lower_lr | disable_mixed_precision | stop
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
+    async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
 
 
 @dataclass
@@ -363,6 +364,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("speed.dynamic_sampling_max_rounds", lambda v: v >= 0, ">= 0"),
     ("speed.nan_guard_patience", lambda v: v >= 1, ">= 1"),
     ("speed.nan_guard_lr_factor", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("speed.async_steps", lambda v: v in (0, 1), "0 or 1"),
 ]
 
 # Defaults that differ per task, applied over the code defaults and under any

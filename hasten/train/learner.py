@@ -73,6 +73,29 @@ class LogprobPass:
                                        temperature=temperature, with_entropy=with_entropy)
 
 
+class OffPolicyStats:
+    """How far the learner's policy is from the one that sampled: mean |Δlog p| and the ratio's spread."""
+
+    def __init__(self):
+        self.tokens = 0.0
+        self.abs_diff = 0.0
+        self.ratio_sum = 0.0
+        self.ratio_max = 0.0
+
+    def add(self, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> None:
+        diff = (logps - sampling_logps) * mask  # (rows, T)
+        ratio = diff.exp() * mask  # (rows, T) pi_current / pi_sampling per token
+        self.tokens += float(mask.sum())
+        self.abs_diff += float(diff.abs().sum())
+        self.ratio_sum += float(ratio.sum())
+        self.ratio_max = max(self.ratio_max, float(ratio.max()) if ratio.numel() else 0.0)
+
+    def metrics(self) -> dict[str, float]:
+        tokens = max(self.tokens, 1.0)
+        return {"async/logp_abs_diff": self.abs_diff / tokens, "async/ratio_mean": self.ratio_sum / tokens,
+                "async/ratio_max": self.ratio_max}
+
+
 class Learner:
     def __init__(self, policy: Policy, cfg: Config, reference: Reference | None = None,
                  log: Callable[[str], None] = print):
@@ -87,7 +110,13 @@ class Learner:
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
 
-    def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+    def step(self, rollout: Rollout, advantages: torch.Tensor, off_policy: bool = False) -> dict[str, float]:
+        """num_iterations optimizer steps on `rollout`; returns the metrics record.
+
+        off_policy: the rollout was sampled from older weights (speed.async_steps), so the
+        clipped ratio is taken against its sampling log-probs, not the current policy's
+        detached log-probs; the mismatch is logged (async/*).
+        """
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
         model = self.policy.model
@@ -100,6 +129,7 @@ class Learner:
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
         metric_sums: dict[str, float] = {}
         entropy_sum = 0.0
+        mismatch = OffPolicyStats() if off_policy else None
         loss_total = 0.0
         grad_norm = 0.0
         for iteration in range(self.cfg.algo.num_iterations):
@@ -109,6 +139,9 @@ class Learner:
                     stats = self.logprob_pass(model, rollout, rows, with_entropy=iteration == 0)
                 if iteration == 0:
                     old = stats.logps.detach()  # the sampling policy: no update has happened yet
+                    if mismatch is not None:  # ...unless it sampled from older weights
+                        old = rollout.sampling_logprobs[rows].to(old.device)
+                        mismatch.add(stats.logps.detach(), old, mask[rows].to(old.device))
                     if self.cfg.algo.num_iterations > 1:
                         old_logps[index] = old
                     entropy_sum += float((stats.entropy * mask[rows]).sum())
@@ -139,6 +172,8 @@ class Learner:
             entropy=entropy_sum / max(float(mask.sum()), 1.0),
             lr=lr,
         )
+        if mismatch is not None:
+            out.update(mismatch.metrics())
         if self.optimization.guard is not None:
             out["nan_guard/skipped"] = self.optimization.skipped_updates  # over the run so far
         return out

@@ -126,15 +126,15 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
 
 
-def generate_and_score(session: Session, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
-    """Take `count` prompts, sample a group for each, score them (slow rewards joined here)."""
+def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
+    """Take `count` prompts, sample a group for each with `engine`, score them (slow rewards joined here)."""
     cfg, tokenizer = session.cfg, session.policy.tokenizer
     sampling = SamplingParams(
         cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.generation.top_p, cfg.generation.top_k
     )
     rows, prompts = feeder.take(count)
     started = time.perf_counter()
-    rollout = session.engine.generate(prompts, cfg.generation.num_generations, sampling, seed=seed)
+    rollout = engine.generate(prompts, cfg.generation.num_generations, sampling, seed=seed)
     generated = time.perf_counter()
     inputs = reward_inputs(tokenizer, rows, rollout)
     pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids)
@@ -145,27 +145,50 @@ def generate_and_score(session: Session, feeder: Feeder, count: int, seed: int) 
     return ScoredBatch(rows, rollout, inputs, scores, metrics)
 
 
-def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> dict[str, float]:
-    """One GRPO step; returns its metrics record."""
+@dataclass
+class Collected:
+    """A step's generation half: every round drawn, the batch to learn from, DAPO's metrics."""
+
+    rounds: list[ScoredBatch]  # the first is the policy's plain sample; more are dynamic sampling's refills
+    batch: ScoredBatch | None  # None: every group was flat
+    dynamic: dict[str, float]
+
+
+def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Collected:
+    """Generate and score step `step`'s batch (refilled by dynamic sampling when on)."""
     cfg = session.cfg
-    group = cfg.generation.num_generations
     seed = cfg.train.seed * 1_000_003 + step
-    started = time.perf_counter()
-    rounds: list[ScoredBatch] = [generate_and_score(session, feeder, cfg.train.prompts_per_step, seed)]
+    rounds: list[ScoredBatch] = [generate_and_score(session, engine, feeder, cfg.train.prompts_per_step, seed)]
     batch: ScoredBatch | None = rounds[0]
     dynamic: dict[str, float] = {}
     if cfg.speed.dynamic_sampling:  # DAPO: drop flat groups, refill from the same stream (a capped loop)
         def draw(count: int, round_index: int) -> ScoredBatch:
-            rounds.append(generate_and_score(session, feeder, count, seed + 1_000_000_007 * round_index))
+            rounds.append(generate_and_score(session, engine, feeder, count, seed + 1_000_000_007 * round_index))
             return rounds[-1]
 
         batch, dynamic = refill(rounds[0], draw, cfg.speed.dynamic_sampling_max_rounds, session.policy.pad_token_id)
+    return Collected(rounds, batch, dynamic)
+
+
+def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
+              collected: Collected | None = None, off_policy: bool = False) -> dict[str, float]:
+    """One GRPO step; returns its metrics record.
+
+    collected: the step's batch when it was generated elsewhere (speed.async_steps: in the
+    background, from older weights; then off_policy=True ratios against its sampling log-probs).
+    """
+    cfg = session.cfg
+    group = cfg.generation.num_generations
+    started = time.perf_counter()
+    if collected is None:
+        collected = collect(session, session.engine, feeder, step)
+    rounds, batch = collected.rounds, collected.batch
     scored = time.perf_counter()
 
     learned_metrics: dict[str, Any] = {"skipped_update": 1.0}  # every group was flat: nothing to learn from
     if batch is not None:
         advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
-        learned_metrics = learner.step(batch.rollout, advantages)
+        learned_metrics = learner.step(batch.rollout, advantages, off_policy=off_policy)
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
 
@@ -185,7 +208,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> 
         "completion_length_max": float(lengths.max()),
         "eos_fraction": float(rollout.ended_with_eos.float().mean()),
         **rounds[-1].metrics,
-        **dynamic,
+        **collected.dynamic,
         **learned_metrics,
         "time/generate": sum(r.metrics["time/generate"] for r in rounds),
         "time/reward": sum(r.metrics["time/reward"] for r in rounds),
@@ -207,9 +230,24 @@ class GRPOJob:
         self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
         self.resume_command = "hasten train --resume"
+        self.pipeline = None  # speed.async_steps=1: the next batch is generated while this one learns
+        if cfg.speed.async_steps:
+            from .async_pipeline import AsyncRollouts
+
+            self.pipeline = AsyncRollouts(session.policy, lambda policy: make_engine(cfg, policy, log),
+                                          lambda engine, step: collect(session, engine, self.feeder, step),
+                                          session.task.train_rows)
 
     def step(self, step: int) -> dict[str, Any]:
-        return grpo_step(self.session, self.learner, self.feeder, step)
+        if self.pipeline is None:
+            return grpo_step(self.session, self.learner, self.feeder, step)
+        waited = time.perf_counter()
+        collected = self.pipeline.take(step)  # sampled before the last update (step 1: from these weights)
+        waited = time.perf_counter() - waited
+        if step < self.total_steps:
+            self.pipeline.start(step + 1)  # from the weights as they are now, while this step learns
+        record = grpo_step(self.session, self.learner, self.feeder, step, collected, off_policy=True)
+        return {**record, "async/staleness": float(step > 1), "time/wait_for_batch": waited}
 
     def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
         cfg, session = self.cfg, self.session
@@ -228,19 +266,26 @@ class GRPOJob:
         save_model_files(self.session.policy.model, self.session.policy.tokenizer, directory)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimization": self.learner.optimization.state_dict(), "feeder": self.feeder.state_dict()}
+        state = {"optimization": self.learner.optimization.state_dict()}
+        if self.pipeline is not None:  # first: the batch in flight draws from the feeder
+            state["pipeline"] = self.pipeline.state_dict(self.session.policy.tokenizer)
+        return {**state, "feeder": self.feeder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], directory) -> None:
         load_trained_weights(self.session.policy.model, directory)
         self.session.engine.weights_changed()
         self.learner.optimization.load_state_dict(state["optimization"])
         self.feeder.load_state_dict(state["feeder"])
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(state.get("pipeline", {}), self.session.policy.tokenizer, Collected)
 
     def summary(self) -> dict[str, Any]:
         return {}
 
     def close(self) -> None:
         try:
+            if self.pipeline is not None:
+                self.pipeline.close()  # before the feeder and the scorer it draws on
             self.feeder.close()
         finally:
             self.session.scorer.close()
