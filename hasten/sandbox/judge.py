@@ -17,6 +17,7 @@ candidate died or stopped answering. Standard library only.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import importlib
 import os
@@ -162,21 +163,38 @@ class Channel:
 
 
 class Namespace(dict):
-    """The tests' globals: builtins and stdlib modules are the judge's own; other names come from the candidate."""
+    """The tests' globals: builtins and stdlib modules are the judge's own; other names come from the candidate.
 
-    def __init__(self, channel: Channel) -> None:
+    A stdlib module name the tests call directly (`chunk(...)`: a function of the code that shares
+    a module's name) is the candidate's; one they only take attributes of (`math.isclose` where
+    the code imported math) is the judge's own import, so a fake `math` cannot judge.
+    """
+
+    def __init__(self, channel: Channel, called: set[str]) -> None:
         super().__init__(__name__="__tests__", __builtins__=builtins)
-        self.channel = channel
+        self.channel, self.called = channel, called
 
     def __missing__(self, name: str) -> Any:
         if name.startswith("__") or hasattr(builtins, name):
             raise KeyError(name)
-        if name in sys.stdlib_module_names:  # `math.isclose` in a test must be the real one
+        if name in sys.stdlib_module_names and name not in self.called:
             value = importlib.import_module(name)
         else:
             value = self.channel.get(name)
         self[name] = value
         return value
+
+
+def _called_names(sources: list[str]) -> set[str]:
+    called = set()
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue  # reported when it runs
+        called.update(node.func.id for node in ast.walk(tree)
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name))
+    return called
 
 
 def _verdict(error: BaseException | None) -> tuple[str, str]:
@@ -219,7 +237,8 @@ def judge(job: dict, requests: int, replies: int, report: int) -> None:
         if channel.lost:
             send({"event": "lost", "reason": channel.lost})
         return
-    namespace = Namespace(channel)
+    sources = [job.get("preamble", ""), program.get("setup", ""), program.get("source", ""), *program["tests"]]
+    namespace = Namespace(channel, _called_names(sources))
 
     def begin(index: int) -> None:
         signal.setitimer(signal.ITIMER_REAL, per_test)
