@@ -100,7 +100,7 @@ def decode(data: Any, handle: Callable[[int, str], Any], depth: int = 0) -> Any:
             return bytes.fromhex(payload)
         if tag == "h" and type(payload) is int and len(data) == 3 and type(data[2]) is str:
             return handle(payload, data[2][:100])
-    except TypeError as error:  # an unhashable set member or dict key
+    except (TypeError, ValueError) as error:  # an unhashable set member or dict key, bad hex
         raise WireError(str(error)) from None
     raise WireError(f"unknown tag {tag[:20]!r}")
 

@@ -146,10 +146,7 @@ class Worker:
     def __init__(self) -> None:
         isolation.libc.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)  # same-uid code may not ptrace us
-        self.zygote_pid = 0
-        self.channel: socket.socket | None = None
-
-    def _start_zygote(self) -> None:
+        # Forked now, before the first job is read: a zygote forked later would carry tests in its memory.
         ours, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
@@ -158,6 +155,11 @@ class Worker:
         theirs.close()
         self.zygote_pid, self.channel = pid, ours
         ours.settimeout(30)
+
+    @property
+    def broken(self) -> bool:
+        """The zygote is gone; a new one may only come from a fresh worker (the pool starts one)."""
+        return self.channel is None
 
     def run(self, job: dict) -> dict:
         """Run one job; always returns a result record, and leaves no process or directory behind."""
@@ -168,7 +170,7 @@ class Worker:
         judge_pid = 0
         try:
             if self.channel is None:
-                self._start_zygote()
+                raise OSError("the zygote is gone")
             if job.get("fallback"):  # only used where no mount namespace holds
                 workdir = tempfile.mkdtemp(prefix="hasten-sandbox-")
                 if os.geteuid() == 0:
@@ -393,6 +395,8 @@ def main() -> None:
         if job is None:
             return
         _write_message(stdout, worker.run(job))
+        if worker.broken:
+            return  # the pool sees the pipe close and starts a clean worker
 
 
 if __name__ == "__main__":
