@@ -62,12 +62,14 @@ def enter_namespaces(strict: bool, layers: dict) -> None:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # setuid cleared it; /proc/self/uid_map needs it
             layers["unprivileged_uid"] = True
         except OSError:
             layers["unprivileged_uid"] = False
     else:
         layers["unprivileged_uid"] = True
+    # The worker made itself non-dumpable (and setuid clears it too), which leaves /proc/self owned
+    # by root; writing our own uid_map needs it back. B drops it again before the code runs.
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     uid, gid = os.geteuid(), os.getegid()
     choices = [ALL_NAMESPACES] if strict else [
         ALL_NAMESPACES, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC, CLONE_NEWUSER | CLONE_NEWNET]
