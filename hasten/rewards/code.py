@@ -14,7 +14,9 @@ complexity 0.05; an optional mypy type check is off by default. All of them:
    whatever runner calls these functions.
 
 Execution and tests share one sandboxed run per distinct (code, tests): the
-second function to ask finds it in the sandbox's cache. Rows without `tests`
+second function to ask finds it in the sandbox's cache, or waits for the run
+already under way (sandbox/pool.py). The preamble also goes to the sandbox's
+judge, which runs its own copy, so helpers the tests call stay the task's. Rows without `tests`
 get None (the reward does not apply). Lint runs ruff once per batch over all
 distinct programs; it parses but never executes them.
 
@@ -243,9 +245,10 @@ class SandboxSettings:
     workers: int = 0
     limits: Limits = field(default_factory=Limits)
     cache_size: int = 4096
+    fallback: bool = False  # code.sandbox_fallback: run where namespaces are refused (docs/sandbox.md)
 
     def sandbox(self):
-        return shared_sandbox(self.workers, self.limits, self.cache_size)
+        return shared_sandbox(self.workers, self.limits, self.cache_size, self.fallback)
 
 
 def run_completions(settings: SandboxSettings, completions: list, kwargs: dict) -> list[ExecutionResult | None]:
@@ -262,7 +265,7 @@ def run_completions(settings: SandboxSettings, completions: list, kwargs: dict) 
         if not (parses(code) and parses(source)):  # the gate: blank or unparsable code never runs
             results[index] = syntax_error_result(program, "the completion has no code that parses")
             continue
-        jobs.append((source, program))
+        jobs.append((source, program, preamble or ""))
         positions.append(index)
     for index, result in zip(positions, settings.sandbox().run_many(jobs)):
         results[index] = result

@@ -1,12 +1,20 @@
 """The host side of the sandbox: pre-started workers, a result cache, batch runs.
 
-`Sandbox.run_many([(code, program), ...])` is the call the rewards make: it
-answers identical (code, tests, limits) jobs from an LRU cache, runs each
-distinct job once per batch (both off with cache_size=0), and spreads the rest over `workers` worker
-processes (one thread each feeds its worker; the threads only wait on pipes,
-so the GIL is not the bottleneck). Workers are started lazily, restarted if
-one dies, and stopped at exit. Code that does not parse never reaches a
-worker: it gets a `syntax_error` result at once (the early-termination gate).
+`Sandbox.run_many([(code, program[, preamble]), ...])` is the call the
+rewards make: it answers identical (code, tests, preamble, limits) jobs from
+an LRU cache bounded in entries and in bytes, and runs each distinct job
+exactly once however many threads ask at the same time: a job already
+executing is waited for (its future), not started again, so the tests and
+execution rewards share one run even from two reward workers (both off with
+cache_size=0). The rest is spread over `workers` worker processes (one
+thread each feeds its worker; the threads only wait on pipes, so the GIL is
+not the bottleneck). Workers are started lazily, restarted if one dies, and
+stopped at exit. Code that does not parse never reaches a worker: it gets a
+`syntax_error` result at once (the early-termination gate).
+
+Where Linux refuses the namespaces, every run raises SandboxRefused (one
+line) unless the fallback was opted into (`fallback=True`,
+code.sandbox_fallback), which warns once; docs/sandbox.md says what holds then.
 
 Each worker is `python -I -S worker.py` with an environment of PATH and LANG
 only, so nothing it or its children can read holds the trainer's secrets.
@@ -24,13 +32,21 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hasten.errors import UserError
 from hasten.sandbox.programs import Limits, TestProgram
 from hasten.sandbox.results import ExecutionResult, interpret, syntax_error_result
+
+CACHE_BYTES = 64 << 20  # the result cache's memory bound, whatever cache_size says
+
+
+class SandboxRefused(UserError):
+    """The kernel refused the isolation the sandbox needs, and the fallback is not opted into."""
 
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 WORKER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -44,8 +60,9 @@ def default_workers() -> int:
 @dataclass
 class SandboxStats:
     executions: int = 0  # jobs that reached a worker
-    cache_hits: int = 0  # answered from the cache or from an identical job in the same batch
+    cache_hits: int = 0  # answered from the cache or from an identical job already running
     syntax_errors: int = 0  # gated without executing
+    malformed: int = 0  # runs whose report could not be read (scored 0; the result's reason says why)
 
 
 class _Worker:
@@ -92,12 +109,18 @@ class _Worker:
 class Sandbox:
     """Runs untrusted code against test programs in isolated processes."""
 
-    def __init__(self, workers: int = 0, limits: Limits | None = None, cache_size: int = 4096):
+    def __init__(self, workers: int = 0, limits: Limits | None = None, cache_size: int = 4096,
+                 fallback: bool = False, cache_bytes: int = CACHE_BYTES):
         self.limits = limits or Limits()
         self.workers = workers or default_workers()
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.fallback = fallback
         self.stats = SandboxStats()
         self._cache: collections.OrderedDict[str, ExecutionResult] = collections.OrderedDict()
+        self._cached_bytes = 0
+        self._running: dict[str, Future] = {}  # key -> the one execution of it under way
+        self._warned = False
         self._lock = threading.Lock()
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all = [_Worker() for _ in range(self.workers)]
@@ -108,78 +131,113 @@ class Sandbox:
 
     # ------------------------------------------------------------- public API
 
-    def run(self, code: str, program: TestProgram) -> ExecutionResult:
-        return self.run_many([(code, program)])[0]
+    def run(self, code: str, program: TestProgram, preamble: str = "") -> ExecutionResult:
+        return self.run_many([(code, program, preamble)])[0]
 
-    def run_many(self, jobs: list[tuple[str, TestProgram]]) -> list[ExecutionResult]:
-        """One result per job, in order; identical jobs execute once."""
+    def run_many(self, jobs: list[tuple]) -> list[ExecutionResult]:
+        """One result per (code, program[, preamble]) job, in order; identical jobs execute once.
+
+        The preamble is the row's trusted prompt code (imports, helpers): the judge runs its own
+        copy, so helpers the tests call cannot be replaced by the completion.
+        """
         results: list[ExecutionResult | None] = [None] * len(jobs)
-        pending: dict[str, list[int]] = {}  # cache key -> indices waiting on it
-        for index, (code, program) in enumerate(jobs):
+        waiting: list[tuple[int, Future, bool]] = []  # (index, future, this call started it)
+        for index, (code, program, *rest) in enumerate(jobs):
+            preamble = rest[0] if rest else ""
             try:
                 compile(code, "<completion>", "exec")
             except (SyntaxError, ValueError) as error:  # ValueError: NUL bytes in the source
                 results[index] = syntax_error_result(program, f"syntax error: {_one_line(error)}")
                 self._count("syntax_errors")
                 continue
-            key = self._key(code, program)
+            key = self._key(code, program, preamble)
             if self.cache_size <= 0:
-                key = f"{key}:{index}"  # no cache, no de-duplication: every job executes
-            cached = self._cache_get(key)
-            if cached is not None:
-                results[index] = cached
-                self._count("cache_hits")
-            elif key in pending:
-                pending[key].append(index)
-                self._count("cache_hits")
-            else:
-                pending[key] = [index]
-        futures = {key: self._executor.submit(self._execute, *jobs[indices[0]]) for key, indices in pending.items()}
-        for key, future in futures.items():
-            result = future.result()
-            self._cache_put(key, result)
-            for position, index in enumerate(pending[key]):
-                results[index] = result if position == 0 else replace(result, cached=True)
+                key = f"{key}:{id(results)}:{index}"  # no cache, no de-duplication: every job executes
+            with self._lock:  # look up and claim in one step, so two threads never both start a key
+                cached = self._cache.get(key)
+                if cached is not None:
+                    self._cache.move_to_end(key)
+                    self.stats.cache_hits += 1
+                    results[index] = replace(cached, cached=True)
+                    continue
+                future = self._running.get(key)
+                started = future is None
+                if started:
+                    future = self._running[key] = self._executor.submit(self._execute, key, code, program, preamble)
+                else:
+                    self.stats.cache_hits += 1
+            waiting.append((index, future, started))
+        first_seen: set[int] = set()
+        for index, future, started in waiting:
+            result = future.result()  # SandboxRefused (no namespaces, no fallback) surfaces here
+            owner = started and id(future) not in first_seen
+            first_seen.add(id(future))
+            results[index] = result if owner else replace(result, cached=True)
         return [result for result in results if result is not None]
 
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._cached_bytes = 0
 
     def close(self) -> None:
         Sandbox._shutdown(self._all, self._executor)
 
     # ------------------------------------------------------------- internals
 
-    def _key(self, code: str, program: TestProgram) -> str:
-        text = json.dumps([code, program.key(), self.limits.as_dict()], sort_keys=True)
+    def _key(self, code: str, program: TestProgram, preamble: str) -> str:
+        text = json.dumps([code, program.key(), preamble, self.limits.as_dict(), self.fallback], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def _cache_get(self, key: str) -> ExecutionResult | None:
-        with self._lock:
-            result = self._cache.get(key)
-            if result is None:
-                return None
-            self._cache.move_to_end(key)
-            return replace(result, cached=True)
+    def _execute(self, key: str, code: str, program: TestProgram, preamble: str) -> ExecutionResult:
+        """Runs in a pool thread; the result goes into the cache before the key stops being 'running'."""
+        try:
+            job = {"code": code, "program": program.as_dict(), "preamble": preamble,
+                   "limits": self.limits.as_dict(), "fallback": self.fallback}
+            worker = self._idle.get()
+            try:
+                raw = worker.call(job)
+            finally:
+                self._idle.put(worker)
+            self._check_isolation(raw)
+            result = interpret(raw, program, self.limits)
+            with self._lock:
+                self.stats.executions += 1
+                self.stats.malformed += result.malformed
+                self._cache_put(key, result)
+            return result
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def _check_isolation(self, raw: dict) -> None:
+        events = raw.get("events") if isinstance(raw, dict) else None
+        for event in events if isinstance(events, list) else []:
+            if isinstance(event, dict) and event.get("event") == "refused":
+                raise SandboxRefused(
+                    f"sandbox error: Linux refused the isolation the code sandbox needs ({event.get('reason')}); "
+                    "set code.sandbox_fallback=true to run with the weaker fallback (docs/sandbox.md)")
+            layers = event.get("layers") if isinstance(event, dict) else None
+            if self.fallback and not self._warned and isinstance(layers, dict) and not all(
+                    layers.get(name, True) for name in ("user_namespace", "mount_namespace", "pid_namespace",
+                                                        "network_namespace", "ipc_namespace")):
+                self._warned = True
+                warnings.warn("the code sandbox runs in its fallback: some namespaces were refused "
+                              f"({', '.join(k for k, v in layers.items() if v is False)}); "
+                              "docs/sandbox.md says what that leaves open", RuntimeWarning, stacklevel=2)
 
     def _cache_put(self, key: str, result: ExecutionResult) -> None:
+        """Called with the lock held."""
         if self.cache_size <= 0:
             return
-        with self._lock:
-            self._cache[key] = result
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-
-    def _execute(self, code: str, program: TestProgram) -> ExecutionResult:
-        job = {"code": code, "program": program.as_dict(), "limits": self.limits.as_dict()}
-        worker = self._idle.get()
-        try:
-            raw = worker.call(job)
-        finally:
-            self._idle.put(worker)
-        self._count("executions")
-        return interpret(raw, program, self.limits)
+        size = result.size_bytes()
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = result
+        self._cached_bytes += size
+        while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._cached_bytes -= evicted.size_bytes()
 
     def _count(self, name: str) -> None:
         with self._lock:  # run_many may be called from several threads at once
@@ -204,12 +262,13 @@ _SHARED: dict[tuple, Sandbox] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_sandbox(workers: int = 0, limits: Limits | None = None, cache_size: int = 4096) -> Sandbox:
+def shared_sandbox(workers: int = 0, limits: Limits | None = None, cache_size: int = 4096,
+                   fallback: bool = False) -> Sandbox:
     limits = limits or Limits()
-    key = (workers, limits, cache_size, os.getpid())  # a forked child must not reuse the parent's pipes
+    key = (workers, limits, cache_size, fallback, os.getpid())  # a forked child must not reuse the parent's pipes
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = Sandbox(workers, limits, cache_size)
+            _SHARED[key] = Sandbox(workers, limits, cache_size, fallback)
         return _SHARED[key]
 
 

@@ -5,8 +5,9 @@ Two shapes, both plain JSON so they travel to the worker and sit in dataset rows
 - "asserts": a list of statements (MBPP's `test_list`, hasten's own format),
   each run on its own after an optional setup snippet, so one failing
   assertion does not hide the rest.
-- "check": a HumanEval test file defining `check(candidate)`. The worker
-  really calls `check(<entry_point>)`; to score each assertion separately,
+- "check": a HumanEval test file defining `check(candidate)`. The judge
+  (judge.py) really calls `check(<entry_point>)`, the entry point being a
+  handle on the candidate's function; to score each assertion separately,
   every top-level statement of check's body that contains an `assert` is
   wrapped in begin/end hooks (a try/except that records the verdict and
   carries on). Other statements (imports, helper values) run unchanged.

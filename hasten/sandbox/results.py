@@ -41,6 +41,12 @@ class ExecutionResult:
     seconds: float = 0.0
     layers: dict[str, bool] = field(default_factory=dict)  # isolation steps that held (docs/sandbox.md)
     cached: bool = False
+    malformed: bool = False  # the sandbox's report could not be read: scored 0, reason says why
+
+    def size_bytes(self) -> int:
+        """Rough memory held (the cache is bounded by this)."""
+        return 512 + len(self.stdout) + len(self.stderr) + len(self.reason) + sum(
+            96 + len(test.name) + len(test.reason) for test in self.tests)
 
     @property
     def passed(self) -> int:
@@ -72,36 +78,61 @@ def _ending(raw: dict[str, Any], events: list[dict], limits: Limits) -> tuple[st
         return "timeout", f"wall-clock limit of {limits.wall_seconds:g}s"
     internal = next((e for e in events if e.get("event") == "internal"), None)
     exit_event = next((e for e in events if e.get("event") == "exit"), None)
-    if exit_event is not None and "signal" in exit_event:
+    lost = next((e for e in events if e.get("event") == "lost"), None)
+    if exit_event is not None and isinstance(exit_event.get("signal"), int):
         number = exit_event["signal"]
         if number in (signal.SIGXCPU, signal.SIGKILL) and raw.get("seconds", 0) >= limits.cpu_seconds:
             return "timeout", f"CPU limit of {limits.cpu_seconds}s ({_signal_name(number)})"
         return "crash", f"killed by {_signal_name(number)}"
+    if lost is not None and "answering" in str(lost.get("reason")):
+        return "timeout", str(lost.get("reason"))[:200]
     if exit_event is not None:
         return "crash", f"process exited with code {exit_event.get('code')} before the tests finished"
     if internal is not None:
-        return "crash", f"sandbox error: {internal.get('reason', '').strip().splitlines()[-1][:200]}"
+        return "crash", f"sandbox error: {(str(internal.get('reason', '')).strip().splitlines() or [''])[-1][:200]}"
     return "crash", "the sandboxed process ended without a report"
 
 
-def interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> ExecutionResult:
-    """Worker events -> ExecutionResult."""
-    events: list[dict] = raw.get("events", [])
+def interpret(raw: Any, program: TestProgram, limits: Limits) -> ExecutionResult:
+    """Worker events -> ExecutionResult. Never raises: a report it cannot read scores 0 with the reason."""
+    try:
+        return _interpret(raw, program, limits)
+    except Exception as error:  # noqa: BLE001 - whatever came back, the trainer gets a result
+        return malformed_result(program, f"unreadable sandbox report ({type(error).__name__}: {error})"[:300])
+
+
+def malformed_result(program: TestProgram, reason: str) -> ExecutionResult:
+    tests = [TestOutcome(name, "not_run", reason) for name in program.tests]
+    return ExecutionResult("crash", reason, loaded=False, tests=tests, malformed=True)
+
+
+_TEST_STATUSES = ("pass", "fail", "error", "timeout")
+
+
+def _interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> ExecutionResult:
+    events = raw.get("events", [])
+    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+        return malformed_result(program, "malformed sandbox report: events are not records")
+    broken = next((e for e in events if e.get("event") == "malformed"), None)
+    if broken is not None:
+        return malformed_result(program, f"malformed event from the {broken.get('source')}: {broken.get('reason')}")
     layers: dict[str, bool] = {}
     for event in events:
-        if event.get("event") in ("exit", "layers"):
-            layers.update(event.get("layers", {}))
+        if event.get("event") in ("exit", "loaded", "refused") and isinstance(event.get("layers"), dict):
+            layers.update({str(k): v for k, v in event["layers"].items() if isinstance(v, bool)})
     verdicts: dict[int, tuple[str, str]] = {}
     loaded_event = next((e for e in events if e.get("event") == "loaded"), None)
     aborted = next((e for e in events if e.get("event") == "tests_aborted"), None)
     for event in events:
-        if event.get("event") == "test" and isinstance(event.get("index"), int):
-            verdicts.setdefault(event["index"], (str(event.get("status")), str(event.get("reason", ""))))
+        index = event.get("index")
+        if event.get("event") == "test" and type(index) is int and 0 <= index < len(program.tests) \
+                and event.get("status") in _TEST_STATUSES:
+            verdicts.setdefault(index, (event["status"], str(event.get("reason", ""))[:300]))
     finished = any(e.get("event") == "done" for e in events)
 
-    if loaded_event is not None and not loaded_event.get("ok"):
+    if loaded_event is not None and loaded_event.get("ok") is not True and loaded_event.get("status") != "died":
         status = "timeout" if loaded_event.get("status") == "timeout" else "fail"
-        reason = f"the code raised on load: {loaded_event.get('reason', '')}"
+        reason = f"the code raised on load: {str(loaded_event.get('reason', ''))[:300]}"
         why_not_run = "the code did not load"
     elif finished:
         status = "pass" if len(verdicts) == len(program.tests) and all(
@@ -109,7 +140,7 @@ def interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> Exec
         reason = ""
         why_not_run = "not reported"
     elif aborted is not None:
-        status, reason = "fail", f"the tests stopped: {aborted.get('reason', '')}"
+        status, reason = "fail", f"the tests stopped: {str(aborted.get('reason', ''))[:300]}"
         why_not_run = reason
     else:
         status, reason = _ending(raw, events, limits)
@@ -127,10 +158,10 @@ def interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> Exec
     return ExecutionResult(
         status=status,
         reason=reason,
-        loaded=bool(loaded_event and loaded_event.get("ok")),
+        loaded=bool(loaded_event and loaded_event.get("ok") is True),
         tests=tests,
-        stdout=raw.get("stdout", ""),
-        stderr=raw.get("stderr", ""),
+        stdout=str(raw.get("stdout", "")),
+        stderr=str(raw.get("stderr", "")),
         output_truncated=bool(raw.get("output_truncated")),
         seconds=float(raw.get("seconds", 0.0)),
         layers=layers,

@@ -167,7 +167,8 @@ def builtin_path() -> Path:
 def sandbox_settings(code: CodeConfig) -> SandboxSettings:
     limits = Limits(wall_seconds=code.wall_seconds, test_seconds=code.test_seconds,
                     memory_bytes=code.memory_mb << 20, max_processes=code.max_processes)
-    return SandboxSettings(workers=code.workers, limits=limits, cache_size=code.cache_size)
+    return SandboxSettings(workers=code.workers, limits=limits, cache_size=code.cache_size,
+                           fallback=code.sandbox_fallback)
 
 
 def _split(rows: list[dict], cfg: TaskConfig, code: CodeConfig) -> tuple[list[dict], list[dict]]:
@@ -209,7 +210,7 @@ def build_code(cfg: TaskConfig, code: CodeConfig | None = None) -> Task:
             return Verdict(parsed=False, correct=False)
         from hasten.sandbox import TestProgram
 
-        result = settings.sandbox().run(source, TestProgram.from_dict(row["tests"]))
+        result = settings.sandbox().run(source, TestProgram.from_dict(row["tests"]), row.get("preamble") or "")
         return Verdict(parsed=True, correct=result.status == "pass")
 
     from hasten.tasks.code_eval import PassAtK

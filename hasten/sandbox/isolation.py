@@ -1,0 +1,214 @@
+"""Isolation steps for the sandboxed process tree (docs/sandbox.md says what each one stops).
+
+Each step records in `layers` whether it held. With `strict` (the default:
+code.sandbox_fallback off) a refused namespace or mount step raises Refused,
+and the worker runs nothing; with the fallback opted in, the run goes on
+with the layers that held. Standard library only (imported by worker.py
+under python -I -S).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import resource
+import struct
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_CHILD_SUBREAPER = 22, 2, 36
+NOBODY = 65534
+ALL_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+# Host directories where sockets, other users' temp files and secrets live: each gets an empty,
+# read-only tmpfs on top. /tmp gets the writable, size-capped work dir instead.
+HIDDEN = ("/var/tmp", "/run", "/var/run", "/dev/shm", "/dev/mqueue", "/home", "/root", "/mnt", "/media")
+WORKDIR = "/tmp"
+# statvfs flag bits -> mount flags that a user namespace may not clear on a remount
+_LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+                 (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Refused(Exception):
+    """A layer the strict sandbox needs was refused by the kernel; nothing runs."""
+
+
+def _mount(source: str | None, target: str, kind: str | None, flags: int, data: str | None = None) -> bool:
+    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
+    return libc.mount(encode(source), encode(target), encode(kind), flags, encode(data)) == 0
+
+
+def close_fds_except(keep: set[int]) -> None:
+    """Close every descriptor above 2 not in keep: no host fd (a directory fd walks the host fs) survives."""
+    previous = 2
+    for fd in sorted({fd for fd in keep if fd > 2} | {1 << 20}):
+        os.closerange(previous + 1, fd)
+        previous = fd
+
+
+def enter_namespaces(strict: bool, layers: dict) -> None:
+    """In A: leave root, then new user/mount/pid/net/ipc/uts namespaces (smaller sets only with the fallback)."""
+    if os.geteuid() == 0:
+        # Root bypasses RLIMIT_NPROC and owns every file; run as nobody instead.
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            layers["unprivileged_uid"] = True
+        except OSError:
+            layers["unprivileged_uid"] = False
+    else:
+        layers["unprivileged_uid"] = True
+    # The worker made itself non-dumpable (and setuid clears it too), which leaves /proc/self owned
+    # by root; writing our own uid_map needs it back. B drops it again before the code runs.
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    uid, gid = os.geteuid(), os.getegid()
+    choices = [ALL_NAMESPACES] if strict else [
+        ALL_NAMESPACES, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC, CLONE_NEWUSER | CLONE_NEWNET]
+    flags = next((choice for choice in choices if libc.unshare(choice) == 0), 0)
+    for name, bit in (("user_namespace", CLONE_NEWUSER), ("mount_namespace", CLONE_NEWNS),
+                      ("pid_namespace", CLONE_NEWPID), ("network_namespace", CLONE_NEWNET),
+                      ("ipc_namespace", CLONE_NEWIPC)):
+        layers[name] = bool(flags & bit)
+    if strict and not flags:
+        raise Refused(f"unshare(user, mount, pid, net, ipc) failed: {os.strerror(ctypes.get_errno())}")
+    if strict and not layers["unprivileged_uid"]:
+        raise Refused("could not drop root to nobody")
+    if flags & CLONE_NEWUSER:
+        # Map our one outer uid to root inside, which may mount in the new mount namespace.
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as file:
+                    file.write(text)
+        except OSError as error:
+            if strict:
+                raise Refused(f"cannot map the user namespace: {error}") from None
+
+
+def _kept_paths() -> list[str]:
+    """Readable sys.path directories under a hidden directory (a Python in ~/.pyenv): bound back in."""
+    hidden = tuple(path + "/" for path in HIDDEN)
+    return [entry for entry in dict.fromkeys(sys.path) if entry.startswith(hidden)
+            and os.path.isdir(entry) and os.access(entry, os.R_OK | os.X_OK)]
+
+
+def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
+    """In B (pid 1): private mounts, own /proc, tmpfs work dir on /tmp, host dirs hidden, the rest read-only.
+
+    Returns the work dir. Without a mount namespace (fallback only) that is a host directory the
+    worker made and deletes, and nothing is hidden.
+    """
+    if layers["mount_namespace"] and not _mount("none", "/", None, MS_REC | MS_PRIVATE):
+        layers["mount_namespace"] = False  # e.g. an LSM that grants no capabilities in new user namespaces
+    if not layers["mount_namespace"]:
+        if strict:
+            raise Refused("no private mount namespace")
+        layers.update(read_only_root=False, tmpfs_workdir=False, private_proc=False, hidden_dirs=False)
+        return ""
+    layers["private_proc"] = layers["pid_namespace"] and _mount(
+        "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    kept = _kept_paths()
+    layers["tmpfs_workdir"] = _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
+                                     f"size={disk_bytes},mode=0700")
+    stages = []
+    for index, path in enumerate(kept):  # staged in the fresh /tmp before their parents are hidden
+        stage = f"{WORKDIR}/.keep{index}"
+        os.mkdir(stage)
+        stages.append((path, stage, _mount(path, stage, None, MS_BIND | MS_REC)))
+    hidden_ok = True
+    for path in HIDDEN:
+        if os.path.isdir(path) and not os.path.islink(path):
+            hidden_ok &= _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+    for path, stage, staged in stages:
+        if staged:
+            os.makedirs(path, exist_ok=True)
+            _mount(stage, path, None, MS_BIND | MS_REC)
+            libc.umount2(stage.encode(), MNT_DETACH)
+        os.rmdir(stage)
+    layers["hidden_dirs"] = hidden_ok
+    failed = 0
+    with open("/proc/self/mountinfo") as file:
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in file]
+    for point in points:
+        if point == WORKDIR or point == "/proc" or point.startswith("/proc/"):
+            continue
+        try:
+            flags = os.statvfs(point).f_flag
+        except OSError:
+            continue
+        locked = sum(mount_flag for stat_flag, mount_flag in _LOCKED_FLAGS if flags & stat_flag)
+        failed += not _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
+    layers["read_only_root"] = failed == 0
+    if strict and not all(layers[name] for name in ("private_proc", "tmpfs_workdir", "hidden_dirs", "read_only_root")):
+        raise Refused("mount setup incomplete: " + ", ".join(
+            name for name in ("private_proc", "tmpfs_workdir", "hidden_dirs", "read_only_root") if not layers[name]))
+    return WORKDIR
+
+
+def drop_privileges(limits: dict, layers: dict) -> None:
+    """In C: resource limits, no capabilities (even as root of the namespace), no new privileges, no AF_UNIX."""
+    megabyte = 1 << 20
+    cpu = int(limits["cpu_seconds"])
+    for name, soft, hard in (
+        ("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at soft, SIGKILL at hard
+        ("RLIMIT_AS", limits["memory_bytes"], limits["memory_bytes"]),
+        ("RLIMIT_FSIZE", limits["file_bytes"], limits["file_bytes"]),
+        ("RLIMIT_NOFILE", 256, 256),
+        ("RLIMIT_CORE", 0, 0),
+        ("RLIMIT_STACK", 64 * megabyte, 64 * megabyte),
+        ("RLIMIT_MSGQUEUE", 0, 0),
+    ):
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    # Counted per user namespace from here (kernel >= 5.14), so it is a per-sandbox cap there;
+    # without a user namespace it counts every process of this uid (nobody, or you).
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
+    layers["rlimits"] = True
+    try:
+        last = int(open("/proc/sys/kernel/cap_last_cap").read())
+    except (OSError, ValueError):
+        last = 40
+    for capability in range(last + 1):
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = ctypes.create_string_buffer(24)  # two zeroed {effective, permitted, inheritable}
+    layers["no_capabilities"] = libc.capset(ctypes.c_char_p(header), data) == 0
+    layers["no_new_privs"] = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+    layers["no_unix_sockets"] = layers["no_new_privs"] and _block_unix_sockets()
+
+
+# (arch, socket syscall number, io_uring_setup syscall number) per AUDIT_ARCH
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+
+
+def _block_unix_sockets() -> bool:
+    """seccomp: socket(AF_UNIX, ...) and io_uring_setup fail with EPERM; other architectures' calls too.
+
+    A unix socket is a file path, so the network namespace does not cover it, and connect() on a
+    read-only mount still works; hiding /run and /tmp covers the usual places, this covers the rest.
+    io_uring could create sockets without the socket() syscall, so it goes too.
+    """
+    machine = os.uname().machine
+    if machine not in _SYSCALLS:
+        return False
+    arch, socket_nr, io_uring_nr = _SYSCALLS[machine]
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
+        (load, 0, 0, 4), (jeq, 0, 7, arch),  # seccomp_data.arch: another ABI -> deny
+        (load, 0, 0, 0), (jge, 5, 0, 0x40000000),  # seccomp_data.nr: x32 calls -> deny
+        (jeq, 4, 0, io_uring_nr), (jeq, 0, 2, socket_nr),
+        (load, 0, 0, 16), (jeq, 1, 0, 1),  # args[0] == AF_UNIX -> deny
+        (ret, 0, 0, allow), (ret, 0, 0, deny),
+    ]
+    filters = b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+    buffer = ctypes.create_string_buffer(filters)
+    fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(buffer))
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) == 0

@@ -1,0 +1,281 @@
+"""A hostile corpus against the sandbox: 0 forged passes, 0 escapes, 0 survivors, no leaked dirs.
+
+Each forgery case gets a test whose expected value is a fresh random secret:
+honest code cannot pass it, so any pass is a forged verdict. Escape cases
+print what they reached and the host checks its own state. docs/sandbox.md
+lists the defences these exercise; run them as root and as nobody
+(`setpriv --reuid=nobody --regid=nogroup --clear-groups`), with the venv and
+with /usr/bin/python3.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import secrets
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from hasten.sandbox import Limits, Sandbox, assert_program, check_program
+from hasten.sandbox.pool import SandboxRefused
+from hasten.sandbox.results import interpret
+from hasten.sandbox.wire import WireError, decode
+
+LIMITS = Limits(wall_seconds=5.0, test_seconds=1.0, cpu_seconds=3, memory_bytes=256 << 20, output_bytes=8192)
+SECRET = "S" + secrets.token_hex(8)
+
+FORGE = {
+    "always_true_eq": "class Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+                      "def f():\n    return Any()\n",
+    "subclass_eq": "class Liar(str):\n    def __eq__(self, other):\n        return True\n    def __ne__(self, o):\n"
+                   "        return False\n    __hash__ = str.__hash__\ndef f():\n    return Liar('x')\n",
+    "verdict_lines_everywhere": (
+        "import os, json\nLINES = b''.join(json.dumps(e).encode() + b'\\n' for e in [\n"
+        "    {'event': 'loaded', 'ok': True}, {'event': 'test', 'index': 0, 'status': 'pass', 'reason': ''},\n"
+        "    {'event': 'done'}, {'id': 1, 'ok': True, 'value': 'x'}, {'id': 2, 'ok': True, 'value': 'x'}])\n"
+        "for fd in range(0, 256):\n    try:\n        os.write(fd, LINES)\n    except OSError:\n        pass\n"
+        "def f():\n    for fd in range(0, 256):\n        try:\n            os.write(fd, LINES)\n"
+        "        except OSError:\n            pass\n    return 'wrong'\n"),
+    "frames_and_main": (
+        "import sys, gc\ndef f():\n    frame = sys._getframe()\n    while frame:\n"
+        "        for name in ('answer', 'loaded', 'message'):\n            if isinstance(frame.f_locals.get(name), dict):\n"
+        "                frame.f_locals[name].update(ok=True, status='pass')\n        frame = frame.f_back\n"
+        "    main = sys.modules['__main__']\n    for module in list(sys.modules.values()):\n"
+        "        for attr in ('_verdict', 'judge', 'interpret', '_send', '_send_line'):\n"
+        "            if hasattr(module, attr):\n                setattr(module, attr, lambda *a, **k: ('pass', ''))\n"
+        "    return 'wrong'\n"),
+    "patch_builtins": (
+        "import builtins, json\nbuiltins.compile = lambda *a, **k: compile('pass', '<x>', 'exec')\n"
+        "json.dumps = lambda *a, **k: '{\"id\": 1, \"ok\": true, \"value\": \"x\"}'\n"
+        "builtins.AssertionError = type('AssertionError', (Exception,), {})\n"
+        "def f():\n    return 'wrong'\n"),
+    "ctypes_int_eq": (
+        "import ctypes, gc\nfor d in gc.get_referents(int.__dict__) + gc.get_referents(str.__dict__):\n"
+        "    if isinstance(d, dict):\n        d['__eq__'] = lambda self, other: True\nctypes.pythonapi.PyType_Modified(ctypes.py_object(int))\n"
+        "ctypes.c_ssize_t.from_address(id(5) + 24).value = 6\ndef f():\n    return 5\n"),
+    "memory_scan_for_expected": (
+        "import ctypes, re\ndef f():\n    for line in open('/proc/self/maps'):\n        parts = line.split()\n"
+        "        if 'r' not in parts[1] or len(parts) > 5 and parts[5].startswith('['):\n            continue\n"
+        "        low, high = (int(x, 16) for x in parts[0].split('-'))\n        try:\n"
+        "            found = re.search(rb'S[0-9a-f]{16}', ctypes.string_at(low, high - low))\n"
+        "        except Exception:\n            continue\n        if found:\n            return found.group().decode()\n"
+        "    return 'wrong'\n"),
+    "swallow_timeout": ("def f():\n    while True:\n        try:\n            while True:\n                pass\n"
+                        "        except BaseException:\n            pass\n"),
+    "raise_assertion_like": "def f():\n    raise SystemExit(0)\n",
+    "opaque_truthy": "class T:\n    def __bool__(self):\n        return True\ndef f():\n    return T()\n",
+    "deep_nesting": "def f():\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
+    "close_reply_pipe": "import os\ndef f():\n    for fd in range(3, 64):\n        try:\n            os.close(fd)\n"
+                        "        except OSError:\n            pass\n    return 'wrong'\n",
+    "garbage_bytes": ("import os\ndef f():\n    junk = bytes(range(256)) * 64 + b'\\n{not json}\\n\\xff\\xfe\\x00'\n"
+                      "    for fd in range(0, 64):\n        try:\n            os.write(fd, junk)\n        except OSError:\n"
+                      "            pass\n    return 'wrong'\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(workers=2, limits=LIMITS, cache_size=0)
+    yield box
+    box.close()
+
+
+@pytest.fixture(scope="module")
+def layers(sandbox):
+    result = sandbox.run("def f():\n    return 1\n", assert_program(["assert f() == 1"]))
+    assert result.status == "pass", result.summary()
+    return result.layers
+
+
+def _descendants_and_dirs():
+    from tests.test_sandbox import _worker_descendants  # the same survivor check as the basic tests
+
+    return _worker_descendants(), set(glob.glob(os.path.join(tempfile.gettempdir(), "hasten-sandbox-*")))
+
+
+def test_no_forged_verdicts(sandbox, layers):
+    """Every attack on the verdict, in asserts and check(candidate) form: the secret is never matched."""
+    asserts = assert_program([f"assert f() == {SECRET!r}", f"assert {SECRET!r} == f()", f"assert f() in [{SECRET!r}]"])
+    check = check_program(f"def check(candidate):\n    assert candidate() == {SECRET!r}\n", "f")
+    jobs = [(code, program) for code in FORGE.values() for program in (asserts, check)]
+    results = sandbox.run_many(jobs)
+    forged = [(name, r.summary()) for (name, r) in zip([n for n in FORGE for _ in (0, 1)], results) if r.passed]
+    assert forged == []
+    assert all(r.status != "pass" for r in results)
+    opaque = sandbox.run(FORGE["opaque_truthy"], assert_program(["assert f()"]))
+    assert opaque.status == "fail" and "no truth value" in opaque.reason  # its __bool__ never runs here
+
+
+def _probe(sandbox, code: str) -> dict:
+    """Run code that prints one JSON line of findings; return them."""
+    result = sandbox.run(code + "\ndef f():\n    return 1\n", assert_program(["assert f() == 1"]))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.summary() + result.stderr[-500:]
+    return json.loads(lines[-1])
+
+
+def test_no_host_fd_survives(sandbox, layers):
+    found = _probe(sandbox, (
+        "import os, json, stat\nfds = {}\nfor fd in range(0, 1024):\n    try:\n        mode = os.fstat(fd).st_mode\n"
+        "    except OSError:\n        continue\n    fds[fd] = 'dir' if stat.S_ISDIR(mode) else 'fifo' if stat.S_ISFIFO(mode) else 'other'\n"
+        "walked = []\nfor fd, kind in fds.items():\n    if kind == 'dir':\n        try:\n"
+        "            walked.append(os.listdir(os.open('../../..', os.O_RDONLY, dir_fd=fd)))\n        except OSError:\n"
+        "            pass\nprint(json.dumps({'fds': fds, 'walked': walked}))\n"))
+    assert "dir" not in found["fds"].values() and found["walked"] == []
+    assert set(found["fds"]) <= {"0", "1", "2", "3", "4", "5", "6", "7"}  # stdio and the two judge pipes
+
+
+def test_host_dirs_are_hidden_and_the_file_system_read_only(sandbox, layers, tmp_path):
+    marker = tmp_path / "host-marker"
+    marker.write_text("host")
+    os.chmod(tmp_path, 0o777)
+    found = _probe(sandbox, (
+        "import os, json\nseen = {}\nfor path in ('/tmp', '/run', '/var/tmp', '/dev/shm', '/home', '/root'):\n"
+        "    try:\n        seen[path] = sorted(os.listdir(path))\n    except OSError as error:\n        seen[path] = str(error)\n"
+        f"reach = os.path.exists({str(marker)!r})\nwrote = []\n"
+        "for path in ('/etc/hasten-pwned', '/var/hasten-pwned', '/work/hasten-pwned', '/run/x', '/home/x'):\n"
+        "    try:\n        open(path, 'w').write('x')\n        wrote.append(path)\n    except OSError:\n        pass\n"
+        "print(json.dumps({'seen': seen, 'reach': reach, 'wrote': wrote, 'pids': [p for p in os.listdir('/proc') if p.isdigit()]}))\n"))
+    assert not found["reach"] and found["wrote"] == []
+    for path in ("/run", "/var/tmp", "/dev/shm", "/home", "/root"):
+        assert found["seen"].get(path) in ([], None) or isinstance(found["seen"][path], str), (path, found["seen"][path])
+    assert found["seen"]["/tmp"] == [] or isinstance(found["seen"]["/tmp"], str)
+    assert len(found["pids"]) <= 3  # its own pid namespace: B, C (and perhaps a child)
+
+
+def test_unix_sockets_and_sysv_ipc_of_the_host_are_unreachable(sandbox, layers, tmp_path):
+    paths = [str(tmp_path / "host.sock")]
+    spare = Path(__file__).resolve().parent.parent / ".hasten-test.sock"  # outside every hidden dir
+    if os.access(spare.parent, os.W_OK):
+        paths.append(str(spare))
+    listeners = []
+    for path in paths:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen()
+        listener.setblocking(False)
+        listeners.append(listener)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(b"\0hasten-test-" + secrets.token_hex(4).encode())
+    abstract.listen()
+    abstract.setblocking(False)
+    os.chmod(tmp_path, 0o777)
+    key = random.randint(1 << 20, 1 << 30)
+    try:
+        found = _probe(sandbox, (
+            "import socket, json, ctypes\nconnected = []\n"
+            f"for address in {paths!r} + [{abstract.getsockname()!r}]:\n    try:\n"
+            "        s = socket.socket(socket.AF_UNIX)\n        s.connect(address)\n        connected.append(repr(address))\n"
+            "    except OSError:\n        pass\nlibc = ctypes.CDLL(None)\n"
+            f"ids = [libc.shmget({key}, 4096, 0o1666), libc.msgget({key}, 0o1666), libc.semget({key}, 1, 0o1666)]\n"
+            "print(json.dumps({'connected': connected, 'ipc': ids}))\n"))
+        assert found["connected"] == []
+        for listener in [*listeners, abstract]:
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+        for kind in ("shm", "msg", "sem"):
+            table = Path(f"/proc/sysvipc/{kind}").read_text().split("\n")[1:]
+            assert not any(line.split() and int(line.split()[0]) == key for line in table), kind
+    finally:
+        for listener in [*listeners, abstract]:
+            listener.close()
+        spare.unlink(missing_ok=True)
+
+
+def test_nothing_survives_and_no_dir_leaks(sandbox, layers):
+    before_processes, before_dirs = _descendants_and_dirs()
+    assert before_processes == []
+    daemon = ("import os, time\ndef f():\n    if os.fork() == 0:\n        os.setsid()\n        if os.fork() == 0:\n"
+              "            time.sleep(600)\n        os._exit(0)\n    return 1\n")
+    stuck = "import os\nos.close(4)\ndef f():\n    return 1\n"  # the judge loses its reply channel at once
+    results = sandbox.run_many([(daemon, assert_program(["assert f() == 1"])),
+                                (stuck, assert_program(["assert f() == 1"])),
+                                ("import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n"
+                                 "def f():\n    return 1\n", assert_program(["assert f() == 1"]))])
+    assert results[0].status == "pass" and results[1].status != "pass"
+    after_processes, after_dirs = _descendants_and_dirs()
+    assert after_processes == [] and after_dirs <= before_dirs
+
+
+def test_one_execution_per_distinct_completion_from_concurrent_rewards():
+    """tests and execution from two reward threads at once: 16 distinct completions run 16 times."""
+    pytest.importorskip("torch")  # the reward runner needs it; the sandbox tests also run on a bare Python
+    from hasten.rewards.code import ExecutionReward, SandboxSettings, TestsReward
+
+    settings = SandboxSettings(workers=2, limits=LIMITS)
+    program = assert_program(["assert f() == 1"]).as_dict()
+    completions = [f"```python\ndef f():\n    return 1  # {index}\n```" for index in range(16)]
+    columns = {"tests": [program] * 16, "preamble": [""] * 16}
+    sandbox = settings.sandbox()
+    before = sandbox.stats.executions
+    scores: dict[str, list] = {}
+    threads = [threading.Thread(target=lambda name=name, reward=reward: scores.__setitem__(
+        name, reward([], completions, **columns))) for name, reward in
+        (("tests", TestsReward(settings)), ("execution", ExecutionReward(settings)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert scores["tests"] == [1.0] * 16 and scores["execution"] == [1.0] * 16
+    assert sandbox.stats.executions - before == 16
+
+
+def test_cache_is_bounded_in_bytes():
+    box = Sandbox(workers=2, limits=LIMITS, cache_bytes=40_000)
+    try:
+        box.run_many([(f"print('x' * 8000)\ndef f():\n    return {index}\n", assert_program(["assert f() == 1"]))
+                      for index in range(12)])
+        assert 0 < box._cached_bytes <= 40_000 and len(box._cache) < 12
+    finally:
+        box.close()
+
+
+def test_any_report_is_interpreted_never_raised():
+    program = assert_program(["assert f() == 1", "assert f() == 2"])
+    rng = random.Random(0)
+    garbage = [None, 3, "x", [], {"events": "nope"}, {"events": [1, "a", None]},
+               {"events": [{"event": "test", "index": "0", "status": "pass"}, {"event": "done"}]},
+               {"events": [{"event": "malformed", "source": "tree", "reason": "x"}, {"event": "done"}]},
+               {"events": [{"event": "test", "index": 99, "status": "pass"}, {"event": "done"}]},
+               {"events": [{"event": "loaded", "ok": 1}, {"event": "exit", "signal": "SIGKILL"}], "seconds": "x"}]
+    garbage += [{"events": [{rng.choice(["event", "index", "status"]): rng.choice([0, "done", "test", "pass", None])}
+                            for _ in range(rng.randint(0, 4))]} for _ in range(200)]
+    for raw in garbage:
+        result = interpret(raw, program, LIMITS)
+        assert result.status != "pass" and result.passed < 2, raw
+
+
+def test_wire_decode_accepts_only_plain_data():
+    rng = random.Random(1)
+    atoms = [None, True, 1, 1.5, "s", "l", "t", "d", "h", "i", "F", "b", "c", "zz", [], {}]
+
+    def shape(depth: int):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(atoms)
+        return [shape(depth - 1) for _ in range(rng.randint(0, 3))]
+
+    for _ in range(2000):
+        data = shape(5)
+        try:
+            value = decode(data, lambda number, name: ("handle", number))
+        except WireError:
+            continue
+        assert type(value) in (type(None), bool, int, float, str, list, tuple, set, frozenset, dict, bytes,
+                               complex) or value[0] == "handle"
+
+
+def test_refused_namespaces_are_one_line_user_error():
+    box = Sandbox(workers=1, limits=LIMITS)
+    try:
+        with pytest.raises(SandboxRefused, match="code.sandbox_fallback=true") as caught:
+            box._check_isolation({"events": [{"event": "refused", "reason": "unshare failed: EPERM"}]})
+        assert "\n" not in str(caught.value)
+    finally:
+        box.close()
