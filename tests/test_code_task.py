@@ -211,6 +211,12 @@ def test_tiny_grpo_run_on_the_code_task_end_to_end(tmp_path, capsys):
     names = {"rewards/tests", "rewards/execution", "rewards/syntax", "rewards/lint", "rewards/complexity"}
     assert names <= set(records[0])
     assert "pass@1_greedy" in summary["eval_after"]
+    for record in records:  # the step's sandbox work is in its record (the tiny model's code rarely parses)
+        assert {"sandbox/executions", "sandbox/cache_hits", "sandbox/syntax_errors"} <= set(record)
+        assert record["sandbox/malformed"] == 0
+    from hasten.sandbox.pool import _SHARED
+
+    assert not _SHARED  # the run closed its sandbox workers on the way out
 
 
 def test_code_reward_bench_runs_and_every_mode_scores_the_same(capsys):

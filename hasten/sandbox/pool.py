@@ -23,6 +23,7 @@ only, so nothing it or its children can read holds the trainer's secrets.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import collections
 import hashlib
 import json
@@ -272,7 +273,25 @@ def shared_sandbox(workers: int = 0, limits: Limits | None = None, cache_size: i
         return _SHARED[key]
 
 
+def shared_stats() -> dict[str, int]:
+    """The shared sandboxes' counters added up (executions, cache hits, syntax errors, malformed reports);
+    {} when no code ran in this process."""
+    with _SHARED_LOCK:
+        sandboxes = list(_SHARED.values())
+    if not sandboxes:
+        return {}
+    totals = dataclasses.asdict(SandboxStats())
+    for sandbox in sandboxes:
+        for name, value in dataclasses.asdict(sandbox.stats).items():
+            totals[name] += value
+    return totals
+
+
 @atexit.register
-def _close_shared() -> None:
-    for sandbox in _SHARED.values():
+def close_shared() -> None:
+    """Stop every shared sandbox's workers: at the end of a training run (its finally) and at exit."""
+    with _SHARED_LOCK:
+        sandboxes = list(_SHARED.values())
+        _SHARED.clear()
+    for sandbox in sandboxes:
         sandbox.close()

@@ -32,6 +32,7 @@ from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
 from ..rewards.batch import ScoredBatch, reward_inputs
 from ..rollout import Engine, KVCacheEngine, SamplingParams
+from ..sandbox.pool import close_shared, shared_stats
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
 from ..tasks import Task, make_task
@@ -239,6 +240,12 @@ class GRPOJob:
                                           session.task.train_rows)
 
     def step(self, step: int) -> dict[str, Any]:
+        before = shared_stats()
+        record = self._step(step)
+        after = shared_stats()  # code tasks: this step's sandbox runs (malformed reports scored 0, counted here)
+        return {**record, **{f"sandbox/{name}": value - before.get(name, 0) for name, value in after.items()}}
+
+    def _step(self, step: int) -> dict[str, Any]:
         if self.pipeline is None:
             return grpo_step(self.session, self.learner, self.feeder, step)
         waited = time.perf_counter()
@@ -288,7 +295,10 @@ class GRPOJob:
                 self.pipeline.close()  # before the feeder and the scorer it draws on
             self.feeder.close()
         finally:
-            self.session.scorer.close()
+            try:
+                self.session.scorer.close()
+            finally:
+                close_shared()  # the code task's sandbox workers
 
 
 def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None) -> dict:
