@@ -117,11 +117,11 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
 def _directory(name: str, log: Callable[[str], None]) -> Path | None:
     """The local model directory a name stands for (converting the default model once), else None."""
     if ALIASES.get(name.lower()) == "smollm2-135m":
-        from .smollm2 import converted_dir
+        from .smollm2 import ConversionError, converted_dir
 
         try:
             return converted_dir(log)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, ConversionError) as exc:
             raise ModelError(f"model error: {exc}") from None
     path = Path(name).expanduser()
     return path if path.is_dir() and (path / "config.json").is_file() else None
