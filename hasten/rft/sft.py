@@ -51,6 +51,7 @@ from ..tasks import make_task
 from ..train.episodes import encode_prompt
 from ..train.learner import lr_factor
 from ..train.outputs import RunDir
+from ..train.preflight import check_output_dir
 from ..train.runtime import configure_threads, keep_freed_memory
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
@@ -253,6 +254,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     records = load_records(cfg.rft.data)  # raises before anything loads or is written
+    check_output_dir(cfg)
     if cfg.sft.max_examples:
         records = records[:cfg.sft.max_examples]
     task = make_task(cfg.task)

@@ -37,6 +37,7 @@ from .episodes import reward_inputs
 from .evaluate import evaluate
 from .learner import Learner
 from .outputs import RunDir
+from .preflight import check_output_dir
 from .progress import Progress
 from .runtime import configure_threads, keep_freed_memory
 
@@ -211,6 +212,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int) -> 
 def train(cfg: Config, log: Callable[[str], None] = print) -> dict:
     from ..games import GAMES
 
+    check_output_dir(cfg)  # an unwritable output.dir fails now, not after the model loads
     if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
         from .policy_loop import train_policy
 
