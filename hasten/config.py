@@ -528,6 +528,8 @@ def load_config(
     pairs: list[tuple[str, Any]] = []  # YAML's, then the overrides: later ones win
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config error: config file '{path}' is a directory")
         if not path.is_file():
             raise ConfigError(f"config error: config file '{path}' does not exist")
         try:

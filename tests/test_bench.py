@@ -1,20 +1,27 @@
-"""`hasten bench --quick` on the tiny model: every workload runs, prints its
-table, and ends with exactly one JSON line holding positive numbers.
+"""`hasten bench`'s output contract, not its numbers.
 
-Benchmarks are not tests: nothing here asserts a timing or a ratio's size.
-The TRL peer test starts two extra processes (~30 s) and is skipped where
-`trl` (the `hasten[bench]` extra) does not import.
+Benchmarks are not tests: nothing here asserts a timing, a ratio's size or
+even that a time is positive. One `--quick` smoke run on the tiny model checks
+the table's and the JSON line's shape: every workload and row is there, and
+the reported medians and ratios are the ones the raw seconds give. The
+startup (B4) and TRL peer runs start extra processes and are benchmarks in
+all but name: they run only with HASTEN_SLOW=1 (TRL also needs `hasten[bench]`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import statistics
 
 import pytest
 
 from hasten.bench import main
 from hasten.bench.report import Result, Row, mfu, pair_ratio, to_json
+
+slow = pytest.mark.skipif(not os.environ.get("HASTEN_SLOW"), reason="a benchmark run in extra processes; HASTEN_SLOW=1")
+ROW_KEYS = {"name", "side", "unit", "median", "min", "max", "seconds", "mfu"}
 
 
 def run_bench(capsys, *argv: str) -> tuple[str, dict]:
@@ -26,52 +33,77 @@ def run_bench(capsys, *argv: str) -> tuple[str, dict]:
 
 
 def rows_of(payload: dict, workload: str) -> dict[str, dict]:
+    """The workload's rows by name, each checked to report what its own seconds give."""
     rows = {row["name"]: row for row in payload["workloads"][workload]["rows"]}
     for row in rows.values():
-        assert row["median"] > 0 and row["min"] > 0 and row["max"] >= row["min"]
-        assert row["seconds"] and all(seconds > 0 for seconds in row["seconds"])
+        assert ROW_KEYS <= row.keys(), row.keys()
+        values = [w / s for w, s in zip(row["work"], row["seconds"])] if row["unit"] == "tok/s" else row["seconds"]
+        assert row["seconds"] and row["median"] == pytest.approx(statistics.median(values))
+        assert (row["min"], row["max"]) == (pytest.approx(min(values)), pytest.approx(max(values)))
+        if row["side"] == "peer" and row["baseline"] is None:  # no hasten row to compare with
+            assert row["ratio"] is None
+        elif row["side"] == "peer":
+            base = rows[row["baseline"]]
+            pairs = [p / h for p, h in zip(row["seconds"], base["seconds"])]
+            assert row["ratio"] == pytest.approx(statistics.median(pairs))
     return rows
 
 
-def test_b1_b2_b3_with_transformers_peer(capsys):
+def test_quick_b1_b2_b3_table_and_json_shape(capsys):
     table, payload = run_bench(capsys, "--workloads", "B1,B2,B3", "--peers", "hf")
-    assert "engine/peer" in table and "settings" in table
     assert {"model", "cpus", "torch_threads", "peak_gflops", "workloads"} <= payload.keys()
-    assert payload["model"] == "tiny" and payload["peak_gflops"] > 0
-    assert set(payload["workloads"]) == {"B1", "B2", "B3"}
+    assert payload["model"] == "tiny" and payload["quick"] is True
+    assert list(payload["workloads"]) == ["B1", "B2", "B3"]  # in the order asked for
 
     hasten = rows_of(payload, "B1")["hasten"]
-    assert hasten["unit"] == "s/step" and hasten["mfu"] > 0
-    assert hasten["generate"] > 0 and hasten["learn"] > 0 and hasten["first_step"] > 0
+    assert hasten["unit"] == "s/step" and {"generate", "learn", "first_step", "reward_mean"} <= hasten.keys()
     assert 0 <= hasten["reward_mean"] <= 1.25  # format 0.25 + correct 1.0
     assert payload["workloads"]["B1"]["settings"]["hasten"]["task"]["worked_example"] is False
 
     decode = rows_of(payload, "B2")
     assert {"kv-cache", "hf generate"} <= decode.keys()
     assert all(row["work"] == [2 * 4 * 8] * 2 for row in decode.values())  # EOS never ends a row
-    assert decode["hf generate"]["ratio"] > 0 and decode["hf generate"]["baseline"] == "kv-cache"
-    assert payload["workloads"]["B2"]["ratios"]["hf generate/kv-cache"] > 0
+    assert decode["hf generate"]["baseline"] == "kv-cache"
+    assert payload["workloads"]["B2"]["ratios"]["hf generate/kv-cache"] == decode["hf generate"]["ratio"]
 
     learning = rows_of(payload, "B3")
     assert set(learning) == {"packed", "padded"}
-    assert learning["padded"]["ratio"] > 0 and learning["packed"]["mfu"] > 0
+
+    # The table: its header, then one line per row, workload first.
+    assert "engine/peer" in table and "settings" in table
+    lines = table.splitlines()
+    for workload in ("B1", "B2", "B3"):
+        for name in rows_of(payload, workload):
+            assert any(line.split()[:1] == [workload] and name in line for line in lines), (workload, name)
 
 
-def test_b4_startup_json_only(capsys):
-    code = main(["--quick", "--workloads", "B4", "--peers", "none", "--json-only"])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert code == 0 and len(lines) == 1
-    rows = rows_of(json.loads(lines[0]), "B4")
+@pytest.mark.parametrize("json_only, lines", [(True, 1), (False, None)])
+def test_json_only_prints_the_json_line_alone(capsys, monkeypatch, json_only, lines):
+    import hasten.bench
+
+    result = Result("B3", "learning", [Row("packed", "hasten", "s", [1.0, 2.0])])
+    monkeypatch.setattr(hasten.bench, "run", lambda opts: ([result], {"model": "tiny"}, 1.0))
+    assert main(["--quick", "--workloads", "B3"] + (["--json-only"] if json_only else [])) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["workloads"]["B3"]["rows"][0]["median"] == 1.5
+    assert len(out) == 1 if json_only else len(out) > 5 and "engine/peer" in "\n".join(out)
+
+
+@slow
+def test_b4_startup_rows(capsys):
+    _, payload = run_bench(capsys, "--workloads", "B4", "--peers", "none")
+    rows = rows_of(payload, "B4")
     assert {"hasten --help", "hasten train: launch -> step 1", "hasten import+prepare"} <= rows.keys()
-    assert rows["hasten train: launch -> step 1"]["step_1"] > 0
+    assert "step_1" in rows["hasten train: launch -> step 1"]
 
 
+@slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (hasten[bench])")
 def test_b1_against_trl(capsys):
     _, payload = run_bench(capsys, "--workloads", "B1", "--peers", "trl")
     rows = rows_of(payload, "B1")
     for label in ("trl gc=off", "trl gc=on"):
-        assert rows[label]["ratio"] > 0 and rows[label]["baseline"] == "hasten"
+        assert rows[label]["baseline"] == "hasten"
         assert payload["workloads"]["B1"]["settings"][label]["num_generations"] == 4
 
 

@@ -22,6 +22,18 @@ def test_conversion_produces_a_plain_model_directory():
     assert (directory / "tokenizer.json").is_file()
 
 
+def test_failed_conversion_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """The conversion runs in a child process; when it fails the run says why in one line."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HASTEN_CACHE", str(blocker))  # the cache root is a file: nothing can be written
+    code = main(["train", "--steps", "1", f"--output.dir={tmp_path / 'runs'}", "--output.progress=off"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the "converting ..." log line
+    assert code == 2, error
+    assert error.startswith("model error: converting SmolLM2-135M-Instruct.Q4_1.gguf") and "NotADirectoryError" in error
+    assert not (tmp_path / "runs").exists()
+
+
 def test_two_grpo_steps_through_the_cli(tmp_path, capsys):
     code = main([
         "train", "--model", "smollm2-135m", "--task", "unit-conversion", "--steps", "2",

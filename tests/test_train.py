@@ -4,8 +4,10 @@ the run directory is complete, and `hasten eval` loads the checkpoint."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from hasten.cli import main
 from hasten.config import load_config
@@ -79,8 +81,21 @@ def test_run_directory_is_complete(data):
 
 @pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "dapo", "gspo"])
 def test_every_loss_trains(data, loss):
+    """Each loss gives finite losses and gradients, and moves the weights away from the tiny model's."""
+    from safetensors.torch import load_file
+
+    from hasten.models.tiny import tiny_model, tiny_tokenizer
+
     cfg = tiny_config(data, **{"algo.loss": loss, "eval.num_examples": 0, "output.plot": False})
-    assert train(cfg, log=lambda text: None)["steps"] == 2
+    summary = train(cfg, log=lambda text: None)
+    records = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
+    trained = load_file(f"{summary['run_dir']}/checkpoint/model.safetensors")
+    initial = tiny_model(len(tiny_tokenizer())).state_dict()  # fixed seed: the weights the run started from
+    assert all(torch.isfinite(tensor).all() for tensor in trained.values())
+    moved = [name for name, tensor in trained.items() if not torch.equal(tensor, initial[name])]
+    assert "model.layers.0.self_attn.q_proj.weight" in moved and len(moved) > len(trained) // 2, moved
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -31,6 +31,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
+from .files import check_model_dir
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "tiny": "tiny"}
 
@@ -103,6 +104,7 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
     if path.exists():
         if not path.is_dir() or not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
             raise ModelError(f"model error: '{name}' is not a Hugging Face model directory (no config.json)")
+        check_model_dir(path)
         return _load_pretrained(str(path), dtype)
     if name.count("/") != 1:
         raise ModelError(
@@ -117,14 +119,19 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
 def _directory(name: str, log: Callable[[str], None]) -> Path | None:
     """The local model directory a name stands for (converting the default model once), else None."""
     if ALIASES.get(name.lower()) == "smollm2-135m":
-        from .smollm2 import converted_dir
+        from .smollm2 import ConversionError, converted_dir
 
         try:
-            return converted_dir(log)
-        except FileNotFoundError as exc:
+            directory = converted_dir(log)
+        except (FileNotFoundError, ConversionError) as exc:
             raise ModelError(f"model error: {exc}") from None
+        check_model_dir(directory)
+        return directory
     path = Path(name).expanduser()
-    return path if path.is_dir() and (path / "config.json").is_file() else None
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    check_model_dir(path)  # a corrupt file is named here, before anything reads it
+    return path
 
 
 NOT_LOCAL = "not a local model directory"  # hub ids (and unknown names: loading them reports it) stay on transformers
@@ -147,6 +154,8 @@ def native_reason(cfg: ModelConfig, log: Callable[[str], None] = print) -> str |
         return "a LoRA adapter directory runs through peft"
     if not (directory / WEIGHTS_NAME).is_file():
         return f"no single {WEIGHTS_NAME} in {directory}"
+    if not (directory / "tokenizer.json").is_file():
+        return f"no tokenizer.json in {directory} (the native tokenizer reads only that)"
     return unsupported_reason(json.loads((directory / "config.json").read_text()))
 
 

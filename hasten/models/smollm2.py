@@ -6,9 +6,15 @@ That package ships the model as a Q4_1 GGUF file. transformers can read it
 it). So on first use we rebuild a plain model from its config and state dict
 and save it as safetensors in the cache; later loads take a couple of seconds.
 
+The conversion runs in a child process (`python -m hasten.models.smollm2
+TARGET`): it is the only step of a default run that needs transformers, and
+importing it in the trainer's own process would cost every first run ~2 s of
+startup and make "the default run never imports transformers" false exactly
+once. The child writes to a temporary directory and renames it into place, so
+an interrupted conversion never leaves a half-written model behind; if it
+fails, the parent raises one line with the child's last error line.
+
 Cache: $HASTEN_CACHE/models/smollm2-135m-instruct (default ~/.cache/hasten).
-The conversion writes to a temporary directory and renames it into place, so
-an interrupted conversion never leaves a half-written model behind.
 
 Note the weights are the Q4_1 values dequantized: close to, not identical
 with, the original bf16 checkpoint on the hub.
@@ -19,11 +25,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
+
+
+class ConversionError(RuntimeError):
+    """The one-time GGUF conversion failed in its child process; str() is one line."""
 
 
 def cache_root() -> Path:
@@ -39,13 +52,55 @@ def gguf_dir() -> Path:
     return Path(spec.origin).parent
 
 
+def _is_complete(directory: Path) -> bool:
+    return (directory / "model.safetensors").is_file() and (directory / "config.json").is_file()
+
+
 def converted_dir(log=print) -> Path:
-    """Path of the plain safetensors copy, converting from the GGUF on first use."""
+    """Path of the plain safetensors copy, converting from the GGUF (in a child process) on first use."""
     target = cache_root() / "models" / CACHE_NAME
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    if _is_complete(target):
         return target
-    source = gguf_dir()
+    gguf_dir()  # a missing package is the user's to fix: FileNotFoundError here, not from the child
     log(f"converting {GGUF_FILE} to safetensors in {target} (once, ~30 s)")
+    # The child must import this same hasten, wherever the parent found it (a worktree on
+    # PYTHONPATH, an editable install): put its root first on the child's path.
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "hasten.models.smollm2", str(target)],
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0 or not _is_complete(target):
+        # The child's own last line says what failed; a killed child (out of memory) says nothing.
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        if done.returncode < 0:
+            reason = f"the converter was killed by signal {-done.returncode}"
+        elif done.returncode == 0:
+            reason = "the converter exited without writing the model"
+        else:
+            reason = lines[-1] if lines else f"the converter exited with code {done.returncode}"
+        raise ConversionError(f"converting {GGUF_FILE} into {target} failed: {reason} "
+                              f"(for the traceback run: {sys.executable} -m hasten.models.smollm2 {target})")
+    return target
+
+
+def convert(target: Path) -> None:
+    """Dequantize the GGUF through transformers and save a plain fp32 model + tokenizer at target."""
+    source = gguf_dir()
+    # The staging directory first: an unwritable cache fails in a second, not after the dequantization.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}-", dir=target.parent))
+    try:
+        _save_plain(source, staging)
+        if target.exists():  # a stale, incomplete copy
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_plain(source: Path, staging: Path) -> None:
+    """Rebuild the GGUF's model unflagged (trainers refuse a "quantized" one) and save it with its tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -61,15 +116,16 @@ def converted_dir(log=print) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}-", dir=target.parent))
+    plain.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m hasten.models.smollm2 TARGET_DIR")
     try:
-        plain.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():  # a stale, incomplete copy
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+        convert(Path(sys.argv[1]))
+    except Exception as exc:  # the parent shows the last stderr line: make it say what went wrong
+        traceback.print_exc()
+        print(f"{type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib.util
 import inspect
 import math
@@ -46,6 +47,26 @@ RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 class RewardError(UserError):
     """A user-facing reward problem; str() is the one-line message."""
+
+
+class RewardExit(RewardError):
+    """A reward function called sys.exit (or raised SystemExit): a bug in the reward, not a request
+    to end the run; without this the run would end with the function's exit code and no message."""
+
+    @classmethod
+    def of(cls, function: RewardFunction, code: Any) -> RewardExit:
+        return cls(f"reward error: function '{function.name}' called sys.exit({code!r}) "
+                   "(a reward function must return its scores, not exit)")
+
+
+@contextlib.contextmanager
+def _no_exit(function: RewardFunction):
+    """Turn a SystemExit raised by `function` into RewardExit, an ordinary exception: it then travels
+    like any other through asyncio.gather, thread and process pool futures (which re-raise SystemExit)."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise RewardExit.of(function, exc.code) from None
 
 
 @dataclass
@@ -200,7 +221,8 @@ def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
         if index in asynchronous:
             continue
         try:
-            outcomes[index] = function.fn(**batch.kwargs())
+            with _no_exit(function):
+                outcomes[index] = function.fn(**batch.kwargs())
         except Exception as exc:
             outcomes[index] = exc
     if asynchronous:
@@ -208,7 +230,8 @@ def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
         async def call(function: RewardFunction) -> Any:
             # Calling inside the coroutine, so that even a bad signature is
             # caught by gather rather than escaping as a bare TypeError.
-            return await function.fn(**batch.kwargs())
+            with _no_exit(function):
+                return await function.fn(**batch.kwargs())
 
         async def gather() -> list[Any]:
             calls = [call(functions[i]) for i in asynchronous]
@@ -220,13 +243,16 @@ def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
 
 
 def _call_one(function: RewardFunction, batch: _Batch) -> Any:
+    """One call of `function` on `batch` (also what the reward pool's workers run)."""
     if function.is_async:
 
         async def call() -> Any:
-            return await function.fn(**batch.kwargs())
+            with _no_exit(function):
+                return await function.fn(**batch.kwargs())
 
         return _run_coroutine(call())
-    return function.fn(**batch.kwargs())
+    with _no_exit(function):
+        return function.fn(**batch.kwargs())
 
 
 def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -242,8 +268,10 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
 def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseException) -> RewardError:
     """Re-run one sample at a time to find which sample makes `function` raise."""
     if not isinstance(error, Exception):
-        # KeyboardInterrupt, SystemExit and the like are not reward bugs.
+        # KeyboardInterrupt and the like are not reward bugs (a reward's SystemExit is RewardExit by now).
         raise error
+    if isinstance(error, RewardExit):  # says it all; re-running would only exit again
+        return error
     for index in range(len(batch.completions)):
         try:
             _call_one(function, batch.sample(index))

@@ -71,6 +71,8 @@ def _record(path: Path, number: int, item) -> RFTRecord:
 def load_records(path: str | Path) -> list[RFTRecord]:
     """Every record of an RFT JSON file, checked; RFTDataError on the first problem."""
     path = Path(path)
+    if path.is_dir():
+        raise RFTDataError(f"rft data error: {path} is a directory, not an RFT JSON file")
     if not path.is_file():
         raise RFTDataError(f"rft data error: {path} does not exist (write it with `hasten rft datagen`)")
     try:

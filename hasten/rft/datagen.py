@@ -28,6 +28,7 @@ from ..config import Config
 from ..rollout import SamplingParams
 from ..tasks import Task, make_task
 from ..rollout.prompts import encode_prompt
+from ..train.preflight import check_writable_file
 from .data import RFTRecord, trim_to_answer, write_records
 from .prompts import load_generator, question_of
 
@@ -82,6 +83,7 @@ def select_records(task: Task, rows: list[dict], texts: list[str], oversample: i
 def run_datagen(cfg: Config, log: Callable[[str], None] = print, engine=None, tokenizer=None) -> DatagenReport:
     """Generate, filter and write cfg.rft.data. `engine`/`tokenizer` replace the loaded model (tests)."""
     task = make_task(cfg.task)
+    check_writable_file(cfg.rft.data, "rft.data")  # before minutes of sampling, not after
     if engine is None:
         policy, engine = load_generator(cfg, log)
         tokenizer = policy.tokenizer

@@ -55,6 +55,7 @@ from ..tasks import make_task
 from ..train import loop
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
+from ..train.preflight import check_output_dir
 from ..train.runtime import configure_threads, keep_freed_memory
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
@@ -287,6 +288,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     records = load_records(cfg.rft.data)  # raises before anything loads or is written
+    if resume is None:
+        check_output_dir(cfg)
     if cfg.sft.max_examples:
         records = records[:cfg.sft.max_examples]
     task = make_task(cfg.task)

@@ -26,7 +26,7 @@ import multiprocessing
 import pickle
 from dataclasses import dataclass
 
-from ..rewards.runner import RewardError, RewardFunction, _Batch, _call_one, _summary
+from ..rewards.runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary
 
 
 @dataclass
@@ -101,6 +101,8 @@ def join(function: RewardFunction, batch: _Batch, slices: list[Slice]) -> list:
 
 def locate(function: RewardFunction, batch: _Batch, indices: list[int], error: BaseException) -> RewardError:
     """Re-run the slice one sample at a time (main thread) to name the sample that raises."""
+    if isinstance(error, RewardExit):  # the worker's call already said which function exited
+        return RewardExit(str(error))
     for index in indices:
         try:
             _call_one(function, slice_batch(batch, [index]))

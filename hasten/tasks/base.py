@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hasten.rewards.builtin import (
@@ -122,6 +123,16 @@ def check_numeric_answer(text: str, row: dict[str, Any]) -> Verdict:
     tolerance = row.get("tolerance")
     tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
     return Verdict(parsed=True, correct=within_tolerance(predicted, target, tolerance))
+
+
+def data_file(path: str | Path) -> Path:
+    """`path` as a readable file, or TaskError saying it is missing or is a directory."""
+    file = Path(path)
+    if file.is_dir():
+        raise TaskError(f"data error: '{path}' is a directory, not a data file")
+    if not file.is_file():
+        raise TaskError(f"data error: '{path}' does not exist")
+    return file
 
 
 def json_objects(text: str, label: str) -> list[tuple[int, dict[str, Any]]]:

@@ -38,7 +38,7 @@ from hasten.rewards.code import (
     SandboxSettings, code_parses, code_rewards, mypy_available, program_source, ruff_binary,
 )
 from hasten.sandbox import Limits, ProgramError, assert_program, check_program
-from hasten.tasks.base import Task, TaskError, Verdict, chat_prompt, json_objects
+from hasten.tasks.base import Task, TaskError, Verdict, chat_prompt, data_file, json_objects
 
 DESCRIPTION = "write a Python function from its docstring; sandboxed tests (builtin, HumanEval, MBPP, jsonl)"
 SYSTEM_PROMPT = "You are an expert Python programmer. Reply with code only."
@@ -74,9 +74,7 @@ def preamble_of(prompt: str, entry_point: str) -> str:
 
 
 def _jsonl(path: Path | str, label: str) -> list[tuple[int, dict]]:
-    file = Path(path)
-    if not file.is_file():
-        raise TaskError(f"data error: '{path}' does not exist")
+    file = data_file(path)
     rows = json_objects(file.read_text(encoding="utf-8"), label)
     if not rows:
         raise TaskError(f"data error: {label} has no rows")

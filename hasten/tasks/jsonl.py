@@ -16,13 +16,12 @@ Every malformed line is reported with its line number.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from hasten.config import TaskConfig
 from hasten.rewards.builtin import answer_value, extract_answer, parse_number
 from hasten.rewards.runner import RESERVED_COLUMNS
-from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer, json_objects, json_type
+from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer, data_file, json_objects, json_type
 
 DESCRIPTION = "your prompts from a JSON Lines file (task.path), rewards from rewards.extra"
 EVAL_FRACTION = 0.1
@@ -30,9 +29,7 @@ EVAL_FRACTION = 0.1
 
 def read_rows(path: str) -> list[dict[str, Any]]:
     """Rows of a .jsonl file, validated; TaskError with the line number otherwise."""
-    file = Path(path)
-    if not file.is_file():
-        raise TaskError(f"data error: '{path}' does not exist")
+    file = data_file(path)
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -41,6 +41,7 @@ from .evaluate import evaluate
 from .feeder import Feeder, make_feeder
 from .learner import Learner
 from .outputs import RunDir, save_model_files
+from .preflight import check_output_dir
 from .runtime import configure_threads, keep_freed_memory
 from .scoring import RewardScorer
 
@@ -305,6 +306,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None =
     """Train with GRPO (a game task: its policy loop); `resume`: a checkpoint of this run (see loop.resolve)."""
     from ..games import GAMES
 
+    if resume is None:
+        check_output_dir(cfg)  # an unwritable output.dir fails now, not after the model loads
     if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
         from .policy_loop import train_policy
 

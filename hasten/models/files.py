@@ -1,0 +1,87 @@
+"""Checks on a local model directory's files, made before any of them is loaded.
+
+A truncated `model.safetensors`, a `config.json` that is not JSON, or a
+checkpoint copied without its tokenizer otherwise surface as tracebacks from
+deep inside safetensors, json, tokenizers or transformers (the last after
+suggesting sentencepiece). Each check here costs a file read of a few KiB
+at most and raises one line naming the file:
+
+- every config JSON (config.json, adapter_config.json, tokenizer_config.json,
+  generation_config.json) present must parse, as an object;
+- every `*.safetensors` file must hold its whole header and exactly the bytes
+  its header says its tensors take (truncation is the common corruption: a
+  copy or download cut short). Tensor values are not read;
+- a model directory (not a LoRA adapter, whose tokenizer may come from its
+  base) must have tokenizer files: tokenizer.json, or the slow tokenizers'
+  tokenizer.model / vocab.json.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from ..errors import UserError
+
+JSON_FILES = ("config.json", "adapter_config.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+HEADER_LIMIT = 100_000_000  # safetensors' own limit on the header's size
+
+
+class ModelFileError(UserError):
+    """A file of a local model directory that cannot be loaded; str() is one line naming it."""
+
+
+def check_model_dir(directory: str | Path) -> None:
+    """Raise ModelFileError naming the first unloadable file of the model (or adapter) directory."""
+    directory = Path(directory)
+    for name in JSON_FILES:
+        if (directory / name).is_file():
+            read_json(directory / name)
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors(weights)
+    adapter = (directory / "adapter_config.json").is_file()
+    if not adapter and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelFileError(f"model error: {directory} has no tokenizer files (tokenizer.json); "
+                             "copy them from the model it was saved from")
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`, or ModelFileError saying where it stops being one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ModelFileError(f"model error: {path} is not valid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as error:
+        raise ModelFileError(
+            f"model error: {path} is not valid JSON ({error.msg}: line {error.lineno} column {error.colno})"
+        ) from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"model error: {path} is not a JSON object (got {type(value).__name__})")
+    return value
+
+
+def check_safetensors(path: Path) -> None:
+    """The file's header parses and the file is exactly as long as the header says."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ModelFileError(f"model error: {path} is truncated ({size} bytes: not even a safetensors header)")
+        (header_size,) = struct.unpack("<Q", prefix)  # little-endian u64, then that many bytes of JSON
+        if header_size > HEADER_LIMIT:
+            raise ModelFileError(f"model error: {path} is not a safetensors file (header size {header_size})")
+        if 8 + header_size > size:
+            raise ModelFileError(f"model error: {path} is truncated ({size} bytes, its header alone needs "
+                                 f"{8 + header_size})")
+        try:
+            header = json.loads(handle.read(header_size))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise ModelFileError(f"model error: {path} is not a safetensors file (its header is not valid)") from None
+    expected = 8 + header_size + end
+    if size != expected:
+        state = "truncated" if size < expected else "longer than its header says"
+        raise ModelFileError(f"model error: {path} is {state} ({size} bytes, expected {expected})")

