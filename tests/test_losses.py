@@ -411,3 +411,39 @@ def test_all_padding_sequence_adds_nothing_to_the_loss(loss_type):
     with_empty, _ = LOSSES[loss_type](_with_empty_third_sequence(), SETTINGS)
     without, _ = LOSSES[loss_type](_without_third_sequence(), SETTINGS)
     assert with_empty.item() == pytest.approx(without.item(), abs=ATOL)
+
+
+# =========================================================================== #
+# vLLM's truncated importance sampling (importance_weights)
+# =========================================================================== #
+
+
+def test_importance_weights_scale_each_token_before_the_kl_term():
+    """dapo with per-token weights w: sum(w * surrogate) / tokens, by hand; the KL term is not weighted."""
+    mask = torch.tensor(MASK, dtype=torch.float32)
+    weights = torch.full_like(mask, 0.5) * mask
+    weights[0, 0] = 2.0  # one token at the cap
+    plain = make_inputs(ref=True)
+    weighted = make_inputs(ref=True)
+    weighted.importance_weights = weights
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, beta=0.1)
+    loss_plain, metrics = LOSSES["dapo"](plain, settings)
+    loss_weighted, _ = LOSSES["dapo"](weighted, settings)
+    tokens = SEQ0 + SEQ1 + SEQ2
+    kl_sum = metrics["kl"] * TOTAL_TOKENS  # the unweighted KL total
+    surrogate = 2.0 * SEQ0[0] + 0.5 * (sum(tokens) - SEQ0[0])
+    assert float(loss_weighted) == pytest.approx((surrogate + 0.1 * kl_sum) / TOTAL_TOKENS, rel=1e-5)
+    assert float(loss_plain) == pytest.approx((TOKEN_SUM + 0.1 * kl_sum) / TOTAL_TOKENS, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_unit_importance_weights_change_nothing(name):
+    plain = make_inputs(requires_grad=True)
+    weighted = make_inputs(requires_grad=True)
+    weighted.importance_weights = torch.tensor(MASK, dtype=torch.float32)
+    loss_plain, _ = LOSSES[name](plain, LossSettings())
+    loss_weighted, _ = LOSSES[name](weighted, LossSettings())
+    loss_plain.backward()
+    loss_weighted.backward()
+    assert torch.equal(loss_plain.detach(), loss_weighted.detach())
+    assert torch.allclose(plain.logps.grad, weighted.logps.grad, atol=0, rtol=0)

@@ -18,7 +18,10 @@ always >= 0). The variants differ in how tokens are averaged:
   gspo     sequence-level ratio s = exp(mean_t(logp - old_logp)), clipped per
            sequence, mean over sequences (GSPO; use a small epsilon, ~3e-4)
 With num_iterations = 1 the old log-probs are the detached current ones, so
-r = 1 in value while its gradient is the policy gradient.
+r = 1 in value while its gradient is the policy gradient. When a different
+implementation sampled (vLLM), `importance_weights` w = min(pi_old / pi_sampler,
+cap) multiply each token's surrogate before the KL term (TRL's
+vllm_importance_sampling_correction); None leaves every loss unchanged.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class LossInputs:
     total_sequences: int  # sequences in the whole generation batch
     max_completion_length: int  # dr_grpo's constant normaliser
     num_chunks: int = 1  # chunks the batch is split into (bnpo averages chunks)
+    importance_weights: torch.Tensor | None = None  # (N, T) detached per-token weights (vLLM's TIS), None = 1
 
 
 Metrics = dict[str, float]
@@ -70,6 +74,8 @@ def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Ten
     advantages = inputs.advantages[:, None]  # (N, 1)
     clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     losses = -torch.min(ratio * advantages, clipped * advantages)  # (N, T)
+    if inputs.importance_weights is not None:  # before the KL term, as TRL applies it
+        losses = losses * inputs.importance_weights
     tokens = mask.sum().clamp(min=1)
     with torch.no_grad():
         low = ((ratio < 1 - settings.epsilon) & (advantages < 0)).float()
@@ -116,6 +122,8 @@ def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     ratio = torch.exp(log_ratio)  # sequence-level importance ratio
     clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     losses = -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)  # (N,)
+    if inputs.importance_weights is not None:  # TRL weights the broadcast per-token loss: the token mean here
+        losses = losses * (inputs.importance_weights * mask).sum(dim=1) / lengths
     with torch.no_grad():
         sequences = present.sum().clamp(min=1)
         low = (ratio < 1 - settings.epsilon) & (inputs.advantages < 0)

@@ -12,7 +12,7 @@ How it fits:
   for every hasten engine.
 - `weights_changed()` (the trainer calls it after every optimizer step and
   after a resume) pushes the policy's weights into the running engine
-  through `load_weights`, with no reload from disk, then drops vLLM's
+  through the worker's in-place `reload_weights`, with no reload from disk, then drops vLLM's
   prefix cache. Its KV blocks were computed with the old weights.
   LoRA adapters are merged out of place, W + scale * B @ A, so the policy's
   own weights are never modified and rounded back.
@@ -100,7 +100,9 @@ class VLLMEngine:
     def weights_changed(self) -> None:
         """Push the policy's current weights into vLLM (no disk), and drop KV blocks computed with the old ones."""
         weights = list(merged_weights(self.model).items())
-        self.llm.llm_engine.apply_model(lambda model: model.load_weights(weights))
+        # The worker's in-place reload: load_weights plus the re-processing vLLM's CPU backend applies
+        # after a load (a bare model.load_weights fails there once the weights were repacked).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self.pushes += 1
 

