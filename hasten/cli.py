@@ -10,6 +10,7 @@
     hasten sft [--profile NAME] [--data rft.json] ...   SFT on RFT records (see hasten sft --help)
     hasten bench --ablate [--steps N]   each speed feature switched off alone from the balanced profile
     hasten compare [--task NAME] [--steps N] [--profiles ...]   every speed profile side by side
+    hasten vllm-serve --model DIR [--host H] [--port P]   vLLM generation for a trainer elsewhere
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -68,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("rft", help="RFT: datagen (rejection sampling), test, compare profiles", add_help=False)
     commands.add_parser("sft", help="fine-tune on RFT records (LoRA or full; profiles)", add_help=False)
     commands.add_parser("compare", help="train with every speed profile on the same data; table + JSON",
+                        add_help=False)
+    commands.add_parser("vllm-serve", help="serve vLLM generation for a trainer (--speed.vllm_server=URL)",
                         add_help=False)
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
@@ -190,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         from .rft.cli import main as rft_main
 
         return rft_main(argv)
+    if argv[:1] == ["vllm-serve"]:  # generation for a trainer elsewhere (rollout/vllm_server.py)
+        from .errors import USER_ERRORS
+        from .rollout.vllm_server import main as serve_main
+
+        try:
+            return serve_main(argv[1:])
+        except USER_ERRORS as exc:
+            print(str(exc).splitlines()[0], file=sys.stderr)
+            return EXIT_USER_ERROR
     if argv[:1] == ["compare"]:  # its own parser too; user errors exit 2 like everywhere else
         from .compare import main as compare_main
         from .errors import USER_ERRORS

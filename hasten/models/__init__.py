@@ -134,6 +134,14 @@ def _directory(name: str, log: Callable[[str], None]) -> Path | None:
     return path
 
 
+def model_directory(name: str, log: Callable[[str], None] = print) -> Path:
+    """The local model directory `name` stands for (a registry name or a path); ModelError when there is none."""
+    directory = _directory(name, log)
+    if directory is None:
+        raise ModelError(f"model error: '{name}' is not a local model directory or a built-in model name")
+    return directory
+
+
 NOT_LOCAL = "not a local model directory"  # hub ids (and unknown names: loading them reports it) stay on transformers
 
 

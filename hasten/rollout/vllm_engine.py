@@ -49,7 +49,11 @@ def available() -> bool:
 
 
 def merged_weights(model) -> dict[str, torch.Tensor]:
-    """The policy's weights under the base model's names, LoRA deltas added (out of place)."""
+    """The policy's weights under the base model's names, LoRA deltas added (out of place).
+
+    Tied tensors (lm_head and the embeddings) are both listed: vLLM's in-place reload wants every
+    weight it loaded at start.
+    """
     if not hasattr(model, "peft_config"):
         return {name: tensor.detach() for name, tensor in model.state_dict().items()}
     base = model.get_base_model()
@@ -71,20 +75,26 @@ def merged_weights(model) -> dict[str, torch.Tensor]:
 
 
 class VLLMEngine:
-    """Engine protocol on vLLM's LLM; see the module docstring for what it shares and what it does not."""
+    """Engine protocol on vLLM's LLM; see the module docstring for what it shares and what it does not.
+
+    `model` is the policy (colocated: its weights are pushed after every update) or None with
+    `directory` set (the server, `hasten vllm-serve`: weights arrive through `load_weights`).
+    """
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], memory_fraction: float = 0.3,
-                 kv_cache_mb: int = 1024, max_model_len: int = 0, dtype: str = "float32"):
-        # In-process engine core: load_weights reaches the model without pickling weights across processes.
+                 kv_cache_mb: int = 1024, max_model_len: int = 0, dtype: str = "float32",
+                 directory: str | None = None):
+        # In-process engine core: reload_weights reaches the model without pickling weights across processes.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = sorted(set(eos_token_ids))
-        directory = tempfile.mkdtemp(prefix="hasten-vllm-")
+        staging = tempfile.mkdtemp(prefix="hasten-vllm-") if directory is None else None
         try:
-            _save_merged(model, directory)
+            if staging is not None:
+                _save_merged(model, staging)
             options: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": dtype, "enable_prefix_caching": True,
                                        "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": memory_fraction,
                                        "seed": 0}
@@ -92,27 +102,34 @@ class VLLMEngine:
                 options["kv_cache_memory_bytes"] = kv_cache_mb * 2**20
             if max_model_len:
                 options["max_model_len"] = max_model_len
-            self.llm = LLM(model=directory, **options)
+            self.llm = LLM(model=staging or directory, **options)
         finally:
-            shutil.rmtree(directory, ignore_errors=True)  # vLLM holds the weights in memory now
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)  # vLLM holds the weights in memory now
         self.pushes = 0  # weight pushes so far (tests and logs)
 
     def weights_changed(self) -> None:
         """Push the policy's current weights into vLLM (no disk), and drop KV blocks computed with the old ones."""
-        weights = list(merged_weights(self.model).items())
+        self.load_weights(merged_weights(self.model))
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         # The worker's in-place reload: load_weights plus the re-processing vLLM's CPU backend applies
         # after a load (a bare model.load_weights fails there once the weights were repacked).
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self.llm.reset_prefix_cache()
         self.pushes += 1
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams,
                  seed: int) -> Rollout:
+        completions = self.sample(prompts, num_generations, sampling, seed)
+        return build_rollout(prompts, completions, num_generations, sampling, self.pad_token_id, self.eos_token_ids)
+
+    def sample(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
+               stop_token_ids: list[int] | None = None) -> list[tuple[list[int], list[float]]]:
+        """(token ids, their sampling log-probs) per completion, group-major; stops at the EOS ids."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
-
-        from .engine import left_pad
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -121,27 +138,32 @@ class VLLMEngine:
         params = [VLLMSampling(n=draws, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                                logprobs=0, seed=(seed * 7919 + index) % 2**31, detokenize=False,
-                               stop_token_ids=self.eos_token_ids)
+                               stop_token_ids=stop_token_ids or self.eos_token_ids)
                   for index in range(len(prompts))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [completion for output in outputs  # group-major
-                       for completion in output.outputs * (num_generations // draws)]
-        width = max(1, max(len(c.token_ids) for c in completions))
-        rows = len(completions)
-        completion_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)  # (B*G, T)
-        completion_mask = torch.zeros((rows, width), dtype=torch.long)  # (B*G, T)
-        sampling_logprobs = torch.zeros((rows, width), dtype=torch.float32)  # (B*G, T)
-        ended = torch.zeros(rows, dtype=torch.bool)  # (B*G,)
-        for row, completion in enumerate(completions):
-            ids = list(completion.token_ids)
-            completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            completion_mask[row, :len(ids)] = 1
-            sampling_logprobs[row, :len(ids)] = torch.tensor(
-                [entry[token].logprob for entry, token in zip(completion.logprobs, ids)], dtype=torch.float32)
-            ended[row] = bool(ids) and ids[-1] in self.eos_token_ids
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampling_logprobs, ended,
-                       num_generations, sampling)
+        return [(list(c.token_ids), [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids)])
+                for output in outputs for c in output.outputs * (num_generations // draws)]
+
+
+def build_rollout(prompts: list[list[int]], completions: list[tuple[list[int], list[float]]], num_generations: int,
+                  sampling: SamplingParams, pad_token_id: int, eos_token_ids: list[int]) -> Rollout:
+    """A Rollout from per-completion (ids, sampling log-probs), group-major."""
+    from .engine import left_pad
+
+    width = max(1, max(len(ids) for ids, _ in completions))
+    rows = len(completions)
+    completion_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)  # (B*G, T)
+    completion_mask = torch.zeros((rows, width), dtype=torch.long)  # (B*G, T)
+    sampling_logprobs = torch.zeros((rows, width), dtype=torch.float32)  # (B*G, T)
+    ended = torch.zeros(rows, dtype=torch.bool)  # (B*G,)
+    for row, (ids, logprobs) in enumerate(completions):
+        completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        completion_mask[row, :len(ids)] = 1
+        sampling_logprobs[row, :len(ids)] = torch.tensor(logprobs, dtype=torch.float32)
+        ended[row] = bool(ids) and ids[-1] in eos_token_ids
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (B, P)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampling_logprobs, ended,
+                   num_generations, sampling)
 
 
 def _save_merged(model, directory: str) -> None:

@@ -116,6 +116,10 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
+    if choice == "vllm" and cfg.speed.vllm_server:  # generation in another process: only HTTP here
+        from ..rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(cfg.speed.vllm_server, policy.model, policy.pad_token_id, policy.eos_token_ids)
     if choice == "vllm":
         from ..rollout import vllm_engine
 
