@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config, SFTConfig
+from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
@@ -283,6 +284,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
 
     resume: a run directory or checkpoint of an interrupted `hasten sft` (cfg is its config.yaml).
     """
+    device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    configure_device(device)
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
@@ -293,8 +296,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     random.seed(cfg.sft.seed)
     torch.manual_seed(cfg.sft.seed)  # the LoRA initialization
     policy = load_policy(cfg.model, log)
-    if torch.cuda.is_available():
-        policy.model.to("cuda")
+    policy.model.to(device)
     examples = to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0])
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")

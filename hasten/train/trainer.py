@@ -28,6 +28,7 @@ import torch
 
 from ..algo import group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
+from ..device import configure_device, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
 from ..rewards.batch import ScoredBatch, reward_inputs
@@ -75,6 +76,8 @@ def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
 
 
 def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
+    device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    configure_device(device)
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
@@ -83,6 +86,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
     task = make_task(cfg.task, cfg)
     rewards = build_rewards(cfg, task)
     policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
+    policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
     if cfg.speed.compile:
         compile_model(policy.model, cfg.speed.compile_mode, log)
     return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed))
