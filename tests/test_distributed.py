@@ -86,6 +86,12 @@ def launch(tmp_path: Path, name: str, ranks: int, extra: list[str]) -> Path:
             "--eval.num_examples=4", "--eval.max_new_tokens=6", "--train.num_threads=1",
             f"--output.dir={tmp_path / 'runs'}", f"--output.name={name}", "--output.progress=off",
             "--output.plot=false", *extra]
+    hasten(ranks, args)
+    return tmp_path / "runs" / name
+
+
+def hasten(ranks: int, args: list[str]) -> None:
+    """`hasten ARGS` in one process, or under torchrun with `ranks` gloo ranks; it must succeed."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                 if ranks > 1 else [sys.executable])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
@@ -94,7 +100,6 @@ def launch(tmp_path: Path, name: str, ranks: int, extra: list[str]) -> Path:
     done = subprocess.run([*launcher, "-m", "hasten.cli", *args], capture_output=True, text=True, env=env,
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return tmp_path / "runs" / name
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -128,3 +133,15 @@ def test_two_gloo_ranks_learn_what_one_process_learns(tmp_path, options):
     summary = json.loads((two / "summary.json").read_text())
     assert summary["status"] == "finished" and "eval_after" in summary
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+
+def test_a_two_rank_run_resumes_on_two_ranks_where_it_left_off(tmp_path):
+    run = launch(tmp_path, "two", 2, ["--train.steps=4", "--output.save_every=2", "--output.save_total_limit=0"])
+    straight_weights, straight_records = weights(run), records(run)
+    hasten(2, ["train", "--resume", str(run / "checkpoint-2")])  # every rank restores checkpoint-2
+    resumed = records(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight_records, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["reward_mean"] == b["reward_mean"]
+    after = weights(run)
+    assert max(float((straight_weights[k] - after[k]).abs().max()) for k in after) < 1e-6
