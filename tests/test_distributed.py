@@ -145,3 +145,29 @@ def test_a_two_rank_run_resumes_on_two_ranks_where_it_left_off(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["reward_mean"] == b["reward_mean"]
     after = weights(run)
     assert max(float((straight_weights[k] - after[k]).abs().max()) for k in after) < 1e-6
+
+
+def test_sft_on_two_gloo_ranks_matches_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    from hasten.rft.data import RFTRecord, write_records
+    from hasten.rft.profiles import load_rft_config
+    from hasten.tasks import make_task
+
+    task = make_task(load_rft_config("sft", None, [("task.num_train", 8)]).task)
+    data = write_records(tmp_path / "rft.json", [RFTRecord(r["question"], r["answer"], f"<answer>{r['answer']:g}"
+                                                           "</answer>") for r in task.train_rows])
+    runs = {}
+    for ranks in (1, 2):
+        hasten(ranks, ["sft", "--model", "tiny", "--data", str(data), "--task.num_train=8", "--sft.epochs=2",
+                       "--sft.batch_size=4", "--sft.gradient_accumulation_steps=2", "--sft.lr=1e-3",
+                       "--eval.num_examples=0", "--train.num_threads=1", f"--output.dir={tmp_path / 'runs'}",
+                       f"--output.name=sft-{ranks}", "--output.progress=off", "--output.plot=false"])
+        runs[ranks] = tmp_path / "runs" / f"sft-{ranks}"
+    single, double = records(runs[1]), records(runs[2])
+    assert len(single) == len(double) == 4
+    for a, b in zip(single, double):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tokens"] == b["tokens"]
+    (weights_file,) = (runs[1] / "checkpoint").glob("*.safetensors")
+    before, after = load_file(str(weights_file)), load_file(str(runs[2] / "checkpoint" / weights_file.name))
+    assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
