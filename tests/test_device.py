@@ -87,6 +87,7 @@ def test_peak_memory_on_the_cpu_is_the_resident_set():
 
 def test_decode_buffers_live_on_the_models_device(model, tokenizer):
     from conftest import encode, make_engine
+
     from hasten.rollout import SamplingParams
 
     rollout = make_engine(model, tokenizer).generate(encode(tokenizer), 2, SamplingParams(6), seed=1)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import encode
+
 from hasten.cli import main
 from hasten.config import ConfigError, load_config
 from hasten.rollout import KVCacheEngine, RowRange, SamplingParams
