@@ -107,6 +107,10 @@ def _cmd_train(args, extra) -> int:
     from .train.trainer import train
 
     summary = train(cfg, log=lambda text: print(text, file=sys.stderr), resume=args.resume)
+    from .train.distributed import is_main
+
+    if not is_main():  # torchrun: rank 0 reports the run
+        return summary.get("exit_code", 0)
     if summary.get("status") == "interrupted":
         print(json.dumps(summary))
         return summary["exit_code"]

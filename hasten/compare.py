@@ -7,7 +7,7 @@
 Each run is `hasten train` with `--profile P` in a fresh process: process-wide
 settings (speed.keep_freed_memory's malloc options, torch's thread pools,
 compiled graphs) must not leak from one profile into the next, and peak
-memory is then the run's own (ru_maxrss of that process). With --rounds R
+memory is then the run's own. With --rounds R
 the whole profile sequence repeats R times (A B C D, A B C D, ...) and the
 speed-up is the median over rounds of baseline seconds / profile seconds, the
 pairing shared/BENCH.md asks for on a noisy shared machine.
@@ -15,7 +15,8 @@ pairing shared/BENCH.md asks for on a noisy shared machine.
 Per run: median step seconds over steps 2..N (step 1 pays one-off warm-up),
 mean training reward over all steps, held-out accuracy after the last step
 (greedy, the first K held-out questions: the same for every profile), and
-peak resident memory. A profile that trades quality says what in the table.
+peak memory on the model's device (resident set on the CPU, allocated GPU
+memory on CUDA: device.py). A profile that trades quality says what in the table.
 Output: the table, then one JSON line, last.
 """
 
@@ -79,9 +80,8 @@ def typed(pairs: list[list[Any]]) -> list[tuple[str, Any]]:
 
 def child_main(spec: dict[str, Any]) -> None:
     """In the fresh process: train, then print one PREFIX line with the measurements."""
-    import resource
-
     from .config import load_config, to_dict
+    from .device import peak_memory_mib, resolve_device
     from .train.trainer import train
 
     cfg = load_config(spec["config"], typed(spec["overrides"]), profile=spec["profile"])
@@ -92,14 +92,7 @@ def child_main(spec: dict[str, Any]) -> None:
     measured = steps[1:] if len(steps) > 1 else steps
     after = summary.get("eval_after") or {}
     settings = to_dict(cfg)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            peak = torch.cuda.max_memory_allocated() / 2**20  # the accelerator's memory is the scarce one
-    except ImportError:
-        pass
+    peak = peak_memory_mib(resolve_device(cfg.model.device))  # the model's device: its memory is the scarce one
     extra = {key: statistics.mean(r[key] for r in records if key in r)
              for key in ("time/generate", "time/reward", "time/learn", "completion_length", "dynamic/rounds")
              if any(key in r for r in records)}

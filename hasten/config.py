@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class ConfigError(UserError):
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"  # registry name, local HF dir, or hub id
+    device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun cuda:LOCAL_RANK (device.py)
     dtype: str = "float32"  # fp32: exact. bf16 changes numerics; its speed depends on the CPU (docs/speedups.md)
     lora: bool = False  # train LoRA adapters instead of all weights
     lora_r: int = 16
@@ -292,8 +294,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
 }
 
+DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")  # model.device; hasten/device.py resolves it
+
 # (key, predicate, human-readable requirement) checked after types are right.
 _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
+    ("model.device", lambda v: DEVICE_SETTING.fullmatch(v) is not None, "auto, cpu, cuda or cuda:N"),
     ("model.lora_r", lambda v: v > 0, "> 0"),
     ("model.lora_alpha", lambda v: v > 0, "> 0"),
     ("model.lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),

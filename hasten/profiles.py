@@ -12,7 +12,8 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   to the code defaults of the speed: section)
     balanced      conservative + DAPO dynamic sampling (one extra generation
                   round at most) + the early-termination gate as configured +
-                  on a GPU bf16 autocast, TF32 and torch.compile
+                  when the model lives on a GPU (model.device): bf16 autocast
+                  (where the GPU has it), TF32 and torch.compile
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum
 
@@ -33,10 +34,21 @@ from .config import Config, ConfigError, _set
 Value = Any  # a plain value, or Callable[[Config], value] read from the config so far
 
 
-def _cuda() -> bool:
-    import torch
+def _device(cfg: Config):
+    """The device the run's model will live on (model.device resolved): profiles decide from it."""
+    from .device import resolve_device
 
-    return torch.cuda.is_available()
+    return resolve_device(cfg.model.device)
+
+
+def _cuda(cfg: Config) -> bool:
+    return _device(cfg).type == "cuda"
+
+
+def _bf16(cfg: Config) -> bool:
+    from .device import bf16_supported
+
+    return bf16_supported(_device(cfg))
 
 
 BASELINE: dict[str, Value] = {
@@ -84,9 +96,10 @@ BALANCED: dict[str, Value] = {
     "speed.dynamic_sampling_max_rounds": 1,
     # CPU: fp32. bf16 autocast measured 1.6x faster here (AVX512-BF16) but changes numerics and is
     # slower on CPUs without native bf16; opt in with --speed.precision=bf16 (docs/speedups.md).
-    "speed.precision": lambda cfg: "bf16" if _cuda() else "fp32",
-    "speed.tf32": True,  # only CUDA reads it
-    "speed.compile": lambda cfg: _cuda(),  # CPU: compile time is never paid back in short runs
+    # A GPU without native bf16 (before Ampere) stays fp32 too: fp16 needs a loss scaler's care.
+    "speed.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
+    "speed.tf32": True,  # only a CUDA model reads it
+    "speed.compile": _cuda,  # CPU: compile time is never paid back in short runs
 }
 
 AGGRESSIVE: dict[str, Value] = {

@@ -32,7 +32,7 @@ class StandIn:
         self.weights: dict[str, torch.Tensor] = {}
         self.requests: list[tuple] = []
 
-    def sample(self, prompts, num_generations, sampling, seed, stop_token_ids=None):
+    def sample(self, prompts, num_generations, sampling, seed, stop_token_ids=None, first_request=0):
         self.requests.append((prompts, num_generations, sampling, seed, stop_token_ids))
         return [([prompt[-1] + 1 + g, stop_token_ids[0]], [-0.5, -0.25]) for prompt in prompts
                 for g in range(num_generations)]

@@ -115,6 +115,10 @@ def cmd_sft(args, extra) -> int:
     else:
         cfg = load_rft_config("sft", args.config, _pairs(args, extra), profile=args.profile)
     report = run_sft(cfg, log=_log, profile=args.profile, resume=args.resume).to_dict()
+    from ..train.distributed import is_main
+
+    if not is_main():  # torchrun: rank 0 reports the run
+        return 0
     lines = [f"trained {report['examples']} examples, {report['optimizer_steps']} optimizer steps in "
              f"{report['train_seconds']:.1f} s ({report['tokens_per_second']:.0f} tok/s); "
              f"loss {report['first_loss']:.4f} -> {report['final_loss']:.4f}",

@@ -65,6 +65,7 @@ def load_generator(cfg, log: Callable[[str], None]):
     """
     import dataclasses
 
+    from ..device import configure_device, resolve_device
     from ..models import load_policy
     from ..train.runtime import configure_threads, keep_freed_memory
     from ..train.trainer import make_engine
@@ -72,7 +73,10 @@ def load_generator(cfg, log: Callable[[str], None]):
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
+    device = resolve_device(cfg.model.device)
+    configure_device(device)
     policy = load_policy(dataclasses.replace(cfg.model, lora=False), log)
+    policy.model.to(device)
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
         log("LoRA adapters merged into the base weights for generation")

@@ -31,6 +31,10 @@ measurements):
   error (CPU autocast is a bf16 feature);
 - num_workers: DataLoader processes that pack micro-batches ahead of the model.
 
+Under torchrun (train/distributed.py) each rank runs every world_size-th
+micro-batch of a step and the gradients are summed over ranks: the same
+update as one process; rank 0 writes the run directory and evaluates.
+
 The checkpoint is a `save_pretrained` directory (adapters only with LoRA),
 so `hasten eval --model DIR` and `hasten rft test --model DIR` load it.
 """
@@ -47,12 +51,13 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config, SFTConfig
+from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
 from ..speed.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
-from ..train import loop
+from ..train import distributed, loop
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
@@ -188,6 +193,10 @@ class SFTJob:
             enable_gradient_checkpointing(model)
         model.train()
         self.plan = plan_steps(len(examples), sft)
+        # torchrun: each rank takes every world_size-th micro-batch of a step; the loss is still divided
+        # by the step's total targets (from the whole plan), so the ranks' gradients add up to the step's.
+        ranks, rank = distributed.world_size(), distributed.rank()
+        self.share = [micro_batches[rank::ranks] for micro_batches in self.plan]
         parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimization = Optimization(parameters, OptimizerSettings.for_sft(cfg, len(self.plan), self.device),
                                          cfg.speed, log)
@@ -203,8 +212,8 @@ class SFTJob:
         self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
 
     def _loader(self, first_step: int):
-        skip = sum(len(micro) for micro in self.plan[:first_step])
-        dataset = MicroBatches(self.examples, self.plan, self.sft, self.pad_token_id, skip)
+        skip = sum(len(micro) for micro in self.share[:first_step])
+        dataset = MicroBatches(self.examples, self.share, self.sft, self.pad_token_id, skip)
         return iter(torch.utils.data.DataLoader(
             dataset, batch_size=None, collate_fn=_identity, num_workers=self.sft.num_workers,
             pin_memory=self.device.type == "cuda", persistent_workers=False))
@@ -213,8 +222,8 @@ class SFTJob:
         started = time.perf_counter()
         if self.batches is None:
             self.batches = self._loader(step - 1)
-        micro_batches = self.plan[step - 1]
-        step_targets = sum(len(self.examples[i].completion_ids) for micro in micro_batches for i in micro)
+        step_targets = sum(len(self.examples[i].completion_ids) for micro in self.plan[step - 1] for i in micro)
+        micro_batches = self.share[step - 1]  # this rank's (all of them in one process)
         loss_total = 0.0
         for _ in micro_batches:
             batch = next(self.batches)
@@ -225,11 +234,12 @@ class SFTJob:
             self.optimization.backward(loss)
             loss_total += float(loss.detach())
         lr = self.optimization.lr
+        loss_total = distributed.sum_over_ranks(loss_total)
         norm = self.optimization.step(loss_total)
         self.losses.append(loss_total)
         seconds = time.perf_counter() - started
         self.train_seconds += seconds
-        tokens = sum(self.examples[i].input_length for micro in micro_batches for i in micro)
+        tokens = sum(self.examples[i].input_length for micro in self.plan[step - 1] for i in micro)
         return {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
                 "target_tokens": step_targets, "time/step": seconds}
 
@@ -284,6 +294,10 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
 
     resume: a run directory or checkpoint of an interrupted `hasten sft` (cfg is its config.yaml).
     """
+    device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    configure_device(device)
+    distributed.init(device)  # torchrun: join the process group (nothing without it)
+    log = distributed.main_only(log)
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
@@ -296,8 +310,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     random.seed(cfg.sft.seed)
     torch.manual_seed(cfg.sft.seed)  # the LoRA initialization
     policy = load_policy(cfg.model, log)
-    if torch.cuda.is_available():
-        policy.model.to("cuda")
+    policy.model.to(device)
+    distributed.broadcast_parameters(policy.model)  # the LoRA init is equal by seed; rank 0's by construction
     examples = to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0])
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")
@@ -305,7 +319,9 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     def evaluate() -> dict[str, float] | None:
         from .evaluation import evaluate_policy
 
-        return evaluate_policy(cfg, policy, task, log) if cfg.eval.num_examples else None
+        if not cfg.eval.num_examples or not distributed.is_main():  # torchrun: rank 0 evaluates
+            return None
+        return evaluate_policy(cfg, policy, task, log)
 
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
@@ -313,6 +329,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None)
     if summary["status"] != "finished":  # checkpoint and summary written; the CLI exits 130 / 143
         raise Interrupted(signal_number(summary["signal"]), saved=True)
+    distributed.barrier()  # torchrun: rank 0's final checkpoint is on disk before anyone reads it
     final = Path(summary["checkpoint"])
     report = SFTReport(
         run_dir=str(run.path), checkpoint=str(final), examples=len(examples), optimizer_steps=len(job.losses),

@@ -5,7 +5,7 @@ An engine owns its forward and its cache; `DecodeState` owns everything
 else about a decode loop, so the two engines cannot drift apart in what
 they record or in which random number a row gets:
 
-    state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed)
+    state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed, rows)
     for step in range(steps):
         token, keep = state.sample(logits, sampling, step)
         if state.done:
@@ -17,7 +17,16 @@ they record or in which random number a row gets:
 
 One uniform is drawn per row per step for all rows (sampling.py), and a
 finished row's draws are skipped, so compaction never changes which tokens
-a row gets. The only host sync per step is "did any row finish?".
+a row gets. The draws are those of a whole batch (`RowRange.total` rows, one
+seed) of which this call samples rows first.. (a data-parallel rank's
+share), so how a batch is split over processes cannot change a token either.
+
+Every buffer lives on the model's device (eos_ids' device), and the draws
+are made once, up front, on the CPU generator and moved there in one copy:
+the only host sync per step is "did any row finish?". The CPU generator
+fills `rand(steps, total)` with the same numbers as `steps` calls of
+`rand(total)`, so this equals drawing step by step (the tokens of earlier
+versions, bit for bit).
 """
 
 from __future__ import annotations
@@ -25,18 +34,25 @@ from __future__ import annotations
 import torch
 
 from .sampling import sample_tokens
-from .types import Rollout, SamplingParams
+from .types import Rollout, RowRange, SamplingParams
 
 
 class DecodeState:
-    def __init__(self, num_rows: int, steps: int, pad_token_id: int, eos_ids: torch.Tensor, seed: int):
+    def __init__(self, num_rows: int, steps: int, pad_token_id: int, eos_ids: torch.Tensor, seed: int,
+                 rows: RowRange | None = None):
+        rows = rows or RowRange(0, num_rows)
+        if rows.first + num_rows > rows.total:
+            raise ValueError(f"{num_rows} rows from row {rows.first} do not fit a batch of {rows.total}")
+        device = eos_ids.device
         self.num_rows, self.steps = num_rows, steps
-        self.tokens = torch.full((num_rows, steps), pad_token_id, dtype=torch.long)  # (N, T)
-        self.logprobs = torch.zeros((num_rows, steps), dtype=torch.float32)  # (N, T)
-        self.mask = torch.zeros((num_rows, steps), dtype=torch.long)  # (N, T)
-        self.ended = torch.zeros(num_rows, dtype=torch.bool)  # (N,) sampled an EOS
-        self.live = torch.arange(num_rows)  # batch row -> output row
-        self.generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.full((num_rows, steps), pad_token_id, dtype=torch.long, device=device)  # (N, T)
+        self.logprobs = torch.zeros((num_rows, steps), dtype=torch.float32, device=device)  # (N, T)
+        self.mask = torch.zeros((num_rows, steps), dtype=torch.long, device=device)  # (N, T)
+        self.ended = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) sampled an EOS
+        self.live = torch.arange(num_rows, device=device)  # batch row -> output row
+        generator = torch.Generator().manual_seed(seed)
+        draws = torch.rand(steps, rows.total, generator=generator)  # (T, total) the whole batch's uniforms
+        self.uniforms = draws[:, rows.first:rows.first + num_rows].to(device)  # (T, N) this call's rows
         self.eos_ids = eos_ids
         self.done = False
 
@@ -47,35 +63,36 @@ class DecodeState:
         the batch rows that go on (the engine compacts its cache to them).
         Sets `done` when the loop must stop (last step, or every row ended).
         """
-        uniforms = torch.rand(self.num_rows, generator=self.generator)  # (N,) drawn for all rows
+        uniforms = self.uniforms[step]  # (N,) drawn for all rows
         if len(self.live) < self.num_rows:
             uniforms = uniforms[self.live]
-        token, token_logprob = sample_tokens(logits, sampling, uniforms.to(logits.device))  # (live,)
+        token, token_logprob = sample_tokens(logits, sampling, uniforms)  # (live,)
         live = self.live
-        self.tokens[live, step] = token.cpu()
-        self.logprobs[live, step] = token_logprob.cpu()
+        self.tokens[live, step] = token
+        self.logprobs[live, step] = token_logprob.float()
         self.mask[live, step] = 1
         finished = torch.isin(token, self.eos_ids)  # (live,)
         if step == self.steps - 1:
-            self.ended[live] = finished.cpu()
+            self.ended[live] = finished
             self.done = True
             return token, None
         if not bool(finished.any()):  # the one host sync per step
             return token, None
-        self.ended[live[finished.cpu()]] = True
+        self.ended[live[finished]] = True
         keep = (~finished).nonzero().squeeze(-1)  # (live_after,)
         if keep.numel() == 0:
             self.done = True
             return token, None
-        self.live = live[keep.cpu()]
+        self.live = live[keep]
         return token[keep], keep
 
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                 sampling: SamplingParams) -> Rollout:
         width = int(self.mask.sum(1).max())  # trim columns no row reached
+        device = self.tokens.device
         return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
+            prompt_ids=prompt_ids.to(device),
+            prompt_mask=prompt_mask.to(device),
             completion_ids=self.tokens[:, :width],
             completion_mask=self.mask[:, :width],
             sampling_logprobs=self.logprobs[:, :width],

@@ -13,7 +13,8 @@ Choices:
   positions are compacted, so late steps cost what the live rows cost.
 - Sampling draws one uniform per row per step for all rows (sampling.py),
   so compaction cannot change which tokens a row gets.
-- The only host sync per step is "did any row finish?".
+- The only host sync per step is "did any row finish?": every buffer lives
+  on the model's device (decode.py).
 
 Left out on purpose (see the fast-path issue): a preallocated cache, fused
 projections and a leaner forward than transformers' own.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .decode import DecodeState
-from .types import Rollout, SamplingParams
+from .types import Rollout, RowRange, SamplingParams
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +53,8 @@ class KVCacheEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
+        rows: RowRange | None = None,
     ) -> Rollout:
         from transformers import DynamicCache
 
@@ -61,11 +63,11 @@ class KVCacheEngine:
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, num_generations, sampling, seed, DynamicCache())
+            return self._generate(prompts, num_generations, sampling, seed, rows, DynamicCache())
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts, num_generations, sampling, seed, cache) -> Rollout:
+    def _generate(self, prompts, num_generations, sampling, seed, rows, cache) -> Rollout:
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
         num_rows = len(prompts) * num_generations
@@ -86,7 +88,7 @@ class KVCacheEngine:
         attention = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # (B*G, P)
         next_position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed)
+        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows)
         for step in range(steps):
             token, keep = state.sample(logits, sampling, step)  # (live,)
             if state.done:

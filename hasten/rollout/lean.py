@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .engine import left_pad
 from .decode import DecodeState
-from .types import Rollout, SamplingParams
+from .types import Rollout, RowRange, SamplingParams
 
 
 class LayerWeights(NamedTuple):
@@ -240,7 +240,8 @@ class LeanEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
+        rows: RowRange | None = None,
     ) -> Rollout:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -260,7 +261,7 @@ class LeanEngine:
         logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed)
+        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows)
         for step in range(steps):
             token, keep = state.sample(logits, sampling, step)  # (live,)
             if state.done:

@@ -25,6 +25,23 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class RowRange:
+    """Which rows of a larger seeded batch one generate call samples (data parallel: one rank's share).
+
+    Row i of the call draws the uniforms of row first + i of a batch of `total`
+    rows with the same seed, so N processes sampling their slices get exactly the
+    tokens one process sampling the whole batch gets (tests/test_distributed.py).
+    """
+
+    first: int  # the batch row of this call's row 0
+    total: int  # rows in the whole batch
+
+    def __post_init__(self):
+        if not 0 <= self.first <= self.total:
+            raise ValueError(f"RowRange(first={self.first}, total={self.total}) is not a range of the batch")
+
+
 @dataclass
 class Rollout:
     """num_generations completions for each of B prompts, group-major.
@@ -65,8 +82,9 @@ class Engine(Protocol):
     """Anything that samples completions: our KV-cache engine, the lean engine, later vLLM."""
 
     def generate(
-        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int
-    ) -> Rollout: ...
+        self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
+        rows: RowRange | None = None,
+    ) -> Rollout: ...  # rows: this call's slice of a seeded batch; None = the whole batch
 
     def weights_changed(self) -> None:
         """The policy's weights were updated (an optimizer step, a resume): engines that keep their own

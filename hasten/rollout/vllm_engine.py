@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .types import Rollout, SamplingParams
+from .types import Rollout, RowRange, SamplingParams
 
 
 def available() -> bool:
@@ -121,13 +121,17 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams,
-                 seed: int) -> Rollout:
-        completions = self.sample(prompts, num_generations, sampling, seed)
+                 seed: int, rows: RowRange | None = None) -> Rollout:
+        first = 0 if rows is None else rows.first // num_generations  # requests seeded by their global index
+        completions = self.sample(prompts, num_generations, sampling, seed, first_request=first)
         return build_rollout(prompts, completions, num_generations, sampling, self.pad_token_id, self.eos_token_ids)
 
     def sample(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
-               stop_token_ids: list[int] | None = None) -> list[tuple[list[int], list[float]]]:
-        """(token ids, their sampling log-probs) per completion, group-major; stops at the EOS ids."""
+               stop_token_ids: list[int] | None = None, first_request: int = 0) -> list[tuple[list[int], list[float]]]:
+        """(token ids, their sampling log-probs) per completion, group-major; stops at the EOS ids.
+
+        Request i is seeded by (seed, first_request + i): under torchrun each rank passes its first
+        prompt's place in the global batch, so the split does not change which seed a prompt gets."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
@@ -137,7 +141,7 @@ class VLLMEngine:
         draws = 1 if sampling.greedy else num_generations  # vLLM refuses n > 1 greedy: G equal copies
         params = [VLLMSampling(n=draws, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-                               logprobs=0, seed=(seed * 7919 + index) % 2**31, detokenize=False,
+                               logprobs=0, seed=(seed * 7919 + first_request + index) % 2**31, detokenize=False,
                                stop_token_ids=stop_token_ids or self.eos_token_ids)
                   for index in range(len(prompts))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)

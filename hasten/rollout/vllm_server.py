@@ -31,7 +31,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .types import Rollout, SamplingParams
+from .types import Rollout, RowRange, SamplingParams
 from .vllm_engine import VLLMEngine, build_rollout, merged_weights
 
 MAX_BODY = 64 * 2**30  # a weights push of a large model; anything bigger is refused
@@ -51,9 +51,10 @@ class VLLMServerEngine:
         self.weights_changed()  # the server may hold other weights than this run's starting point
 
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams,
-                 seed: int) -> Rollout:
+                 seed: int, rows: RowRange | None = None) -> Rollout:
         body = {"prompts": prompts, "num_generations": num_generations, "sampling": dataclasses.asdict(sampling),
-                "seed": seed, "stop_token_ids": self.eos_token_ids}
+                "seed": seed, "stop_token_ids": self.eos_token_ids,
+                "first_request": 0 if rows is None else rows.first // num_generations}
         completions = self._request("POST", "/generate", json.dumps(body).encode(), "application/json")["completions"]
         return build_rollout(prompts, [(ids, logprobs) for ids, logprobs in completions], num_generations, sampling,
                              self.pad_token_id, self.eos_token_ids)
@@ -128,7 +129,8 @@ def serve(engine: VLLMEngine, host: str, port: int, log=print) -> ThreadingHTTPS
                     sampling = SamplingParams(**request["sampling"])
                     with lock:
                         completions = engine.sample(request["prompts"], int(request["num_generations"]), sampling,
-                                                    int(request["seed"]), request.get("stop_token_ids"))
+                                                    int(request["seed"]), request.get("stop_token_ids"),
+                                                    int(request.get("first_request", 0)))
                     return self._reply(200, {"completions": completions})
                 if self.path == "/weights":
                     from safetensors.torch import load

@@ -34,6 +34,7 @@ from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
 from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
+from . import distributed
 from .fast_linear import onednn_linears
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import micro_batches
@@ -131,6 +132,11 @@ class Learner:
                                self.cfg.speed.packed_learning)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
         ref_logps = self._reference_logprobs(rollout, chunks) if self.reference is not None else None
+        # The loss is normalised over the global batch: under torchrun this rank's rollout is its share
+        # (distributed.py), and the rank losses must add up to the one-process loss.
+        total_tokens = distributed.sum_over_ranks(float(mask.sum()))
+        total_sequences = int(distributed.sum_over_ranks(rollout.num_samples))
+        num_chunks = len(chunks) * distributed.world_size()  # bnpo averages every rank's chunks
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
         metric_sums: dict[str, float] = {}
         entropy_sum = 0.0
@@ -165,10 +171,10 @@ class Learner:
                     ref_logps=None if ref_logps is None else ref_logps[index],
                     advantages=advantages[rows].to(stats.logps.device),
                     completion_mask=mask[rows].to(stats.logps.device),
-                    total_tokens=float(mask.sum()),
-                    total_sequences=rollout.num_samples,
+                    total_tokens=total_tokens,
+                    total_sequences=total_sequences,
                     max_completion_length=rollout.sampling.max_new_tokens,
-                    num_chunks=len(chunks),
+                    num_chunks=num_chunks,
                     importance_weights=weights[index],
                 )
                 loss, metrics = self.loss_fn(inputs, self.settings)
@@ -176,13 +182,14 @@ class Learner:
                 loss_total += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value / len(chunks)
+            loss_total = distributed.sum_over_ranks(loss_total)
             grad_norm = self.optimization.step(loss_total)
         iterations = self.cfg.algo.num_iterations
-        out = {key: value / iterations for key, value in metric_sums.items()}
+        out = distributed.mean_over_ranks({key: value / iterations for key, value in metric_sums.items()})
         out.update(
             loss=loss_total,
             grad_norm=grad_norm,
-            entropy=entropy_sum / max(float(mask.sum()), 1.0),
+            entropy=distributed.sum_over_ranks(entropy_sum) / max(total_tokens, 1.0),
             lr=lr,
         )
         for tracker in (mismatch, correction):

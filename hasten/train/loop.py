@@ -18,6 +18,9 @@ once:
                  (the CLI exits 130 / 143). A second signal stops at once
                  (`Interrupted`), through every `finally`: the job's pools and
                  threads are always closed
+    torchrun     rank 0 alone writes the run directory (the others follow it, distributed.py),
+                 every rank restores on resume, and a signal on any rank stops all after
+                 the same step
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
                  keeps it, summary.json saying status "failed" and why
@@ -45,6 +48,7 @@ import torch
 from ..config import Config
 from ..errors import Interrupted
 from ..tasks.sampler import as_random_state
+from . import distributed
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, RunDir
 from .progress import Progress
 
@@ -159,12 +163,19 @@ def resume_config(path: str | Path, given: list[str], overrides: list[tuple[str,
 
 
 def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | None]:
-    """A new run directory, or the resumed one (stale temporaries of killed saves removed) and its checkpoint."""
-    if resume is None:
-        return RunDir.create(cfg), None
-    run_dir, checkpoint = find_checkpoint(resume)
-    run_dir.clean_stale()
-    return run_dir, checkpoint
+    """A new run directory, or the resumed one (stale temporaries of killed saves removed) and its checkpoint.
+
+    Under torchrun rank 0 opens it and every other rank follows that choice (distributed.py).
+    """
+    def open_on_main() -> tuple[RunDir, Path | None]:
+        if resume is None:
+            return RunDir.create(cfg), None
+        run_dir, checkpoint = find_checkpoint(resume)
+        run_dir.clean_stale()
+        return run_dir, checkpoint
+
+    run_dir, checkpoint = distributed.from_main(open_on_main)
+    return distributed.follow(run_dir), checkpoint
 
 
 def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = print,
@@ -173,7 +184,7 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
 
     created: this call made run_dir (a failure before the first step removes it).
     """
-    progress = Progress(job.total_steps, cfg.output.progress)
+    progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
     start = 0
     try:
         with Signals(progress.message) as signals:
@@ -202,6 +213,7 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         record = job.step(step)
         run_dir.log_step(record)
         progress.update(step, record)
+        signals.received = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
         if step == job.total_steps:
             break
         if job.eval_every and step % job.eval_every == 0:
@@ -280,7 +292,7 @@ def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fi
 
 def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None]) -> None:
     steps_done = sum(1 for _ in _lines(run_dir.metrics_path))
-    if created and start == 0 and steps_done == 0:
+    if created and start == 0 and steps_done == 0 and distributed.is_main():
         shutil.rmtree(run_dir.path, ignore_errors=True)  # nothing worth keeping: leave nothing behind
         return
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__

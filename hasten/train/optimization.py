@@ -9,7 +9,10 @@ What it owns, written once (STYLE.md 18):
     NaN guard        an update from a non-finite loss or gradient is skipped (speed/nan_guard.py)
 
 A loop calls `autocast()` around its forward, `backward(loss)` per
-micro-batch and `step(loss)` once per optimizer step. `state_dict()` holds
+micro-batch and `step(loss)` once per optimizer step. Under torchrun `step`
+first sums the gradients over ranks (distributed.py): each rank's loss is
+its share of the global batch's, so the sum is the one-process gradient;
+`loss` must then be the global loss too (the loops sum it over ranks). `state_dict()` holds
 everything a resumed run needs to continue bit-identically: AdamW's moments
 and step counts, the schedule's position and peaks (the guard may have
 lowered them), the GradScaler, the guard's counters.
@@ -33,6 +36,7 @@ from ..config import Config, ConfigError, SpeedConfig
 from ..speed.adamw import make_adamw
 from ..speed.nan_guard import NanGuard
 from ..speed.precision import Precision
+from . import distributed
 
 
 def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -155,6 +159,7 @@ class Optimization:
     def step(self, loss: float) -> float:
         """Clip, guard, update, advance the schedule, drop the gradients; returns the gradient norm."""
         max_norm = self.settings.max_grad_norm
+        distributed.all_reduce_gradients(self.parameters)  # torchrun: the sum of every rank's share; else nothing
         self.precision.unscale(self.optimizer)  # fp16: true gradient sizes before clipping
         norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf")))
         # Under fp16 the GradScaler owns gradient overflow (it skips such steps and lowers its scale).

@@ -66,21 +66,25 @@ def block_mask(segments: torch.Tensor) -> torch.Tensor:
 
 def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
     """Pack the samples `rows` (indices into the rollout) into one row per prompt."""
-    lengths = rollout.completion_mask.sum(dim=1)  # (N,)
+    # Packing is host-side bookkeeping over small integer tensors: it reads CPU copies of a rollout
+    # that may live on the GPU (no copies on a CPU run); packed_logprobs moves the result to the model.
+    prompt_ids, prompt_mask = rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu()
+    completion_ids, lengths = rollout.completion_ids.cpu(), rollout.completion_mask.sum(dim=1).cpu()  # (N,)
+    rows = rows.cpu()
     groups: dict[int, list[int]] = {}
     for local, sample in enumerate(rows.tolist()):
         groups.setdefault(sample // rollout.num_generations, []).append(local)
     sequences, positions, segments = [], [], []
     sources: list[tuple[int, int, int, int, int]] = []  # (row, position, target, sample, column)
     for row, (prompt_index, members) in enumerate(groups.items()):
-        prompt = rollout.prompt_ids[prompt_index][rollout.prompt_mask[prompt_index].bool()]
+        prompt = prompt_ids[prompt_index][prompt_mask[prompt_index].bool()]
         prompt_length = prompt.numel()
         pieces, position_pieces, segment_pieces = [prompt], [torch.arange(prompt_length)], [torch.zeros(prompt_length)]
         offset = prompt_length
         for segment, local in enumerate(members, start=1):
             sample = int(rows[local])
             length = int(lengths[sample])
-            completion = rollout.completion_ids[sample, :length]
+            completion = completion_ids[sample, :length]
             inputs = completion[:-1]  # the last token is only a target
             pieces.append(inputs)
             position_pieces.append(torch.arange(prompt_length, prompt_length + inputs.numel()))

@@ -13,6 +13,9 @@ full-state checkpoints, resume, signals, summary) is shared with the game
 policy and SFT. Everything that can fail on user input (config, task data,
 reward files, model name) is resolved before the run directory is created,
 so a bad invocation leaves nothing behind.
+
+Under torchrun (train/distributed.py) each rank runs this same step on its
+share of whole groups; the hooks are marked where they act.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ import torch
 
 from ..algo import group_advantages, zero_variance_fraction
 from ..config import Config, ConfigError
+from ..device import configure_device, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
 from ..rewards.batch import ScoredBatch, reward_inputs
-from ..rollout import Engine, KVCacheEngine, SamplingParams
+from ..rewards.runner import RewardScores
+from ..rollout import Engine, KVCacheEngine, RowRange, SamplingParams
 from ..sandbox.pool import close_shared, shared_stats
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
 from ..tasks import Task, make_task
-from . import loop
+from . import distributed, loop
 from .evaluate import evaluate
 from .feeder import Feeder, make_feeder
 from .learner import Learner
@@ -77,6 +82,8 @@ def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
 
 
 def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
+    device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    configure_device(device)
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
@@ -85,6 +92,9 @@ def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
     task = make_task(cfg.task, cfg)
     rewards = build_rewards(cfg, task)
     policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
+    policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
+    distributed.init(device)  # torchrun: join the process group (nothing without it)
+    distributed.broadcast_parameters(policy.model)  # equal by seed already; rank 0's by construction
     if cfg.speed.compile:
         compile_model(policy.model, cfg.speed.compile_mode, log)
     return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed))
@@ -148,9 +158,13 @@ def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: 
     sampling = SamplingParams(
         cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.generation.top_p, cfg.generation.top_k
     )
-    rows, prompts = feeder.take(count)
+    rows, prompts = feeder.take(count)  # the global batch's prompts: every rank draws the same stream
+    mine = distributed.group_slice(count)  # this rank's whole groups (all of them in one process)
+    rows, prompts = rows[mine], prompts[mine]
+    group = cfg.generation.num_generations
     started = time.perf_counter()
-    rollout = engine.generate(prompts, cfg.generation.num_generations, sampling, seed=seed)
+    rollout = engine.generate(prompts, group, sampling, seed=seed,
+                              rows=RowRange(mine.start * group, count * group))  # the global batch's draws
     generated = time.perf_counter()
     inputs = reward_inputs(tokenizer, rows, rollout)
     pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids)
@@ -210,17 +224,23 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
 
     learned_metrics: dict[str, Any] = {"skipped_update": 1.0}  # every group was flat: nothing to learn from
     if batch is not None:
-        advantages = group_advantages(batch.scores.total, group, cfg.algo.scale_rewards)  # (B*G,)
+        totals = distributed.gather_rows(batch.scores.total)  # (B*G,) the global batch's, in rank order
+        mine = distributed.group_slice(len(totals) // group)
+        advantages = group_advantages(totals, group, cfg.algo.scale_rewards)[mine.start * group:mine.stop * group]
         learned_metrics = learner.step(batch.rollout, advantages, off_policy=off_policy,
                                        importance_cap=importance_cap(cfg))
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
 
-    # Reward and length statistics describe the first round: the policy's plain sample, as without refills.
+    # Reward and length statistics describe the first round: the policy's plain sample, as without refills;
+    # under torchrun, of the global batch (gathered from every rank). Times are this rank's.
     first = rounds[0]
-    scores, rollout = first.scores, first.rollout
-    lengths = rollout.completion_lengths.float()
-    tokens = sum(int(r.rollout.prompt_mask.sum()) + int(r.rollout.completion_mask.sum()) for r in rounds)
+    scores = RewardScores(distributed.gather_rows(first.scores.per_function),
+                          distributed.gather_rows(first.scores.total), first.scores.names)
+    lengths = distributed.gather_rows(first.rollout.completion_lengths).float()
+    ended = distributed.gather_rows(first.rollout.ended_with_eos)
+    tokens = distributed.sum_over_ranks(
+        sum(int(r.rollout.prompt_mask.sum()) + int(r.rollout.completion_mask.sum()) for r in rounds))
     record = {
         "step": step,
         "reward_mean": float(scores.total.mean()),
@@ -230,7 +250,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         "zero_variance_groups": zero_variance_fraction(scores.total, group),
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
-        "eos_fraction": float(rollout.ended_with_eos.float().mean()),
+        "eos_fraction": float(ended.float().mean()),
         **rounds[-1].metrics,
         **collected.dynamic,
         **learned_metrics,
@@ -281,7 +301,7 @@ class GRPOJob:
 
     def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
         cfg, session = self.cfg, self.session
-        if not cfg.eval.num_examples:
+        if not cfg.eval.num_examples or not distributed.is_main():  # torchrun: rank 0 evaluates, the rest go on
             return None
         started = time.perf_counter()
         metrics, samples = evaluate(
@@ -333,7 +353,12 @@ def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None =
     if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
         from .policy_loop import train_policy
 
+        if distributed.world_size_from_env() > 1 or cfg.model.device.startswith("cuda"):
+            raise ConfigError(f"config error: {cfg.task.name} trains a small policy in one CPU process "
+                              "(no torchrun, model.device auto or cpu)")
         return train_policy(cfg, log, resume)
+    distributed.check_config(cfg)  # what does not split over torchrun's ranks: before any work
+    log = distributed.main_only(log)  # torchrun: rank 0 speaks for the run
     session = prepare(cfg, log)  # raises on bad input before anything is written
     try:
         job = GRPOJob(session, log)

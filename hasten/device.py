@@ -1,0 +1,69 @@
+"""Where a run computes: `model.device` resolved to one torch.device, and what it can do.
+
+    auto     CUDA when torch sees a GPU, else the CPU
+    cpu      the CPU, even on a GPU machine
+    cuda     a GPU: cuda:0, or under torchrun cuda:LOCAL_RANK (one GPU per rank)
+    cuda:N   that GPU (one process only: under torchrun each rank takes its own)
+
+Everything that used to ask `torch.cuda.is_available()` asks the model's
+device instead (profiles, SFT's precision, compare's peak memory): a run
+pinned to the CPU on a GPU machine makes the CPU's choices, and a
+`cuda` request on a machine without one is one config error (exit 2), never
+a silent run on the CPU.
+
+Peak memory is the device's scarce one: torch.cuda.max_memory_allocated on a
+GPU, the process's peak resident set (ru_maxrss) on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import DEVICE_SETTING, ConfigError
+
+
+def world_size_from_env() -> int:
+    """Processes torchrun started for this run (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(setting: str) -> torch.device:
+    """model.device -> the torch.device this process computes on; ConfigError if it cannot."""
+    if not DEVICE_SETTING.fullmatch(setting):
+        raise ConfigError(f"config error: model.device must be auto, cpu, cuda or cuda:N (got {setting!r})")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"config error: model.device={setting} but torch sees no CUDA GPU here "
+                          f"(torch {torch.__version__}); use model.device=cpu or auto")
+    ranks = world_size_from_env()
+    if ":" in setting and ranks > 1:
+        raise ConfigError(f"config error: model.device={setting} pins one GPU, but torchrun started {ranks} "
+                          "processes; use model.device=cuda (each rank takes cuda:LOCAL_RANK)")
+    index = int(setting.split(":")[1]) if ":" in setting else int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"config error: model.device asks for GPU {index}, but torch sees "
+                          f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    return torch.device("cuda", index)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """bf16 autocast with native kernels: Ampere and newer GPUs. (The CPU's bf16 is opt-in: docs/speedups.md.)"""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def configure_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device, so kernels and NCCL of this process use it; nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The run's peak memory on `device`, MiB: allocated GPU memory, or the CPU process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
