@@ -131,11 +131,12 @@ def test_checkpoints_load_both_ways(tokenizer, tmp_path):
 
 
 def test_unsupported_models_are_named():
-    config = {"model_type": "llama", "hidden_act": "silu", "attention_bias": True}
-    assert "attention_bias" in unsupported_reason(config)
-    assert "model_type 'qwen2'" in unsupported_reason({"model_type": "qwen2"})
+    assert unsupported_reason({"model_type": "llama", "hidden_act": "silu", "attention_bias": True}) is None
+    assert "model_type 'gpt2'" in unsupported_reason({"model_type": "gpt2"})
+    assert "hidden_act 'gelu'" in unsupported_reason({"model_type": "llama", "hidden_act": "gelu"})
     assert unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}) is None
-    assert "rope_type 'llama3'" in unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}})
+    assert "rope_type 'dynamic'" in unsupported_reason({"model_type": "llama", "rope_scaling": {"type": "dynamic"}})
+    assert "rope_type 'yarn'" in unsupported_reason({"model_type": "qwen2", "rope_scaling": {"rope_type": "yarn"}})
 
 
 def test_fast_tokenizer_matches_transformers(tokenizer, tmp_path):
