@@ -39,6 +39,11 @@ sampling 6.5, the rest ~10. Choices, in order of effect:
   compaction copies only the rows' own K/V and beat compacting later or never
   on B1's generate (4.5 s against 4.8-5.1 s).
 - One host sync per step: "did any row finish?".
+- LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
+  the weights are synced, and the fused matrices are built from that; the
+  policy keeps its adapters for training. A decode step then costs what
+  it costs without LoRA; the merge runs once per update (its cost on
+  SmolLM2 at r=16 is yet to be measured, beside the ~90 ms repack).
 Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
 F.linear it compiled the tiny model in ~100 s with a recompile per new batch
 size), bf16 weights (log-probs would no longer match the fp32 learner).
@@ -76,12 +81,16 @@ class LayerWeights(NamedTuple):
 HF_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def check_supported(model) -> None:
-    """Raise ValueError unless this engine reproduces the model's forward."""
+    """Raise ValueError unless this engine reproduces the model's forward (LoRA adapters included)."""
+    if hasattr(model, "peft_config"):
+        _check_adapters(model)
+        model = model.get_base_model()
     if getattr(model, "hasten_native", False):  # models/llama.py: checked when it was loaded
         return
-    if hasattr(model, "peft_config"):
-        raise ValueError("LeanEngine needs a plain Llama-family model; a peft (LoRA) model must use KVCacheEngine")
     if type(model).__name__ not in HF_CLASSES or not type(model).__module__.startswith("transformers."):
         raise ValueError(f"LeanEngine needs a Llama-family model ({', '.join(HF_CLASSES)}), "
                          f"got {type(model).__name__}")
@@ -90,6 +99,37 @@ def check_supported(model) -> None:
     reason = unsupported_reason(model.config.to_dict())
     if reason is not None:
         raise ValueError(f"LeanEngine: {reason}")
+
+
+def _check_adapters(model) -> None:
+    """Plain LoRA on the seven projections merges into W + scale * B @ A; anything else is refused."""
+    for name, module in model.get_base_model().named_modules():
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            raise ValueError(f"LeanEngine: peft modules_to_save ({name}) is not merged; use KVCacheEngine")
+        if not hasattr(module, "lora_A"):
+            continue
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS or not hasattr(module, "get_delta_weight"):
+            raise ValueError(f"LeanEngine merges LoRA on {', '.join(PROJECTIONS)} only, not on {name}")
+        if any(module.use_dora.values()) or any(getattr(module, "lora_bias", {}).values()):
+            raise ValueError(f"LeanEngine merges plain LoRA only; {name} uses DoRA or lora_bias")
+
+
+def _effective(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) that a projection applies, LoRA merged: W + scale * B @ A per active adapter.
+
+    The policy keeps its adapters for training: the merge is a new tensor made
+    at weight-sync time, never written back. Matches peft's unmerged forward up
+    to float rounding (sampling runs in eval mode: no LoRA dropout).
+    """
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight, linear.bias
+    weight = base.weight
+    if not linear.disable_adapters and not linear.merged:  # merged: peft already added the delta into W
+        for adapter in linear.active_adapters:
+            if adapter in linear.lora_A:
+                weight = weight + linear.get_delta_weight(adapter)  # scale * B @ A, fan_in_fan_out handled
+    return weight, base.bias
 
 
 class Matmul:
@@ -122,13 +162,14 @@ class Matmul:
         return F.linear(x, weight, bias)
 
 
-def _fused_bias(*linears) -> torch.Tensor | None:
-    """The concatenated biases of linears that are fused into one matrix; None when they have none."""
-    biases = [linear.bias for linear in linears]
+def _fused(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One matrix (sum of out_features, in) for projections that read the same input, and its bias or None."""
+    weights, biases = zip(*(_effective(linear) for linear in linears))
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
     if all(bias is None for bias in biases):
-        return None
-    return torch.cat([bias.detach() if bias is not None else linear.weight.new_zeros(linear.out_features)
-                      for bias, linear in zip(biases, linears)])
+        return weight, None
+    return weight, torch.cat([bias.detach() if bias is not None else weight.new_zeros(w.shape[0])
+                              for bias, w in zip(biases, weights)])
 
 
 class GroupCache:
@@ -145,7 +186,7 @@ class GroupCache:
         self.num_prompts, self.prompt_width = prompt_mask.shape
         num_rows = self.num_prompts * num_generations
         shape = (num_rows, engine.num_kv_heads, max(steps - 1, 1), engine.head_dim)  # the last token is never fed
-        weight = engine.model.model.embed_tokens.weight
+        weight = engine.base.model.embed_tokens.weight
         self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, kv, P, head_dim) each
         self.own = [(weight.new_empty(shape), weight.new_empty(shape)) for _ in engine.layers]
         self.length = 0  # own tokens written so far
@@ -206,11 +247,13 @@ class GroupCache:
 
 
 class LeanEngine:
-    """Batched sampling from a LlamaForCausalLM through a lean forward and a preallocated cache."""
+    """Batched sampling from a Llama-family model (or a LoRA policy on one) through a lean forward
+    and a preallocated cache."""
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int]):
         check_supported(model)
-        self.model = model
+        self.model = model  # the policy: its parameters' versions say when to re-merge and repack
+        self.base = model.get_base_model() if hasattr(model, "peft_config") else model  # under LoRA adapters
         self.pad_token_id = pad_token_id
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         config = model.config
@@ -219,7 +262,7 @@ class LeanEngine:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        weight = model.model.embed_tokens.weight
+        weight = self.base.model.embed_tokens.weight
         self.linear = Matmul(weight.dtype, weight.device)
         self.layers: list[LayerWeights] = []
         self.head = weight  # lm_head's weight, prepared
@@ -227,12 +270,12 @@ class LeanEngine:
         self.sync_weights()
 
     def weights_changed(self) -> None:
-        """The policy was updated: rebuild the fused and packed matrices before the next use."""
+        """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use."""
         self.weight_versions = []
 
     @torch.no_grad()
     def sync_weights(self, force: bool = False) -> None:
-        """Rebuild the fused and packed matrices if any weight changed since the last call.
+        """Rebuild the fused (and LoRA-merged) packed matrices if any weight changed since the last call.
 
         A change is seen through each parameter's version counter (bumped by every
         in-place update, the optimizer's included) and storage pointer (a replaced
@@ -245,25 +288,28 @@ class LeanEngine:
             return
         prepare = self.linear.prepare
         self.layers = []
-        for layer in self.model.model.layers:
+        for layer in self.base.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            qkv, qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
+            out, out_bias = _fused(attention.o_proj)
+            gate_up, gate_up_bias = _fused(mlp.gate_proj, mlp.up_proj)
+            down, down_bias = _fused(mlp.down_proj)
             qk_norm = hasattr(attention, "q_norm")
             self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(),
-                qkv=prepare(torch.cat([linear.weight for linear in projections])),
-                qkv_bias=_fused_bias(*projections),
+                qkv=prepare(qkv),
+                qkv_bias=qkv_bias,
                 q_norm=attention.q_norm.weight.detach() if qk_norm else None,
                 k_norm=attention.k_norm.weight.detach() if qk_norm else None,
-                out=prepare(attention.o_proj.weight),
-                out_bias=_fused_bias(attention.o_proj),
+                out=prepare(out),
+                out_bias=out_bias,
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=prepare(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
-                down=prepare(mlp.down_proj.weight),
-                down_bias=_fused_bias(mlp.down_proj),
+                gate_up=prepare(gate_up),
+                gate_up_bias=gate_up_bias,
+                down=prepare(down),
+                down_bias=down_bias,
             ))
-        self.head = prepare(self.model.lm_head.weight)
+        self.head = prepare(self.base.lm_head.weight)
         self.weight_versions = versions
 
     @torch.no_grad()
@@ -276,7 +322,7 @@ class LeanEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
         num_prompts, prompt_width = prompt_ids.shape
         num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens
-        embedding = self.model.model.embed_tokens.weight
+        embedding = self.base.model.embed_tokens.weight
         device = embedding.device
         cos, signed_sin = self._rope_table(prompt_width + steps, device)  # (positions, head_dim)
         cache = GroupCache(self, prompt_mask.to(device), num_generations, steps)
@@ -331,7 +377,7 @@ class LeanEngine:
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm, head = self.model.model.norm, self.model.lm_head
+        norm, head = self.base.model.norm, self.base.lm_head
         normed = rms_norm(hidden, norm.weight, self.eps)
         if head._forward_hooks or head._forward_pre_hooks:  # e.g. a logit bias: run the module itself
             return head(normed)
@@ -343,9 +389,9 @@ class LeanEngine:
         inv_freq is the model's own buffer (default, linear or llama3 RoPE:
         families.py), so the table follows whatever the model was built with.
         """
-        inv_freq = self.model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float)
+        inv_freq = self.base.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float)
         positions = torch.arange(num_positions, device=device, dtype=torch.long)
-        return rope_table(inv_freq, positions, self.model.model.embed_tokens.weight.dtype)
+        return rope_table(inv_freq, positions, self.base.model.embed_tokens.weight.dtype)
 
 
 def _take_rows(cache: torch.Tensor, keep: torch.Tensor, stop: int) -> torch.Tensor:
