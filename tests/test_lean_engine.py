@@ -1,6 +1,7 @@
 """LeanEngine against KVCacheEngine (the unoptimized path) and a plain forward: same tokens
 for the same seed, log-probs, the masks/EOS contract, weight sync after an optimizer step,
-and the clear refusal of LoRA and non-Llama models.
+LoRA policies sampled from merged weights (and re-merged after an update), and the clear
+refusal of adapters it cannot merge and of non-Llama models.
 
 Token equality is exact here (259-token vocabulary). On SmolLM2 (49152 tokens) an
 occasional sampled row differs: its uniform fell within ~1e-6 of a CDF step between
@@ -160,12 +161,72 @@ def test_same_seed_same_samples_and_other_seed_differs(model, tokenizer):
     assert not torch.equal(first.completion_ids, other.completion_ids)
 
 
-def test_lora_model_is_refused_with_a_clear_error(model, tokenizer):
+def lora_pair(tokenizer, seed=0):
+    """The same LoRA adapters (B non-zero, so they matter) on the tiny model in transformers and natively."""
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    with pytest.raises(ValueError, match="plain Llama-family model.*KVCacheEngine"):
-        lean_engine(lora, tokenizer)
+    from hasten.models.llama import NativeLlamaForCausalLM
+    from hasten.models.tiny import tiny_model
+
+    def wrap(model):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                            task_type="CAUSAL_LM")
+        return get_peft_model(model, config)
+
+    hf = wrap(tiny_model(len(tokenizer), seed=seed))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: the merge would be a no-op
+                parameter.normal_(0.0, 0.2)
+    native = wrap(NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer), seed=seed)))
+    native.load_state_dict(hf.state_dict())
+    return hf, native
+
+
+def test_lora_policy_samples_from_merged_weights(tokenizer):
+    hf, native = lora_pair(tokenizer)
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12, temperature=0.8)
+    expected = make_engine(hf, tokenizer).generate(prompts, 3, sampling, seed=3)  # peft's unmerged forward
+    for policy in (native, hf):
+        before = {name: p.clone() for name, p in policy.named_parameters()}
+        assert_same_rollout(expected, lean_engine(policy, tokenizer).generate(prompts, 3, sampling, seed=3))
+        after = dict(policy.named_parameters())
+        assert all(torch.equal(before[name], after[name]) for name in before)  # adapters kept, W untouched
+    with hf.disable_adapter():  # the merge really added B @ A: without it the samples differ
+        assert not torch.equal(expected.completion_ids,
+                               make_engine(hf, tokenizer).generate(prompts, 3, sampling, seed=3).completion_ids)
+
+
+def test_lora_update_is_remerged_after_weights_changed(tokenizer):
+    _, policy = lora_pair(tokenizer)
+    engine = lean_engine(policy, tokenizer)
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12)
+    before = engine.generate(prompts, 2, sampling, seed=0)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name, p in policy.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=0.05, fused=True)  # fused: no version bump, as in training
+    ids = torch.tensor([prompts[0] * 3])
+    logits = policy(input_ids=ids).logits  # (1, L, V)
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    optimizer.step()
+    engine.weights_changed()
+    after = engine.generate(prompts, 2, sampling, seed=0)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    expected, _ = lora_pair(tokenizer)
+    expected.load_state_dict(policy.state_dict())  # the updated adapters, on transformers' KV-cache engine
+    assert_same_rollout(make_engine(expected, tokenizer).generate(prompts, 2, sampling, seed=0), after)
+
+
+@pytest.mark.parametrize("lora", [{"target_modules": ["q_proj", "embed_tokens"]},
+                                  {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+                                  {"target_modules": ["q_proj"], "use_dora": True}])
+def test_lora_the_engine_cannot_merge_is_refused(model, tokenizer, lora):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(model, LoraConfig(r=4, task_type="CAUSAL_LM", **lora))
+    with pytest.raises(ValueError, match="LeanEngine"):
+        lean_engine(policy, tokenizer)
 
 
 def test_other_architectures_are_refused(tokenizer):

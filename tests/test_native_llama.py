@@ -131,11 +131,12 @@ def test_checkpoints_load_both_ways(tokenizer, tmp_path):
 
 
 def test_unsupported_models_are_named():
-    config = {"model_type": "llama", "hidden_act": "silu", "attention_bias": True}
-    assert "attention_bias" in unsupported_reason(config)
-    assert "model_type 'qwen2'" in unsupported_reason({"model_type": "qwen2"})
+    assert unsupported_reason({"model_type": "llama", "hidden_act": "silu", "attention_bias": True}) is None
+    assert "model_type 'gpt2'" in unsupported_reason({"model_type": "gpt2"})
+    assert "hidden_act 'gelu'" in unsupported_reason({"model_type": "llama", "hidden_act": "gelu"})
     assert unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}) is None
-    assert "rope_type 'llama3'" in unsupported_reason({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}})
+    assert "rope_type 'dynamic'" in unsupported_reason({"model_type": "llama", "rope_scaling": {"type": "dynamic"}})
+    assert "rope_type 'yarn'" in unsupported_reason({"model_type": "qwen2", "rope_scaling": {"rope_type": "yarn"}})
 
 
 def test_fast_tokenizer_matches_transformers(tokenizer, tmp_path):
@@ -178,8 +179,33 @@ def test_speed_model_impl_picks_the_implementation():
         use_native_model(_config(model_impl="native", engine="hf"))
     lora = _config(model_impl="native")
     lora.model.lora = True
-    with pytest.raises(ConfigError, match="LoRA"):
-        use_native_model(lora)
+    assert use_native_model(lora) is True  # peft wraps the native model
+
+
+def test_lora_runs_on_the_native_model_and_the_lean_engine(tokenizer):
+    """model.lora with speed.model_impl/engine auto: peft wraps the native Llama, the lean engine samples
+    from its merged weights, and the KL reference is the same model with adapters disabled."""
+    from hasten.models import Reference, load_policy
+    from hasten.models.tiny import tiny_model
+    from hasten.train.trainer import make_engine, use_native_model
+
+    cfg = _config()
+    cfg.model.lora, cfg.model.lora_r = True, 4
+    logged: list[str] = []
+    policy = load_policy(cfg.model, logged.append, native=use_native_model(cfg, logged.append))
+    assert isinstance(policy.model.get_base_model(), NativeLlamaForCausalLM) and policy.lora
+    assert isinstance(make_engine(cfg, policy, logged.append), LeanEngine)
+    assert not logged  # no fallback to report
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(0.1)  # the adapters now change the output
+        adapted = policy.model(input_ids=ids).logits
+        with Reference(policy).active() as reference:
+            base = reference(input_ids=ids).logits
+        assert torch.allclose(base, native_copy(tiny_model(len(tokenizer)))(input_ids=ids).logits, atol=1e-6)
+    assert not torch.allclose(adapted, base, atol=1e-3)
 
 
 def test_default_model_trains_without_importing_transformers(tmp_path):

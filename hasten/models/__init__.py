@@ -14,7 +14,9 @@ plain-PyTorch Llama with the tokenizers-only tokenizer, so the run never
 imports transformers (~2 s of startup on 2 cores); "auto" is native where
 llama.py reproduces the model, else hf with a log line.
 
-LoRA (model.lora=true) wraps the policy with peft. The KL reference is built
+LoRA (model.lora=true) wraps the policy with peft, the native model as well
+(peft matches its q_proj, ..., down_proj by name; the lean engine samples
+from merged weights). The KL reference is built
 only when beta > 0: with LoRA it is the same model with adapters disabled (no
 second copy); with a full fine-tune it is a frozen copy of the initial weights.
 """
@@ -151,15 +153,13 @@ def native_reason(cfg: ModelConfig, log: Callable[[str], None] = print) -> str |
 
     from .llama import WEIGHTS_NAME, unsupported_reason
 
-    if cfg.lora:
-        return "LoRA runs through peft on transformers' modules"
     if ALIASES.get(cfg.name.lower()) == "tiny":
         return None  # built in transformers, then copied over (tests run both implementations)
     directory = _directory(cfg.name, log)
     if directory is None:
         return NOT_LOCAL
     if (directory / "adapter_config.json").is_file():
-        return "a LoRA adapter directory runs through peft"
+        return "a LoRA adapter directory loads through peft onto transformers' classes"
     if not (directory / WEIGHTS_NAME).is_file():
         return f"no single {WEIGHTS_NAME} in {directory}"
     if not (directory / "tokenizer.json").is_file():

@@ -8,17 +8,26 @@ positions and a ready-made boolean mask, an lm_head, and HF's parameter
 names so checkpoints stay interchangeable. This module is that, and nothing
 else; loading it needs torch, safetensors and json.
 
-It reproduces transformers' LlamaForCausalLM forward (5.x, default RoPE,
-silu, no biases) op for op where it matters for numerics: RMSNorm in fp32
-then cast, RoPE cos/sin from the inv_freq buffer in fp32, SDPA with a
-boolean mask. tests/test_native_llama.py checks logits, log-probs and
-gradients against transformers within 1e-5 on the tiny model and that a
-saved checkpoint loads back in transformers unchanged.
+It reproduces transformers' Llama-family forward (5.x: LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; families.py says
+which switches each one sets and which configs are refused) op for op where
+it matters for numerics: RMSNorm in fp32 then cast, RoPE cos/sin from the
+inv_freq buffer in fp32, SDPA with a boolean mask. tests/test_native_llama.py
+and tests/test_model_families.py check logits, log-probs and gradients
+against transformers and that a saved checkpoint loads back in transformers
+unchanged.
 
-What stays with transformers (models/__init__.py picks): LoRA (peft wraps
-HF modules), the KV-cache engine (it uses HF's cache objects), any model
-type or option this file does not reproduce (`unsupported_reason` says
-which), and the benchmark peers.
+The math both this model and the lean engine (rollout/lean.py) run lives
+here once: `rms_norm`, `rope_table` and `rotate`. The engine keeps its own
+loop over fused, packed weights; its layer is this file's DecoderLayer
+with the projections fused.
+
+What stays with transformers (models/__init__.py picks): the KV-cache
+engine (it uses HF's cache objects), a LoRA adapter directory (peft loads
+it onto HF modules), any model type or option this file does not reproduce
+(`unsupported_reason` says which), and the benchmark peers. LoRA on a fresh
+run wraps this model with peft (`prepare_inputs_for_generation` exists only
+for that).
 """
 
 from __future__ import annotations
@@ -33,25 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-SUPPORTED_ARCHITECTURE = "llama"
+from .families import FAMILIES, inv_freq, rope_parameters, unsupported_reason
+
 WEIGHTS_NAME = "model.safetensors"
-
-
-def unsupported_reason(config: dict[str, Any]) -> str | None:
-    """Why this module (and the lean engine, rollout/lean.py) cannot reproduce a model with this
-    config.json, or None when it can."""
-    rope = config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
-    checks = {
-        f"model_type {config.get('model_type')!r} is not 'llama'": config.get("model_type") != SUPPORTED_ARCHITECTURE,
-        f"hidden_act {config.get('hidden_act')!r}": config.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "mlp_bias": bool(config.get("mlp_bias", False)),
-        f"rope_type {rope_type!r}": rope_type != "default",
-        "pretraining_tp > 1": config.get("pretraining_tp", 1) != 1,
-    }
-    bad = [name for name, flag in checks.items() if flag]
-    return f"plain Llama only (silu, no biases, default RoPE); this model has {', '.join(bad)}" if bad else None
 
 
 class LlamaSettings(SimpleNamespace):
@@ -67,10 +60,10 @@ class LlamaSettings(SimpleNamespace):
         settings.num_key_value_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
         settings.rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
         settings.tie_word_embeddings = raw.get("tie_word_embeddings", False)
-        rope = raw.get("rope_parameters") or {}
-        settings.rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        settings.hidden_act, settings.attention_bias, settings.mlp_bias = "silu", False, False
-        settings.rope_parameters = {"rope_theta": settings.rope_theta, "rope_type": "default"}
+        settings.rope_parameters = rope_parameters(raw)
+        settings.rope_theta = settings.rope_parameters["rope_theta"]
+        settings.hidden_act = "silu"
+        settings.features = FAMILIES[raw["model_type"]](raw)  # biases, qk-norm (families.py)
         settings._attn_implementation = "sdpa"  # grouped_attention.py switches it for a packed pass
         return settings
 
@@ -83,6 +76,16 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor | None = None
 
 
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as transformers' LlamaRMSNorm; used by this model and the lean engine."""
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(hidden, weight.shape, weight, eps)  # one kernel, same math
+    dtype = hidden.dtype  # normalize in fp32, cast back, then scale
+    hidden = hidden.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, device=None):
         super().__init__()
@@ -90,33 +93,40 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)  # one kernel, same math
-        dtype = hidden.dtype  # transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale
-        hidden = hidden.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hidden.to(dtype)
+        return rms_norm(hidden, self.weight, self.eps)
+
+
+def rope_table(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos and sign-folded sin (..., head_dim) at position_ids (...), with transformers' arithmetic.
+
+    The sin's first half is negated, so `rotate` needs no rotate_half
+    concatenation; negation is exact, so the result is bitwise HF's.
+    """
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
+    sin = angles.sin()
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return angles.cos().to(dtype), signed_sin.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF computes it, x*cos + rotate_half(x)*sin, with rotate_half's sign moved into sin."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+    return x * cos + swapped * signed_sin
 
 
 class Rotary(nn.Module):
-    """Default RoPE; inv_freq is a non-persistent buffer, as in transformers (the lean engine reads it)."""
+    """RoPE tables; inv_freq is a non-persistent buffer, as in transformers (the lean engine reads it)."""
 
     def __init__(self, settings: LlamaSettings):
         super().__init__()
-        dim = settings.head_dim
-        inv_freq = 1.0 / (settings.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq(settings.rope_parameters, settings.head_dim), persistent=False)
 
     @torch.no_grad()
     def forward(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=like.device, dtype=torch.float)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (N, L, head_dim)
-        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """(cos, signed_sin), (N, L, head_dim) each, in like's dtype."""
+        return rope_table(self.inv_freq, position_ids, like.dtype)
 
 
 def sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -145,20 +155,26 @@ class Attention(nn.Module):
         self.head_dim = settings.head_dim
         self.scaling = self.head_dim**-0.5
         hidden, heads, kv_heads = settings.hidden_size, settings.num_attention_heads, settings.num_key_value_heads
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False, device=device)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, device=device)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, device=device)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False, device=device)
+        bias, out_bias = settings.features.qkv_bias, settings.features.out_bias
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias, device=device)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias, device=device)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias, device=device)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=out_bias, device=device)
+        if settings.features.qk_norm:  # Qwen3: per-head RMSNorm of queries and keys, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, settings.rms_norm_eps, device)
+            self.k_norm = RMSNorm(self.head_dim, settings.rms_norm_eps, device)
 
-    def forward(self, hidden, cos, sin, attention_mask, **kwargs):
+    def forward(self, hidden, cos, signed_sin, attention_mask, **kwargs):
         rows, length, _ = hidden.shape
         shape = (rows, length, -1, self.head_dim)
-        query = self.q_proj(hidden).view(shape).transpose(1, 2)  # (N, H, L, D)
-        key = self.k_proj(hidden).view(shape).transpose(1, 2)  # (N, Hkv, L, D)
-        value = self.v_proj(hidden).view(shape).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # (N, 1, L, D)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
+        query = self.q_proj(hidden).view(shape)  # (N, L, H, D)
+        key = self.k_proj(hidden).view(shape)  # (N, L, Hkv, D)
+        if self.settings.features.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        value = self.v_proj(hidden).view(shape).transpose(1, 2)  # (N, Hkv, L, D)
+        cos, signed_sin = cos[:, None], signed_sin[:, None]  # (N, 1, L, D)
+        query = rotate(query.transpose(1, 2), cos, signed_sin)  # (N, H, L, D)
+        key = rotate(key.transpose(1, 2), cos, signed_sin)
         attend = attention_function(self.settings._attn_implementation)
         out, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)  # (N, L, H, D)
         return self.o_proj(out.reshape(rows, length, -1))
@@ -167,9 +183,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, settings: LlamaSettings, device=None):
         super().__init__()
-        self.gate_proj = nn.Linear(settings.hidden_size, settings.intermediate_size, bias=False, device=device)
-        self.up_proj = nn.Linear(settings.hidden_size, settings.intermediate_size, bias=False, device=device)
-        self.down_proj = nn.Linear(settings.intermediate_size, settings.hidden_size, bias=False, device=device)
+        hidden, inner, bias = settings.hidden_size, settings.intermediate_size, settings.features.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, device=device)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, device=device)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -183,8 +200,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
         self.mlp = MLP(settings, device)
 
-    def forward(self, hidden, cos, sin, attention_mask, **kwargs):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention_mask, **kwargs)
+    def forward(self, hidden, cos, signed_sin, attention_mask, **kwargs):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, signed_sin, attention_mask, **kwargs)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -228,13 +245,13 @@ class Decoder(nn.Module):
         if attention_mask.dim() == 2:
             attention_mask = causal_padding_mask(attention_mask)
         hidden = self.embed_tokens(input_ids)  # (N, L, H)
-        cos, sin = self.rotary_emb(hidden, position_ids)  # (N, L, D) each
+        cos, signed_sin = self.rotary_emb(hidden, position_ids)  # (N, L, D) each
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
-                hidden = checkpoint(layer, hidden, cos, sin, attention_mask, use_reentrant=False, **kwargs)
+                hidden = checkpoint(layer, hidden, cos, signed_sin, attention_mask, use_reentrant=False, **kwargs)
             else:
-                hidden = layer(hidden, cos, sin, attention_mask, **kwargs)
+                hidden = layer(hidden, cos, signed_sin, attention_mask, **kwargs)
         return ModelOutput(last_hidden_state=self.norm(hidden))
 
 
@@ -277,6 +294,10 @@ class NativeLlamaForCausalLM(nn.Module):
 
     def gradient_checkpointing_disable(self) -> None:
         self.model.gradient_checkpointing = False
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """peft's PeftModelForCausalLM keeps a reference to this at wrap time; nothing here generates."""
+        raise NotImplementedError("the native Llama does not generate through transformers; use the lean engine")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0, **kwargs) -> ModelOutput:

@@ -1,5 +1,13 @@
 """Lean generation engine for Llama-family models: KVCacheEngine's protocol, a third of its time.
 
+Families: Llama (Llama-3 rope scaling included), Mistral, Qwen2/2.5, Qwen3,
+as models/families.py lists them, from either the native model or
+transformers' classes. Biases ride along with their fused matrices; Qwen3's
+qk-norm runs between the projection and RoPE. RMSNorm, the RoPE table and
+the rotation are models/llama.py's functions, so there is one copy of the
+layer math; what this file adds is the loop over fused, packed weights and
+the cache.
+
 Token ids in; token ids, per-token sampling log-probs and masks out, with an
 explicit seed. Sampling is sampling.py's (one uniform per row per step, drawn
 for every row), so for a seed the tokens are KVCacheEngine's up to float
@@ -19,9 +27,9 @@ sampling 6.5, the rest ~10. Choices, in order of effect:
   rebuilds them when a parameter's version counter moved: ~90 ms (2% of a B1
   generate), 1 ms when nothing changed. They cost one more copy of the weights.
 - The forward is plain torch ops over the model's tensors, no module calls
-  (lm_head runs as its module only when hooks are on it): RMSNorm as
-  F.rms_norm, RoPE from a cos/sin table made from the model's inv_freq with
-  HF's default-rope arithmetic, SDPA for the prefill.
+  (lm_head runs as its module only when hooks are on it): F.rms_norm in
+  fp32, RoPE from a cos/sin table made from the model's inv_freq with
+  HF's arithmetic (models/llama.py's functions), SDPA for the prefill.
 - Each prompt is prefilled once; its K/V stay in one copy per prompt, and a
   decode step attends to them through a (prompt, sample) grid (`GroupCache`),
   so the prompt part is read once per group: attention is memory-bound, 29 ->
@@ -31,6 +39,11 @@ sampling 6.5, the rest ~10. Choices, in order of effect:
   compaction copies only the rows' own K/V and beat compacting later or never
   on B1's generate (4.5 s against 4.8-5.1 s).
 - One host sync per step: "did any row finish?".
+- LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
+  the weights are synced, and the fused matrices are built from that; the
+  policy keeps its adapters for training. A decode step then costs what
+  it costs without LoRA; the merge runs once per update (its cost on
+  SmolLM2 at r=16 is yet to be measured, beside the ~90 ms repack).
 Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
 F.linear it compiled the tiny model in ~100 s with a recompile per new batch
 size), bf16 weights (log-probs would no longer match the fp32 learner).
@@ -43,6 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..models.llama import rms_norm, rope_table, rotate
 from .engine import left_pad
 from .decode import DecodeState
 from .types import Rollout, RowRange, SamplingParams
@@ -51,27 +65,71 @@ from .types import Rollout, RowRange, SamplingParams
 class LayerWeights(NamedTuple):
     input_norm: torch.Tensor  # (H,)
     qkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, H), fused, prepared by Matmul
+    qkv_bias: torch.Tensor | None  # ((heads + 2 * kv_heads) * head_dim,): Qwen2, attention_bias
+    q_norm: torch.Tensor | None  # (head_dim,): Qwen3's qk-norm
+    k_norm: torch.Tensor | None  # (head_dim,)
     out: torch.Tensor  # (H, heads * head_dim), prepared
+    out_bias: torch.Tensor | None  # (H,)
     post_norm: torch.Tensor  # (H,)
     gate_up: torch.Tensor  # (2 * I, H), fused, prepared
+    gate_up_bias: torch.Tensor | None  # (2 * I,): Llama's mlp_bias
     down: torch.Tensor  # (H, I), prepared
+    down_bias: torch.Tensor | None  # (H,)
+
+
+# transformers' classes whose forward this engine reproduces (for configs families.py accepts)
+HF_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def check_supported(model) -> None:
-    """Raise ValueError unless model is a plain LlamaForCausalLM whose forward this engine reproduces."""
+    """Raise ValueError unless this engine reproduces the model's forward (LoRA adapters included)."""
+    if hasattr(model, "peft_config"):
+        _check_adapters(model)
+        model = model.get_base_model()
     if getattr(model, "hasten_native", False):  # models/llama.py: checked when it was loaded
         return
-    from transformers import LlamaForCausalLM
-
-    if hasattr(model, "peft_config"):
-        raise ValueError("LeanEngine needs a plain Llama-family model; a peft (LoRA) model must use KVCacheEngine")
-    if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"LeanEngine needs a Llama-family model (LlamaForCausalLM), got {type(model).__name__}")
+    if type(model).__name__ not in HF_CLASSES or not type(model).__module__.startswith("transformers."):
+        raise ValueError(f"LeanEngine needs a Llama-family model ({', '.join(HF_CLASSES)}), "
+                         f"got {type(model).__name__}")
     from ..models.llama import unsupported_reason  # one list of what a lean Llama forward reproduces
 
     reason = unsupported_reason(model.config.to_dict())
     if reason is not None:
         raise ValueError(f"LeanEngine: {reason}")
+
+
+def _check_adapters(model) -> None:
+    """Plain LoRA on the seven projections merges into W + scale * B @ A; anything else is refused."""
+    for name, module in model.get_base_model().named_modules():
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            raise ValueError(f"LeanEngine: peft modules_to_save ({name}) is not merged; use KVCacheEngine")
+        if not hasattr(module, "lora_A"):
+            continue
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS or not hasattr(module, "get_delta_weight"):
+            raise ValueError(f"LeanEngine merges LoRA on {', '.join(PROJECTIONS)} only, not on {name}")
+        if any(module.use_dora.values()) or any(getattr(module, "lora_bias", {}).values()):
+            raise ValueError(f"LeanEngine merges plain LoRA only; {name} uses DoRA or lora_bias")
+
+
+def _effective(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) that a projection applies, LoRA merged: W + scale * B @ A per active adapter.
+
+    The policy keeps its adapters for training: the merge is a new tensor made
+    at weight-sync time, never written back. Matches peft's unmerged forward up
+    to float rounding (sampling runs in eval mode: no LoRA dropout).
+    """
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight, linear.bias
+    weight = base.weight
+    if not linear.disable_adapters and not linear.merged:  # merged: peft already added the delta into W
+        for adapter in linear.active_adapters:
+            if adapter in linear.lora_A:
+                weight = weight + linear.get_delta_weight(adapter)  # scale * B @ A, fan_in_fan_out handled
+    return weight, base.bias
 
 
 class Matmul:
@@ -98,16 +156,20 @@ class Matmul:
         # 64: the row count to pack for; measured as good at 8..400 rows (prefill included).
         return torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.packed else weight
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        return F.linear(x, weight)
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as HF computes it: x*cos + rotate_half(x)*sin, with rotate_half's sign moved into sin."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
-    return x * cos + swapped * signed_sin
+def _fused(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One matrix (sum of out_features, in) for projections that read the same input, and its bias or None."""
+    weights, biases = zip(*(_effective(linear) for linear in linears))
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    if all(bias is None for bias in biases):
+        return weight, None
+    return weight, torch.cat([bias.detach() if bias is not None else weight.new_zeros(w.shape[0])
+                              for bias, w in zip(biases, weights)])
 
 
 class GroupCache:
@@ -124,7 +186,7 @@ class GroupCache:
         self.num_prompts, self.prompt_width = prompt_mask.shape
         num_rows = self.num_prompts * num_generations
         shape = (num_rows, engine.num_kv_heads, max(steps - 1, 1), engine.head_dim)  # the last token is never fed
-        weight = engine.model.model.embed_tokens.weight
+        weight = engine.base.model.embed_tokens.weight
         self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, kv, P, head_dim) each
         self.own = [(weight.new_empty(shape), weight.new_empty(shape)) for _ in engine.layers]
         self.length = 0  # own tokens written so far
@@ -185,11 +247,13 @@ class GroupCache:
 
 
 class LeanEngine:
-    """Batched sampling from a LlamaForCausalLM through a lean forward and a preallocated cache."""
+    """Batched sampling from a Llama-family model (or a LoRA policy on one) through a lean forward
+    and a preallocated cache."""
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int]):
         check_supported(model)
-        self.model = model
+        self.model = model  # the policy: its parameters' versions say when to re-merge and repack
+        self.base = model.get_base_model() if hasattr(model, "peft_config") else model  # under LoRA adapters
         self.pad_token_id = pad_token_id
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         config = model.config
@@ -198,7 +262,7 @@ class LeanEngine:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        weight = model.model.embed_tokens.weight
+        weight = self.base.model.embed_tokens.weight
         self.linear = Matmul(weight.dtype, weight.device)
         self.layers: list[LayerWeights] = []
         self.head = weight  # lm_head's weight, prepared
@@ -206,12 +270,12 @@ class LeanEngine:
         self.sync_weights()
 
     def weights_changed(self) -> None:
-        """The policy was updated: rebuild the fused and packed matrices before the next use."""
+        """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use."""
         self.weight_versions = []
 
     @torch.no_grad()
     def sync_weights(self, force: bool = False) -> None:
-        """Rebuild the fused and packed matrices if any weight changed since the last call.
+        """Rebuild the fused (and LoRA-merged) packed matrices if any weight changed since the last call.
 
         A change is seen through each parameter's version counter (bumped by every
         in-place update, the optimizer's included) and storage pointer (a replaced
@@ -224,18 +288,28 @@ class LeanEngine:
             return
         prepare = self.linear.prepare
         self.layers = []
-        for layer in self.model.model.layers:
+        for layer in self.base.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+            qkv, qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
+            out, out_bias = _fused(attention.o_proj)
+            gate_up, gate_up_bias = _fused(mlp.gate_proj, mlp.up_proj)
+            down, down_bias = _fused(mlp.down_proj)
+            qk_norm = hasattr(attention, "q_norm")
             self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(),
                 qkv=prepare(qkv),
-                out=prepare(attention.o_proj.weight),
+                qkv_bias=qkv_bias,
+                q_norm=attention.q_norm.weight.detach() if qk_norm else None,
+                k_norm=attention.k_norm.weight.detach() if qk_norm else None,
+                out=prepare(out),
+                out_bias=out_bias,
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=prepare(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=prepare(mlp.down_proj.weight),
+                gate_up=prepare(gate_up),
+                gate_up_bias=gate_up_bias,
+                down=prepare(down),
+                down_bias=down_bias,
             ))
-        self.head = prepare(self.model.lm_head.weight)
+        self.head = prepare(self.base.lm_head.weight)
         self.weight_versions = versions
 
     @torch.no_grad()
@@ -249,7 +323,7 @@ class LeanEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
         num_prompts, prompt_width = prompt_ids.shape
         num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens
-        embedding = self.model.model.embed_tokens.weight
+        embedding = self.base.model.embed_tokens.weight
         device = embedding.device
         cos, signed_sin = self._rope_table(prompt_width + steps, device)  # (positions, head_dim)
         cache = GroupCache(self, prompt_mask.to(device), num_generations, steps)
@@ -279,42 +353,46 @@ class LeanEngine:
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
     def _layers(self, hidden, cos, signed_sin, attend):
-        """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache."""
+        """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache.
+
+        models/llama.py's DecoderLayer with q/k/v and gate/up fused: same
+        norms, qk-norm, RoPE and residuals, in the same order.
+        """
         rows, length, _ = hidden.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         for index, weights in enumerate(self.layers):
-            normed = F.rms_norm(hidden, weights.input_norm.shape, weights.input_norm, self.eps)
-            qkv = self.linear(normed, weights.qkv).view(rows, length, heads + 2 * kv_heads, self.head_dim)
-            qkv = qkv.transpose(1, 2)  # (N, heads + 2 * kv, S, head_dim)
-            query_key = rotate(qkv[:, : heads + kv_heads], cos, signed_sin)
-            attended = attend(index, query_key[:, :heads], query_key[:, heads:], qkv[:, heads + kv_heads:])
-            hidden = hidden + self.linear(attended, weights.out)
-            normed = F.rms_norm(hidden, weights.post_norm.shape, weights.post_norm, self.eps)
-            gate, up = self.linear(normed, weights.gate_up).chunk(2, dim=-1)  # (N, S, I) each
-            hidden = hidden + self.linear(F.silu(gate) * up, weights.down)
+            normed = rms_norm(hidden, weights.input_norm, self.eps)
+            qkv = self.linear(normed, weights.qkv, weights.qkv_bias)
+            qkv = qkv.view(rows, length, heads + 2 * kv_heads, self.head_dim)  # (N, S, heads + 2 * kv, head_dim)
+            query_key = qkv[:, :, : heads + kv_heads]  # (N, S, heads + kv, head_dim)
+            if weights.q_norm is not None:  # Qwen3: each head's query and key normalized before RoPE
+                query_key = torch.cat([rms_norm(query_key[:, :, :heads], weights.q_norm, self.eps),
+                                       rms_norm(query_key[:, :, heads:], weights.k_norm, self.eps)], dim=2)
+            query_key = rotate(query_key.transpose(1, 2), cos, signed_sin)  # (N, heads + kv, S, head_dim)
+            value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # (N, kv, S, head_dim)
+            attended = attend(index, query_key[:, :heads], query_key[:, heads:], value)
+            hidden = hidden + self.linear(attended, weights.out, weights.out_bias)
+            normed = rms_norm(hidden, weights.post_norm, self.eps)
+            gate, up = self.linear(normed, weights.gate_up, weights.gate_up_bias).chunk(2, dim=-1)  # (N, S, I) each
+            hidden = hidden + self.linear(F.silu(gate) * up, weights.down, weights.down_bias)
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm, head = self.model.model.norm, self.model.lm_head
-        normed = F.rms_norm(hidden, norm.weight.shape, norm.weight, self.eps)
+        norm, head = self.base.model.norm, self.base.lm_head
+        normed = rms_norm(hidden, norm.weight, self.eps)
         if head._forward_hooks or head._forward_pre_hooks:  # e.g. a logit bias: run the module itself
             return head(normed)
         return self.linear(normed, self.head)
 
     def _rope_table(self, num_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, (num_positions, head_dim), computed as HF's default rope does.
+        """cos and sign-folded sin, (num_positions, head_dim), as the model's own forward computes them.
 
-        inv_freq is the model's own buffer: HF keeps it in whatever dtype the
-        model was cast to, and the forward uses exactly that.
+        inv_freq is the model's own buffer (default, linear or llama3 RoPE:
+        families.py), so the table follows whatever the model was built with.
         """
-        inv_freq = self.model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float)
+        inv_freq = self.base.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float)
         positions = torch.arange(num_positions, device=device, dtype=torch.long)
-        freqs = positions[:, None].float() * inv_freq  # (positions, head_dim / 2)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        sin = angles.sin()
-        signed_sin = torch.cat((-sin[:, : sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]), dim=-1)
-        dtype = self.model.model.embed_tokens.weight.dtype
-        return angles.cos().to(dtype), signed_sin.to(dtype)
+        return rope_table(inv_freq, positions, self.base.model.embed_tokens.weight.dtype)
 
 
 def _take_rows(cache: torch.Tensor, keep: torch.Tensor, stop: int) -> torch.Tensor:
