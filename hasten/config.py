@@ -45,8 +45,8 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | code | chess-a | chess-p | fruit-catcher
-    path: str | None = None  # jsonl: training file
-    eval_path: str | None = None  # jsonl: held-out file (default: last 10% of `path`)
+    path: str | None = None  # jsonl: training data (.jsonl, .json, .parquet, .csv, or a hub dataset name[:split])
+    eval_path: str | None = None  # jsonl: held-out data, same formats (default: last 10% of `path`)
     num_train: int = 2000  # generated tasks: training questions
     num_eval: int = 64  # held-out questions
     seed: int = 1234  # data generation seed (separate from the training seed)
@@ -68,6 +68,10 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 = off
+    repetition_penalty: float = 1.0  # HF's: divide (multiply if negative) the logits of prompt and generated tokens; 1 = off
+    stop_strings: list[str] = field(default_factory=list)  # a completion ends after the first of these it produces
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra variables for the chat template (enable_thinking=...)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class AlgoConfig:
     epsilon_high: float | None = None  # upper clip: ratio <= 1 + epsilon_high (None = epsilon)
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
 
 
 @dataclass
@@ -86,8 +91,9 @@ class TrainConfig:
     prompts_per_step: int = 4  # 4 prompts x 8 generations = 32 samples/step
     lr: float = 1e-6
     warmup_steps: int = 0
-    lr_schedule: str = "cosine"  # cosine | constant
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    warmup_from_zero: bool = False  # warmup factor step/warmup (transformers/TRL: first update at lr 0), else (step+1)/warmup
+    lr_schedule: str = "cosine"  # cosine | linear | constant (linear decays to min_lr_ratio, TRL's default)
+    min_lr_ratio: float = 0.0  # cosine/linear floor as a fraction of lr
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -116,6 +122,9 @@ class OutputConfig:
     save_total_limit: int = 2  # keep the newest N checkpoint-<step>/ (the final checkpoint/ is kept); 0 = all
     plot: bool = True
     progress: str = "auto"  # auto | live | plain | off
+    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard | wandb | trackio | mlflow
+    log_every: int = 1  # trackers and API callbacks get the mean of every N steps (metrics.jsonl keeps each step)
+    log_completions: bool = False  # also send each logged step's prompts, completions and rewards to the trackers
 
 
 @dataclass
@@ -227,7 +236,7 @@ class SFTConfig:
     batch_size: int = 16  # examples per optimizer step
     gradient_accumulation_steps: int = 4  # micro-batches per step (16 / 4 = 4 examples each; at most 1 each)
     warmup_steps: int = 2
-    lr_schedule: str = "cosine"  # cosine | constant
+    lr_schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping
@@ -264,14 +273,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
     "algo.scale_rewards": ("group", "batch", "none"),
-    "train.lr_schedule": ("cosine", "constant"),
+    "train.lr_schedule": ("cosine", "linear", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf"),
     "speed.model_impl": ("auto", "native", "hf"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
     "rft.keep": ("one", "all"),
-    "sft.lr_schedule": ("cosine", "constant"),
+    "sft.lr_schedule": ("cosine", "linear", "constant"),
     "sft.precision": ("auto", "fp32", "bf16", "fp16"),
     "sft.adamw": ("fused", "foreach", "plain"),
     "sft.compile": ("off", "on", "gpu"),
@@ -282,6 +291,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
 }
+
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # output.report_to (train/tracking.py)
 
 # (key, predicate, human-readable requirement) checked after types are right.
 _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
@@ -295,6 +306,9 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("generation.temperature", lambda v: v > 0, "> 0 for training (greedy is used for eval only)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("generation.top_k", lambda v: v >= 0, ">= 0"),
+    ("generation.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("generation.repetition_penalty", lambda v: v > 0, "> 0"),
+    ("generation.stop_strings", lambda v: all(v), "a list of non-empty strings"),
     ("algo.epsilon", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algo.epsilon_high", lambda v: v is None or v >= 0, ">= 0"),
     ("algo.beta", lambda v: v >= 0, ">= 0"),
@@ -317,6 +331,8 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("output.save_every", lambda v: v >= 0, ">= 0"),
     ("output.save_minutes", lambda v: v >= 0, ">= 0"),
     ("output.save_total_limit", lambda v: v >= 0, ">= 0"),
+    ("output.log_every", lambda v: v >= 1, ">= 1"),
+    ("output.report_to", lambda v: all(t in TRACKERS for t in v), f"a list of {' | '.join(TRACKERS)}"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("game.width", lambda v: v >= 3, ">= 3"),
@@ -390,6 +406,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is dict:
+        return "mapping"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -425,6 +443,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is dict:  # free-form (chat template variables): string keys, YAML-safe values
+        if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+            return dict(value)
     raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
 
 

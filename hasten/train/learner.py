@@ -87,12 +87,15 @@ class Learner:
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
 
-    def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+    def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
+             ) -> dict[str, float]:
+        """loss_mask: (B*G, T), the completion tokens the loss counts (default: all of them); the
+        forward always sees whole completions (algo.mask_truncated_completions passes one)."""
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
         model = self.policy.model
         lr = self.optimization.lr  # the lr these updates use
-        mask = rollout.completion_mask
+        mask = rollout.completion_mask if loss_mask is None else loss_mask  # (B*G, T)
         chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
                                self.cfg.speed.packed_learning)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
