@@ -236,6 +236,7 @@ class SFTConfig:
     batch_size: int = 16  # examples per optimizer step
     gradient_accumulation_steps: int = 4  # micro-batches per step (16 / 4 = 4 examples each; at most 1 each)
     warmup_steps: int = 2
+    warmup_from_zero: bool = False  # as train.warmup_from_zero
     lr_schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0

@@ -110,11 +110,14 @@ class RewardScores:
 
 
 def load_reward(spec: str) -> RewardFunction:
-    """'path/to/file.py:function_name' -> RewardFunction named after the function."""
+    """'path/to/file.py:function' or 'package.module:function' -> RewardFunction named after the function."""
     path_text, separator, function_name = spec.rpartition(":")
     if not separator or not path_text or not function_name:
-        raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function")
+        raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function "
+                          "or package.module:function")
     path = Path(path_text)
+    if not path.is_file() and not path_text.endswith(".py") and "/" not in path_text:
+        return _load_module_reward(path_text, function_name)
     if not path.is_file():
         raise RewardError(f"reward error: '{path_text}' does not exist")
     # A unique module name per path keeps two reward files that share a file
@@ -135,6 +138,20 @@ def load_reward(spec: str) -> RewardFunction:
     fn = getattr(module, function_name)
     if not callable(fn):
         raise RewardError(f"reward error: {path_text}:{function_name} is not callable")
+    return RewardFunction(name=function_name, fn=fn)
+
+
+def _load_module_reward(module_name: str, function_name: str) -> RewardFunction:
+    """An importable module's function ('my_rewards.format:reward')."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ModuleNotFoundError, or whatever the module raises at import
+        raise RewardError(f"reward error: cannot import module '{module_name}': {_summary(exc)}") from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward error: module '{module_name}' has no function '{function_name}'")
     return RewardFunction(name=function_name, fn=fn)
 
 

@@ -117,6 +117,7 @@ class OptimizerSettings:
         sft = cfg.sft
         kernel = {"fused": "fused", "foreach": "foreach", "plain": "for_loop"}[sft.adamw]
         return cls(lr=sft.lr, total_steps=total_steps, warmup_steps=sft.warmup_steps, lr_schedule=sft.lr_schedule,
+                   warmup_from_zero=sft.warmup_from_zero,
                    min_lr_ratio=sft.min_lr_ratio, weight_decay=sft.weight_decay, max_grad_norm=sft.max_grad_norm,
                    kernel=kernel, precision=sft_precision(sft.precision, device))
 
