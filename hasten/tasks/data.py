@@ -42,8 +42,8 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         if suffix not in FORMATS:
             raise TaskError(f"data error: {source}: unsupported file type '{suffix or 'none'}' "
                             f"(use {', '.join(FORMATS)})")
-        rows, unit = READERS[suffix](path)
-        return validate_rows(rows, str(source), unit)
+        rows, unit, numbers = READERS[suffix](path)
+        return validate_rows(rows, str(source), unit, numbers)
     return validate_rows(_hub_rows(source), f"hub dataset {source}", "row")
 
 
@@ -63,11 +63,14 @@ def rows_from(dataset: Any, label: str = "train_dataset") -> list[dict[str, Any]
     return validate_rows(rows, label, "row")
 
 
-def validate_rows(rows: list, label: str, unit: str) -> list[dict[str, Any]]:
-    """Each row checked: an object with a usable "prompt" and no reserved column."""
+def validate_rows(rows: list, label: str, unit: str, numbers: list[int] | None = None) -> list[dict[str, Any]]:
+    """Each row checked: an object with a usable "prompt" and no reserved column.
+
+    numbers: each row's line in its file (JSONL skips blank lines); default 1, 2, ...
+    """
     if not rows:
         raise TaskError(f"data error: {label} has no rows")
-    for number, row in enumerate(rows, start=1):
+    for number, row in zip(numbers or range(1, len(rows) + 1), rows):
         where = f"data error: {label} {unit} {number}"
         if not isinstance(row, dict):
             raise TaskError(f"{where}: expected an object with a 'prompt', got {json_type(row)}")
@@ -98,7 +101,7 @@ def prompt_problem(row: dict[str, Any]) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ readers: (rows, "line" | "row")
+# ------------------------------------------------------- readers: (rows, "line" | "row", numbers or None)
 
 
 def _text(path: Path) -> str:
@@ -111,11 +114,12 @@ def _text(path: Path) -> str:
         raise TaskError(f"data error: cannot read {path}: {error.strerror or error}") from None
 
 
-def _jsonl(path: Path) -> tuple[list, str]:
-    return [row for _, row in json_objects(_text(path), str(path))], "line"
+def _jsonl(path: Path) -> tuple[list, str, list[int]]:
+    numbered = json_objects(_text(path), str(path))
+    return [row for _, row in numbered], "line", [number for number, _ in numbered]
 
 
-def _json(path: Path) -> tuple[list, str]:
+def _json(path: Path) -> tuple[list, str, None]:
     try:
         data = json.loads(_text(path))
     except json.JSONDecodeError as error:
@@ -123,23 +127,23 @@ def _json(path: Path) -> tuple[list, str]:
                         f"{error.colno}; a JSON Lines file wants the .jsonl suffix)") from None
     if not isinstance(data, list):
         raise TaskError(f"data error: {path} must hold an array of objects (got {json_type(data)})")
-    return data, "row"
+    return data, "row", None
 
 
-def _parquet(path: Path) -> tuple[list, str]:
+def _parquet(path: Path) -> tuple[list, str, None]:
     try:
         import pyarrow.parquet
     except ImportError:
         raise TaskError(f"data error: reading {path} needs pyarrow (pip install 'hasten[data]')") from None
     try:
-        return pyarrow.parquet.read_table(path).to_pylist(), "row"
+        return pyarrow.parquet.read_table(path).to_pylist(), "row", None
     except Exception as error:  # pyarrow's ArrowInvalid and friends: the file is not Parquet
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise TaskError(f"data error: {path} is not a readable Parquet file ({type(error).__name__}: "
                         f"{first[:160]})") from None
 
 
-def _csv(path: Path) -> tuple[list, str]:
+def _csv(path: Path) -> tuple[list, str, None]:
     import csv
     import io
 
@@ -153,7 +157,7 @@ def _csv(path: Path) -> tuple[list, str]:
             rows.append(row)
     except csv.Error as error:
         raise TaskError(f"data error: {path} line {reader.line_num}: {error}") from None
-    return rows, "row"  # row 1 is the first one after the header
+    return rows, "row", None  # row 1 is the first one after the header
 
 
 READERS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}
