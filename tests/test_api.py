@@ -262,3 +262,25 @@ def test_import_hasten_stays_light():
     done = subprocess.run([sys.executable, "-c", "import sys, hasten; hasten.__version__; "
                            "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False"
+
+
+def test_sft_trainer_prompt_completion_and_text_rows(tmp_path):
+    from hasten import SFTConfig, SFTTrainer
+
+    data = [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(6)]
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), num_train_epochs=2, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, disable_tqdm=True)
+    trainer = SFTTrainer(model="tiny", args=args, train_dataset=data)
+    cfg = trainer.config
+    assert (cfg.sft.batch_size, cfg.sft.gradient_accumulation_steps, cfg.sft.epochs) == (4, 2, 2)
+    assert (cfg.sft.lr_schedule, cfg.sft.warmup_from_zero) == ("linear", True)
+    output = trainer.train()
+    assert output.metrics["status"] == "finished" and output.global_step == 4  # 2 epochs x ceil(6 / 4)
+    assert len([e for e in trainer.state.log_history if "loss" in e]) == 4
+    assert (tmp_path / "sft" / "checkpoint" / "model.safetensors").is_file()
+    text = SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "lm"), num_train_epochs=1,
+                                                   disable_tqdm=True),
+                      train_dataset=[{"text": "hello world"}, {"text": "more text"}])
+    assert text.train().metrics["status"] == "finished"
+    with pytest.raises(APIError, match="max_steps is not supported for SFT"):
+        SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "x"), max_steps=3), train_dataset=data)
