@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..config import Config
-from ..models import ALIASES, Policy, load_policy
+from ..models import ALIASES, Policy, load_policy, mark_lora_base
 from ..rewards.runner import RewardFunction, load_reward
 from ..tasks.base import Task
 from ..tasks.data import rows_from
@@ -87,6 +87,7 @@ def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:
     cfg.model.lora_dropout = float(peft_config.lora_dropout)
     if isinstance(targets, (list, set, tuple)):
         cfg.model.lora_target_modules = sorted(targets)
+    mark_lora_base(policy.model, policy.tokenizer, cfg.model.name, print)  # a base peft can load from the checkpoint
     model = get_peft_model(policy.model, peft_config)
     return Policy(model=model, tokenizer=policy.tokenizer, source=policy.source, lora=True)
 

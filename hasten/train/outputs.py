@@ -320,6 +320,9 @@ def save_model_files(model, tokenizer, directory: Path) -> None:
         # Adapters only. "auto" would look the base model up on the hub to see whether
         # the vocabulary changed; hasten never trains the embeddings through LoRA.
         model.save_pretrained(directory, save_embedding_layers=False)
+        registry_name = getattr(model.get_base_model(), "_hasten_registry_name", None)
+        if registry_name is not None:  # the base's cache path may not exist elsewhere; hasten resolves the name
+            (Path(directory) / "hasten_base.json").write_text(json.dumps({"name": registry_name}) + "\n")
     else:
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
