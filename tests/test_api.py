@@ -289,3 +289,14 @@ def test_sft_trainer_prompt_completion_and_text_rows(tmp_path):
     assert text.train().metrics["status"] == "finished"
     with pytest.raises(APIError, match="max_steps is not supported for SFT"):
         SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "x"), max_steps=3), train_dataset=data)
+
+
+def test_a_missing_tracker_package_is_one_error_before_anything_is_written(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ConfigError, match=r"output.report_to=wandb needs the wandb package \(pip install wandb\)"):
+        GRPOTrainer(model="tiny", reward_funcs=reward_len, args=quick_args(tmp_path, report_to=["wandb"]),
+                    train_dataset=rows())
+    assert not (tmp_path / "run").exists()

@@ -40,8 +40,11 @@ def check_trackers(cfg: Config) -> None:
 
 
 def make_trackers(cfg: Config, run: RunDir, completions: Callable[[], list[dict]]) -> list[Hook]:
+    """The run's tracker hook (none when output.report_to is empty); `completions()`: the last step's table."""
     check_trackers(cfg)
     writers = [WRITERS[name](run) for name in cfg.output.report_to]
+    if not writers:
+        return []
     return [Tracker(writers, cfg.output.log_every, completions if cfg.output.log_completions else None)]
 
 
