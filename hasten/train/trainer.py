@@ -149,7 +149,7 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
 
 def generate_and_score(session: Session, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
     """Take `count` prompts, sample a group for each, score them (slow rewards joined here)."""
-    cfg, tokenizer, generation = session.cfg, session.policy.tokenizer, session.cfg.generation
+    tokenizer, generation = session.policy.tokenizer, session.cfg.generation
     sampling = SamplingParams(generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k,
                               generation.min_p, generation.repetition_penalty)
     rows, prompts = feeder.take(count)
