@@ -53,6 +53,9 @@ class SFTConfig(TrainingConfig, _SFTFields):
             raise self._error("max_steps is not supported for SFT (hasten plans SFT by epochs: use num_train_epochs)")
         if self.num_train_epochs != int(self.num_train_epochs) or self.num_train_epochs < 1:
             raise self._error(f"num_train_epochs must be a whole number >= 1 for SFT (got {self.num_train_epochs})")
+        if self.profile is not None or self.tf32:
+            raise self._error(f"{'profile' if self.profile is not None else 'tf32'} is not supported for SFT "
+                              "(hasten sft --profile has SFT's own profiles)")
         if self.completion_only_loss is False:
             raise self._error("completion_only_loss=False is not supported (prompt-completion rows train on the "
                               "completion; use a 'text' column for loss on every token)")
