@@ -264,7 +264,7 @@ class GRPOJob:
         metrics, samples = evaluate(
             session.task, session.engine, session.policy.tokenizer, session.rewards,
             min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
-            cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(),
+            cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
         )
         metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
