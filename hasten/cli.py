@@ -11,6 +11,7 @@
     hasten bench --ablate [--steps N]   each speed feature switched off alone from the balanced profile
     hasten compare [--task NAME] [--steps N] [--profiles ...]   every speed profile side by side
     hasten vllm-serve --model DIR [--host H] [--port P]   vLLM generation for a trainer elsewhere
+    hasten config [SECTION ...]   every config key: type, default, allowed values, help
     hasten tasks     list the built-in tasks
     hasten models    list the model names and where the default model is cached
 
@@ -34,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hasten",
         description="GRPO and RFT training that is measurably fast on the hardware you have.",
-        epilog="Any config key can be overridden as --section.key=value (e.g. --train.lr=1e-6).",
+        epilog="Any config key can be overridden as --section.key=value (e.g. --train.lr=1e-6); "
+               "`hasten config` lists them all.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in (
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                         add_help=False)
     commands.add_parser("vllm-serve", help="serve vLLM generation for a trainer (--speed.vllm_server=URL)",
                         add_help=False)
+    config = commands.add_parser("config", help="list every config key: type, default, allowed values, help")
+    config.add_argument("sections", nargs="*", metavar="SECTION", help="only these sections (train, speed, ...)")
     commands.add_parser("tasks", help="list the built-in tasks")
     commands.add_parser("models", help="list model names and the model cache")
     return parser
@@ -151,6 +155,13 @@ def _cmd_eval(args, extra) -> int:
     return 0
 
 
+def _cmd_config(args, extra) -> int:
+    from .config_help import render
+
+    print(render(args.sections))
+    return 0
+
+
 def _cmd_tasks(args, extra) -> int:
     from .games import GAMES
     from .tasks import list_tasks
@@ -184,7 +195,8 @@ def _cmd_models(args, extra) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models": _cmd_models, "play": _cmd_play}
+COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models": _cmd_models, "play": _cmd_play,
+            "config": _cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    if extra and args.command in ("tasks", "models", "play"):
+    if extra and args.command in ("tasks", "models", "play", "config"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from .errors import USER_ERRORS, Interrupted, report_interrupted
 

@@ -36,10 +36,10 @@ class ModelConfig:
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun cuda:LOCAL_RANK (device.py)
     dtype: str = "float32"  # fp32: exact. bf16 changes numerics; its speed depends on the CPU (docs/speedups.md)
     lora: bool = False  # train LoRA adapters instead of all weights
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scale numerator: adapters are scaled by lora_alpha / lora_r
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: list[str] = field(  # module names that get adapters (all Llama projections)
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
 
@@ -47,8 +47,8 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | code | chess-a | chess-p | fruit-catcher
-    path: str | None = None  # jsonl: training file
-    eval_path: str | None = None  # jsonl: held-out file (default: last 10% of `path`)
+    path: str | None = None  # jsonl: training data (.jsonl, .json, .parquet, .csv, or a hub dataset name[:split])
+    eval_path: str | None = None  # jsonl: held-out data, same formats (default: last 10% of `path`)
     num_train: int = 2000  # generated tasks: training questions
     num_eval: int = 64  # held-out questions
     seed: int = 1234  # data generation seed (separate from the training seed)
@@ -66,10 +66,14 @@ class RewardsConfig:
 @dataclass
 class GenerationConfig:
     num_generations: int = 8  # G completions per prompt (the GRPO group)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64  # completion length cap (TRL: max_completion_length)
+    temperature: float = 1.0  # sampling temperature; the learner scores at the same temperature
+    top_p: float = 1.0  # nucleus filter; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 = off
+    repetition_penalty: float = 1.0  # logits of tokens already seen / this (x this if < 0), as HF; 1 = off
+    stop_strings: list[str] = field(default_factory=list)  # a completion ends after the first of these it produces
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat template variables (enable_thinking: false)
 
 
 @dataclass
@@ -80,44 +84,49 @@ class AlgoConfig:
     epsilon_high: float | None = None  # upper clip: ratio <= 1 + epsilon_high (None = epsilon)
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
 
 
 @dataclass
 class TrainConfig:
     steps: int = 100  # GRPO steps (one generation batch each)
     prompts_per_step: int = 4  # 4 prompts x 8 generations = 32 samples/step
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"  # cosine | constant
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float = 1.0  # 0 = no clipping
+    lr: float = 1e-6  # peak learning rate
+    warmup_steps: int = 0  # optimizer steps of linear warmup
+    warmup_from_zero: bool = False  # warmup at lr x step/warmup (transformers: 1st update at 0), else (step+1)/warmup
+    lr_schedule: str = "cosine"  # cosine | linear | constant (linear decays to min_lr_ratio, TRL's default)
+    min_lr_ratio: float = 0.0  # cosine/linear floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW's first-moment decay
+    adam_beta2: float = 0.99  # AdamW's second-moment decay (TRL/transformers: 0.999)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     gradient_accumulation_steps: int = 1  # the batch is split in this many chunks per optimizer step
-    seed: int = 0
+    seed: int = 0  # seeds sampling, the prompt order and LoRA init
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
 
 
 @dataclass
 class EvalConfig:
-    at_start: bool = True
+    at_start: bool = True  # evaluate before the first step
     every: int = 0  # held-out eval every N steps; 0 = only at start and end
     num_examples: int = 64  # capped by task.num_eval
-    max_new_tokens: int = 64
-    batch_size: int = 64
+    max_new_tokens: int = 64  # completion length cap for held-out (greedy) eval
+    batch_size: int = 64  # prompts per eval generate call
 
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs"
+    dir: str = "runs"  # parent directory of run directories
     name: str | None = None  # None = <time>-<task>
     # Full-state checkpoints (model, optimizer, schedule, RNGs, sampler; `hasten train --resume`):
     save_every: int = 0  # every N steps; 0 = by wall-clock only (save_minutes) and at the end
     save_minutes: float = 30.0  # also when this long has passed since the last one; 0 = off. A short run never pays
     save_total_limit: int = 2  # keep the newest N checkpoint-<step>/ (the final checkpoint/ is kept); 0 = all
-    plot: bool = True
+    plot: bool = True  # draw progress.png at the end of a run
     progress: str = "auto"  # auto | live | plain | off
+    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard | wandb | trackio | mlflow
+    log_every: int = 1  # trackers and API callbacks get the mean of every N steps (metrics.jsonl keeps each step)
+    log_completions: bool = False  # also send each logged step's prompts, completions and rewards to the trackers
 
 
 @dataclass
@@ -185,8 +194,8 @@ class GameConfig:
     sprite_width: int = 3  # catches a fruit landing within sprite_width // 2 cells of its centre
     max_fruits: int = 3  # observation: 1 + 3 * max_fruits floats
     spawn_gap: int = 5  # a random spawn waits until the top-most active fruit is at y >= spawn_gap
-    spawn_probability: float = 0.5
-    episode_steps: int = 100
+    spawn_probability: float = 0.5  # chance per step that a fruit spawns (once the gap allows)
+    episode_steps: int = 100  # steps per game
     num_starts: int = 17  # start states per epoch: the GRPO groups
     games_per_start: int = 32  # G games per start: 17 x 32 = 544 games x 100 steps per epoch
     shared_draws: bool = True  # a group's G games also share the spawn draws (same fruits; only actions differ)
@@ -222,25 +231,26 @@ class RFTConfig:
 
     data: str = "data/rft.json"  # the records datagen writes and sft reads: [question, answer, reasoning]
     oversample: int = 10  # samples per question; a question counts if any one is correct
-    temperature: float = 0.6
-    max_new_tokens: int = 64
+    temperature: float = 0.6  # sampling temperature of datagen
+    max_new_tokens: int = 64  # completion length cap of datagen
     prompts_per_batch: int = 8  # 8 prompts x 10 samples = 80 rows per generate call
     keep: str = "one"  # one: the first correct sample per question | all: every distinct correct one
-    seed: int = 0
+    seed: int = 0  # datagen sampling seed
 
 
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning on RFT records (`hasten sft`); profiles in hasten/rft/profiles.py."""
 
-    epochs: int = 3
+    epochs: int = 3  # passes over the records
     lr: float = 2e-4  # a LoRA rate; a full fine-tune wants ~1e-5
     batch_size: int = 16  # examples per optimizer step
     gradient_accumulation_steps: int = 4  # micro-batches per step (16 / 4 = 4 examples each; at most 1 each)
-    warmup_steps: int = 2
-    lr_schedule: str = "cosine"  # cosine | constant
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
+    warmup_steps: int = 2  # optimizer steps of linear warmup
+    warmup_from_zero: bool = False  # as train.warmup_from_zero
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.0  # cosine/linear floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # 0 = no clipping
     packing: bool = True  # examples packed into rows with a block mask; logits only where the loss is
     pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
@@ -250,7 +260,7 @@ class SFTConfig:
     adamw: str = "fused"  # fused | foreach | plain (for-loop); fused falls back to foreach where unsupported
     num_workers: int = 0  # DataLoader processes that tokenize and pack ahead of the model
     max_examples: int = 0  # train on the first N records only; 0 = all
-    seed: int = 0
+    seed: int = 0  # seeds the example order and LoRA init
     logit_chunk_tokens: int = 1024  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
 
 
@@ -275,14 +285,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
     "algo.scale_rewards": ("group", "batch", "none"),
-    "train.lr_schedule": ("cosine", "constant"),
+    "train.lr_schedule": ("cosine", "linear", "constant"),
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
     "rft.keep": ("one", "all"),
-    "sft.lr_schedule": ("cosine", "constant"),
+    "sft.lr_schedule": ("cosine", "linear", "constant"),
     "sft.precision": ("auto", "fp32", "bf16", "fp16"),
     "sft.adamw": ("fused", "foreach", "plain"),
     "sft.compile": ("off", "on", "gpu"),
@@ -295,6 +305,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")  # model.device; hasten/device.py resolves it
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # output.report_to (train/tracking.py)
 
 # (key, predicate, human-readable requirement) checked after types are right.
 _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
@@ -309,6 +320,9 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("generation.temperature", lambda v: v > 0, "> 0 for training (greedy is used for eval only)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("generation.top_k", lambda v: v >= 0, ">= 0"),
+    ("generation.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("generation.repetition_penalty", lambda v: v > 0, "> 0"),
+    ("generation.stop_strings", lambda v: all(v), "a list of non-empty strings"),
     ("algo.epsilon", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algo.epsilon_high", lambda v: v is None or v >= 0, ">= 0"),
     ("algo.beta", lambda v: v >= 0, ">= 0"),
@@ -331,6 +345,8 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("output.save_every", lambda v: v >= 0, ">= 0"),
     ("output.save_minutes", lambda v: v >= 0, ">= 0"),
     ("output.save_total_limit", lambda v: v >= 0, ">= 0"),
+    ("output.log_every", lambda v: v >= 1, ">= 1"),
+    ("output.report_to", lambda v: all(t in TRACKERS for t in v), f"a list of {' | '.join(TRACKERS)}"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("game.width", lambda v: v >= 3, ">= 3"),
@@ -409,6 +425,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is dict:
+        return "mapping"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -444,6 +462,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is dict:  # free-form (chat template variables): string keys, YAML-safe values
+        if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+            return dict(value)
     raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
 
 

@@ -54,7 +54,7 @@ def rollout_of(model, tokenizer, num_generations=4, max_new_tokens=12, temperatu
     return engine.generate(encode(tokenizer), num_generations, sampling, seed=seed)
 
 
-def learner_step(model, tokenizer, rollout, advantages, configure) -> tuple[dict, list[torch.Tensor]]:
+def learner_step(model, tokenizer, rollout, advantages, configure, **step_kwargs) -> tuple[dict, list[torch.Tensor]]:
     """One Learner.step on a copy of `model` with a Config that `configure(cfg)` adjusts.
 
     Returns (metrics, gradients as the optimizer saw them). Equivalence tests
@@ -73,4 +73,4 @@ def learner_step(model, tokenizer, rollout, advantages, configure) -> tuple[dict
     grads: list[torch.Tensor] = []
     learner.optimization.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
-    return learner.step(rollout, advantages), grads
+    return learner.step(rollout, advantages, **step_kwargs), grads

@@ -228,7 +228,11 @@ def test_load_reward_errors(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_real_module_xyz\n")
     cases = {
-        "just_a_name": "reward error: spec 'just_a_name' must look like path/to/file.py:function",
+        "just_a_name": "reward error: spec 'just_a_name' must look like path/to/file.py:function "
+                       "or package.module:function",
+        "no_such_module_xyz:fn": "reward error: cannot import module 'no_such_module_xyz': "
+                                 "ModuleNotFoundError: No module named 'no_such_module_xyz'",
+        "hasten.rewards.builtin:nope": "reward error: module 'hasten.rewards.builtin' has no function 'nope'",
         f"{tmp_path}/missing.py:ok": f"reward error: '{tmp_path}/missing.py' does not exist",
         f"{path}:nope": f"reward error: {path} has no function 'nope'",
         f"{path}:LIMIT": f"reward error: {path}:LIMIT is not callable",

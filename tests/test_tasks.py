@@ -175,7 +175,7 @@ def test_jsonl_check_uses_the_answer_column(tmp_path):
     [
         ([{"prompt": "ok"}, "{not json"], r"data\.jsonl line 2: invalid JSON \(Expecting property name"),
         ([{"prompt": "ok"}, {"prompt": "ok"}, [1, 2]], r"line 3: expected a JSON object, got array$"),
-        ([{"prompt": "ok"}, {"question": "x"}], r"data\.jsonl line 2: missing 'prompt'$"),
+        ([{"prompt": "ok"}, {"question": "x"}], r"data\.jsonl line 2: missing 'prompt' \(columns: question\)$"),
         ([{"prompt": "  "}], r"data\.jsonl line 1: 'prompt' is empty$"),
         ([{"prompt": 5}], r"line 1: 'prompt' must be a string or a list of messages \(got number\)"),
         ([{"prompt": []}], r"line 1: 'prompt' is an empty list of messages"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,7 +160,16 @@ def test_lora_checkpoint_evaluates_through_the_cli(data, capsys):
     assert code == 0
     checkpoint = data / "runs" / "lora" / "checkpoint"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
-    assert json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    adapter = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert (Path(adapter["base_model_name_or_path"]) / "config.json").is_file()  # a directory peft can load
+    assert json.loads((checkpoint / "hasten_base.json").read_text()) == {"name": "tiny"}
+    from peft import AutoPeftModelForCausalLM
+
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint))
+    assert hasattr(loaded, "peft_config")
+    # On a machine without that cache path, hasten still finds the base through hasten_base.json.
+    adapter["base_model_name_or_path"] = "/nowhere/tiny"
+    (checkpoint / "adapter_config.json").write_text(json.dumps(adapter))
     capsys.readouterr()
     code = main(["eval", "--model", str(checkpoint), "--task", "arithmetic", "--num-examples", "2",
                  "--eval.max_new_tokens=4", "--json"])

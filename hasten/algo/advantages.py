@@ -6,6 +6,12 @@ A = r - mean(group). `scale_rewards` then divides by a standard deviation:
   none   no division (Dr. GRPO: removes the difficulty bias of per-group std)
 Standard deviations are unbiased (n - 1), as in TRL, and 1e-4 keeps an
 all-equal group at advantage 0 rather than 0/0.
+
+A NaN reward marks a sample no reward function applied to (every one
+returned None). As in TRL 1.16, it is left out of its group's mean and std
+and its advantage is 0: a sum of nothing is not a score of 0, and counting it
+as one would both shift the group's baseline and push the policy towards or
+away from a completion nobody judged.
 """
 
 from __future__ import annotations
@@ -15,20 +21,35 @@ import torch
 EPS = 1e-4
 
 
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std over the non-NaN entries; NaN where fewer than two (TRL's nanstd)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True) if dim is not None else torch.nanmean(values)
+    present = ~torch.isnan(values)
+    count = present.sum(dim=dim, keepdim=True) if dim is not None else present.sum()
+    squares = torch.where(present, (values - mean) ** 2, torch.zeros_like(values))
+    total = squares.sum(dim=dim, keepdim=True) if dim is not None else squares.sum()
+    std = torch.where(count > 1, (total / (count - 1).clamp(min=1)).sqrt(), torch.full_like(total, float("nan")))
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
-    """rewards: (B*G,) group-major -> advantages (B*G,)."""
+    """rewards: (B*G,) group-major, NaN = unscorable -> advantages (B*G,), 0 for unscorable samples."""
     grouped = rewards.view(-1, num_generations)  # (B, G)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
+    centered = grouped - torch.nanmean(grouped, dim=1, keepdim=True)  # (B, G); NaN stays NaN
     if scale_rewards == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + EPS)
+        centered = centered / (nanstd(grouped, dim=1, keepdim=True) + EPS)
     elif scale_rewards == "batch":
-        centered = centered / (rewards.std() + EPS)
+        centered = centered / (nanstd(rewards) + EPS)
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
-    return centered.reshape(-1)
+    return torch.nan_to_num(centered.reshape(-1), nan=0.0)
 
 
 def zero_variance_fraction(rewards: torch.Tensor, num_generations: int) -> float:
-    """Fraction of groups whose rewards are all equal (they carry no signal)."""
+    """Fraction of groups whose (scorable) rewards are all equal (they carry no signal)."""
     grouped = rewards.view(-1, num_generations)
-    return float((grouped.max(dim=1).values - grouped.min(dim=1).values).abs().lt(1e-8).float().mean())
+    present = ~torch.isnan(grouped)
+    high = torch.where(present, grouped, torch.full_like(grouped, -float("inf"))).max(dim=1).values
+    low = torch.where(present, grouped, torch.full_like(grouped, float("inf"))).min(dim=1).values
+    flat = ~present.any(dim=1) | (high - low).abs().lt(1e-8)
+    return float(flat.float().mean())

@@ -16,7 +16,14 @@ llama.py reproduces the model, else hf with a log line.
 
 LoRA (model.lora=true) wraps the policy with peft, the native model as well
 (peft matches its q_proj, ..., down_proj by name; the lean engine samples
-from merged weights). The KL reference is built
+from merged weights). Its checkpoints record as
+base_model_name_or_path a directory peft itself can load, so
+`AutoPeftModelForCausalLM.from_pretrained(checkpoint)` works: a registry
+name is recorded as its local directory (smollm2-135m: the converted cache;
+tiny: written once to the cache, its weights being a fixed seed's), a local
+directory as its absolute path. The registry name is kept beside the adapter
+in hasten_base.json, so hasten still resolves the base on a machine where
+that path does not exist. The KL reference is built
 only when beta > 0: with LoRA it is the same model with adapters disabled (no
 second copy); with a full fine-tune it is a frozen copy of the initial weights.
 """
@@ -38,6 +45,8 @@ from .files import check_model_dir
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "tiny": "tiny"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+BASE_RECORD = "hasten_base.json"  # beside a LoRA adapter: {"name": registry name} of its base model
 
 
 class ModelError(UserError):
@@ -76,6 +85,8 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
         import json
 
         base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if not Path(base_name).exists() and (path / BASE_RECORD).is_file():  # a cache path of another machine
+            base_name = json.loads((path / BASE_RECORD).read_text())["name"]
         base, tokenizer = _resolve(base_name, dtype)
         model = PeftModel.from_pretrained(base, path, is_trainable=True)
         if (path / "tokenizer_config.json").is_file():
@@ -192,9 +203,9 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
         tokenizer.pad_token = tokenizer.eos_token
     is_peft = hasattr(model, "peft_config")
     if cfg.name.lower() in ALIASES and not is_peft:
-        # Recorded as the adapter's base_model_name_or_path: a registry name resolves on any machine.
         model.config._name_or_path = model.name_or_path = ALIASES[cfg.name.lower()]
     if cfg.lora and not is_peft:
+        mark_lora_base(model, tokenizer, cfg.name, log)
         from peft import LoraConfig, get_peft_model
 
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -211,6 +222,47 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
         model = get_peft_model(model, lora)
     model.train()
     return Policy(model=model, tokenizer=tokenizer, source=cfg.name, lora=cfg.lora or is_peft)
+
+
+def mark_lora_base(model, tokenizer, name: str, log: Callable[[str], None] = print) -> None:
+    """Before get_peft_model: make the base's name_or_path a directory peft can load (see the docstring)."""
+    key = ALIASES.get(name.lower())
+    if key == "smollm2-135m":
+        directory = str(_directory(name, log))
+    elif key == "tiny":
+        directory = str(_tiny_directory(model, tokenizer))
+    elif Path(name).expanduser().is_dir():
+        directory = str(Path(name).expanduser().resolve())
+    else:
+        return  # a hub id (or a loaded model's own name): peft resolves it as it is
+    model.config._name_or_path = model.name_or_path = directory
+    if key is not None:
+        model._hasten_registry_name = key  # written as hasten_base.json by save_model_files
+
+
+def _tiny_directory(model, tokenizer) -> Path:
+    """The tiny base model as a directory in the cache (written once; its weights are a fixed seed's)."""
+    import os
+    import shutil
+    import tempfile
+
+    from .smollm2 import cache_root
+
+    target = cache_root() / "models" / f"tiny-vocab{model.config.vocab_size}-seed0"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        model.save_pretrained(temporary)
+        tokenizer.save_pretrained(temporary)
+        os.replace(temporary, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent writer winning the race
+            raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return target
 
 
 class Reference:

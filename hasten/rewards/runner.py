@@ -9,9 +9,13 @@ unchanged:
 - `completions`: strings for string prompts; for conversational prompts each
   is `[{"role": "assistant", "content": text}]`.
 - kwargs: every other dataset column as a per-sample list, plus
-  `completion_ids` (a list of token-id lists).
+  `completion_ids` (a list of token-id lists), plus what the trainer adds as
+  TRL 1.16 does (`extra`): `trainer_state` (global_step, max_steps, ...),
+  `log_metric(name, value)` and `log_extra(column, values)`.
 - `None` means "does not apply to this sample". The total reward is TRL's
-  `nansum(per_function * weights)`, so a sample no function scored gets 0.
+  `nansum(per_function * weights)`; a sample no function scored is marked
+  unscorable (`RewardScores.scorable`): TRL, and the trainer here, leave it
+  out of its group's statistics and give it advantage 0.
 
 Choices: each function is called once on the whole batch; coroutine functions
 run concurrently under one `asyncio.run`, sync ones are called directly. When
@@ -30,7 +34,7 @@ import inspect
 import math
 import numbers
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
@@ -42,7 +46,7 @@ from hasten.errors import UserError
 
 # Keyword arguments every reward function receives; a dataset column with one of
 # these names would shadow them.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 class RewardError(UserError):
@@ -93,6 +97,17 @@ class RewardScores:
     total: torch.Tensor  # (N,) weighted nansum over functions
     names: list[str]  # (F,) function names, column order of per_function
 
+    @property
+    def scorable(self) -> torch.Tensor:
+        """(N,) bool: at least one function returned a number for the sample."""
+        return ~torch.isnan(self.per_function).all(dim=1) if self.per_function.shape[1] else \
+            torch.zeros(self.total.shape, dtype=torch.bool)
+
+    @property
+    def scored_total(self) -> torch.Tensor:
+        """(N,) the total, NaN for unscorable samples: what advantages and reward statistics use (TRL)."""
+        return torch.where(self.scorable, self.total, torch.full_like(self.total, math.nan))
+
     def means(self) -> dict[str, float]:
         """Mean score per function over the samples it applied to (NaN if none)."""
         result: dict[str, float] = {}
@@ -116,11 +131,14 @@ class RewardScores:
 
 
 def load_reward(spec: str) -> RewardFunction:
-    """'path/to/file.py:function_name' -> RewardFunction named after the function."""
+    """'path/to/file.py:function' or 'package.module:function' -> RewardFunction named after the function."""
     path_text, separator, function_name = spec.rpartition(":")
     if not separator or not path_text or not function_name:
-        raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function")
+        raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function "
+                          "or package.module:function")
     path = Path(path_text)
+    if not path.is_file() and not path_text.endswith(".py") and "/" not in path_text:
+        return _load_module_reward(path_text, function_name)
     if not path.is_file():
         raise RewardError(f"reward error: '{path_text}' does not exist")
     # A unique module name per path keeps two reward files that share a file
@@ -144,6 +162,20 @@ def load_reward(spec: str) -> RewardFunction:
     return RewardFunction(name=function_name, fn=fn)
 
 
+def _load_module_reward(module_name: str, function_name: str) -> RewardFunction:
+    """An importable module's function ('my_rewards.format:reward')."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ModuleNotFoundError, or whatever the module raises at import
+        raise RewardError(f"reward error: cannot import module '{module_name}': {_summary(exc)}") from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward error: module '{module_name}' has no function '{function_name}'")
+    return RewardFunction(name=function_name, fn=fn)
+
+
 # ------------------------------------------------------------------- scoring
 
 
@@ -153,8 +185,12 @@ def score_rewards(
     completions: list,
     columns: dict[str, list],
     completion_ids: list[list[int]],
+    extra: dict[str, Any] | None = None,
 ) -> RewardScores:
-    """Call every function once on the batch; return per-function and total scores."""
+    """Call every function once on the batch; return per-function and total scores.
+
+    extra: keyword arguments passed as they are (trainer_state, log_metric, log_extra).
+    """
     count = len(completions)
     if len(prompts) != count or len(completion_ids) != count:
         raise RewardError(
@@ -170,7 +206,7 @@ def score_rewards(
             raise RewardError(
                 f"reward error: column '{column}' has {len(values)} values for {count} samples"
             )
-    batch = _Batch(prompts, completions, columns, completion_ids)
+    batch = _Batch(prompts, completions, columns, completion_ids, dict(extra or {}))
     outcomes = _call_all(functions, batch)
 
     per_function = torch.full((count, len(functions)), math.nan, dtype=torch.float32)  # (N, F)
@@ -193,6 +229,7 @@ class _Batch:
     completions: list
     columns: dict[str, list]
     completion_ids: list[list[int]]
+    extra: dict[str, Any] = field(default_factory=dict)  # whole-batch arguments (trainer_state, log_metric, ...)
 
     def kwargs(self) -> dict[str, Any]:
         # Everything is a keyword argument, as TRL passes it.
@@ -201,6 +238,7 @@ class _Batch:
             "completions": self.completions,
             "completion_ids": self.completion_ids,
             **self.columns,
+            **self.extra,
         }
 
     def sample(self, index: int) -> _Batch:
@@ -210,6 +248,7 @@ class _Batch:
             completions=self.completions[window],
             columns={name: values[window] for name, values in self.columns.items()},
             completion_ids=self.completion_ids[window],
+            extra=self.extra,
         )
 
 

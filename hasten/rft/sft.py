@@ -62,6 +62,7 @@ from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
 from ..train.runtime import configure_threads, keep_freed_memory
+from ..train.tracking import check_trackers, make_trackers
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
 from .prompts import PromptFormat
@@ -301,6 +302,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
+    check_trackers(cfg)
     records = load_records(cfg.rft.data)  # raises before anything loads or is written
     if resume is None:
         check_output_dir(cfg)
@@ -326,7 +328,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
     log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
-    summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None)
+    summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
+                       callbacks=make_trackers(cfg, run, list))  # output.report_to
     if summary["status"] != "finished":  # checkpoint and summary written; the CLI exits 130 / 143
         raise Interrupted(signal_number(summary["signal"]), saved=True)
     distributed.barrier()  # torchrun: rank 0's final checkpoint is on disk before anyone reads it

@@ -5,7 +5,7 @@ An engine owns its forward and its cache; `DecodeState` owns everything
 else about a decode loop, so the two engines cannot drift apart in what
 they record or in which random number a row gets:
 
-    state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed, rows)
+    state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed, rows, sampling, prompt_ids, prompt_mask)
     for step in range(steps):
         token, keep = state.sample(logits, sampling, step)
         if state.done:
@@ -39,7 +39,8 @@ from .types import Rollout, RowRange, SamplingParams
 
 class DecodeState:
     def __init__(self, num_rows: int, steps: int, pad_token_id: int, eos_ids: torch.Tensor, seed: int,
-                 rows: RowRange | None = None):
+                 rows: RowRange | None = None, sampling: SamplingParams | None = None,
+                 prompt_ids: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None):
         rows = rows or RowRange(0, num_rows)
         if rows.first + num_rows > rows.total:
             raise ValueError(f"{num_rows} rows from row {rows.first} do not fit a batch of {rows.total}")
@@ -55,6 +56,11 @@ class DecodeState:
         self.uniforms = draws[:, rows.first:rows.first + num_rows].to(device)  # (T, N) this call's rows
         self.eos_ids = eos_ids
         self.done = False
+        # Repetition penalty only: which tokens each output row has seen (prompt, then its own samples),
+        # made at the first step, when the vocabulary size is known.
+        self.penalize = sampling is not None and sampling.repetition_penalty != 1.0
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        self.seen: torch.Tensor | None = None  # (N, V) bool
 
     def sample(self, logits: torch.Tensor, sampling: SamplingParams, step: int):
         """Sample the live rows' next tokens from logits (live, V) and record them.
@@ -66,8 +72,11 @@ class DecodeState:
         uniforms = self.uniforms[step]  # (N,) drawn for all rows
         if len(self.live) < self.num_rows:
             uniforms = uniforms[self.live]
-        token, token_logprob = sample_tokens(logits, sampling, uniforms)  # (live,)
         live = self.live
+        seen = self._seen(logits)[live] if self.penalize else None  # (live, V) repetition penalty only
+        token, token_logprob = sample_tokens(logits, sampling, uniforms, seen)  # (live,)
+        if self.penalize:
+            self.seen[live, token] = True
         self.tokens[live, step] = token
         self.logprobs[live, step] = token_logprob.float()
         self.mask[live, step] = 1
@@ -85,6 +94,17 @@ class DecodeState:
             return token, None
         self.live = live[keep]
         return token[keep], keep
+
+    def _seen(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            if self.prompt_ids is None:
+                raise ValueError("repetition_penalty needs the prompts (DecodeState(prompt_ids=...))")
+            group = self.num_rows // self.prompt_ids.shape[0]
+            ids = self.prompt_ids.repeat_interleave(group, dim=0).to(logits.device)  # (N, P)
+            real = self.prompt_mask.repeat_interleave(group, dim=0).to(logits.device).bool()  # (N, P)
+            counts = torch.zeros((self.num_rows, logits.shape[-1]), dtype=torch.long, device=logits.device)
+            self.seen = counts.scatter_add_(1, ids, real.long()) > 0  # (N, V): padding adds 0
+        return self.seen
 
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                 sampling: SamplingParams) -> Rollout:

@@ -335,7 +335,8 @@ class LeanEngine:
         logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows)
+        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows,
+                            sampling, prompt_ids, prompt_mask)
         for step in range(steps):
             token, keep = state.sample(logits, sampling, step)  # (live,)
             if state.done:

@@ -19,6 +19,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus filter; 1 = off
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature); 0 = off
+    repetition_penalty: float = 1.0  # on the raw logits of tokens already in the prompt or completion; 1 = off
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ runner does.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import pickle
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ def slice_batch(batch: _Batch, indices: list[int]) -> _Batch:
         completions=[batch.completions[i] for i in indices],
         columns={name: [values[i] for i in indices] for name, values in batch.columns.items()},
         completion_ids=[batch.completion_ids[i] for i in indices],
+        extra=batch.extra,
     )
 
 
@@ -74,6 +76,9 @@ class RewardPool:
     def submit(self, function: RewardFunction, batch: _Batch, indices: list[int]) -> list[Slice]:
         """Start `function` on the samples `indices`, split in up to `workers` contiguous slices."""
         count = min(self.workers, len(indices))
+        if self.kind == "process":  # log_metric / log_extra are closures over this process: they cannot cross
+            batch = dataclasses.replace(batch, extra={key: value for key, value in batch.extra.items()
+                                                      if not callable(value)})
         bounds = [len(indices) * part // count for part in range(count + 1)]
         slices = []
         for start, stop in zip(bounds, bounds[1:]):

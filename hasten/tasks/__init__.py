@@ -37,6 +37,9 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
 
 
 def make_task(cfg: TaskConfig, config: Config | None = None) -> Task:
+    if cfg.name == "dataset":  # rows handed to the Python API live in no file this config could name
+        raise TaskError("config error: task.name 'dataset' is rows given to GRPOTrainer(train_dataset=...); "
+                        "continue it from Python with trainer.train(resume_from_checkpoint=...)")
     if cfg.name not in TASKS:
         from hasten.games import GAMES  # trained by train/policy_loop.py, but a valid task.name all the same
 

@@ -1,6 +1,6 @@
-"""Your own prompts from JSON Lines files.
+"""Your own prompts from a data file: JSON Lines, JSON, Parquet, CSV, or a hub dataset.
 
-Each non-blank line is a JSON object with a "prompt" (a non-empty string, or
+Each row (tasks/data.py reads them) has a "prompt" (a non-empty string, or
 a list of {"role", "content"} messages) and any other columns, which reach
 reward functions as keyword arguments exactly as in TRL. task.path is the
 training file; task.eval_path the held-out file. Without eval_path the last
@@ -11,7 +11,7 @@ This task brings no reward functions of its own (they come from
 rewards.extra). Its checker grades against an "answer" column when a row has
 one: numerically within the row's "tolerance" (default 5%) when both sides
 are numbers, otherwise as an exact string match of the <answer> text.
-Every malformed line is reported with its line number.
+A malformed file or row is reported with its line or row number.
 """
 
 from __future__ import annotations
@@ -20,54 +20,16 @@ from typing import Any
 
 from hasten.config import TaskConfig
 from hasten.rewards.builtin import answer_value, extract_answer, parse_number
-from hasten.rewards.runner import RESERVED_COLUMNS
-from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer, data_file, json_objects, json_type
+from hasten.tasks.base import Task, TaskError, Verdict, check_numeric_answer
+from hasten.tasks.data import load_rows
 
-DESCRIPTION = "your prompts from a JSON Lines file (task.path), rewards from rewards.extra"
+DESCRIPTION = "your prompts from task.path (.jsonl, .json, .parquet, .csv, hub name), rewards from rewards.extra"
 EVAL_FRACTION = 0.1
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a .jsonl file, validated; TaskError with the line number otherwise."""
-    file = data_file(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TaskError(f"data error: cannot read {path}: {exc}") from None
-    rows: list[dict[str, Any]] = []
-    for number, row in json_objects(text, str(path)):
-        where = f"data error: {path} line {number}"
-        problem = _prompt_problem(row)
-        if problem:
-            raise TaskError(f"{where}: {problem}")
-        for name in RESERVED_COLUMNS:
-            if name in row:
-                raise TaskError(f"{where}: column '{name}' is reserved (reward functions receive it)")
-        rows.append(row)
-    if not rows:
-        raise TaskError(f"data error: {path} has no rows")
-    return rows
-
-
-def _prompt_problem(row: dict[str, Any]) -> str | None:
-    """Why the row's prompt is unusable, or None."""
-    if "prompt" not in row:
-        return "missing 'prompt'"
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return None if prompt.strip() else "'prompt' is empty"
-    if not isinstance(prompt, list):
-        return f"'prompt' must be a string or a list of messages (got {json_type(prompt)})"
-    if not prompt:
-        return "'prompt' is an empty list of messages"
-    for index, message in enumerate(prompt):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            return f"'prompt' message {index} must be an object with string 'role' and 'content'"
-    return None
+    """Validated rows of a data file or hub dataset (tasks/data.py); TaskError naming the line or row."""
+    return load_rows(path)
 
 
 def check_answer_column(text: str, row: dict[str, Any]) -> Verdict | None:

@@ -19,6 +19,7 @@ from ..rollout import Engine, SamplingParams
 from ..tasks import Task
 from ..rewards.batch import reward_inputs
 from ..rollout.prompts import encode_prompt
+from ..rollout.stops import apply_stop_strings
 
 
 def evaluate(
@@ -29,8 +30,15 @@ def evaluate(
     num_examples: int,
     max_new_tokens: int,
     batch_size: int,
+    template_kwargs: dict | None = None,
+    reward_kwargs: dict | None = None,
+    stop_strings: list[str] | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Returns (metrics, samples); samples hold each question and completion."""
+    """Returns (metrics, samples); samples hold each question and completion.
+
+    template_kwargs: generation.chat_template_kwargs; reward_kwargs: TRL's trainer_state, log_metric,
+    log_extra; stop_strings: generation.stop_strings, cut as in training.
+    """
     rows = task.eval_rows[:num_examples]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     parsed = correct = judged = 0
@@ -39,11 +47,14 @@ def evaluate(
     texts: list[str] = []  # every completion, for the task's own metrics
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
-        rollout = engine.generate([encode_prompt(tokenizer, r["prompt"]) for r in batch], 1, greedy, seed=0)
+        prompts = [encode_prompt(tokenizer, r["prompt"], **(template_kwargs or {})) for r in batch]
+        rollout = apply_stop_strings(engine.generate(prompts, 1, greedy, seed=0), tokenizer, stop_strings or [],
+                                     tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         inputs = reward_inputs(tokenizer, batch, rollout)
         if reward_functions:
             scores = score_rewards(
-                reward_functions, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids
+                reward_functions, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids,
+                reward_kwargs,
             )
             reward_total += float(torch.nan_to_num(scores.total).sum())
         texts += inputs.texts

@@ -32,22 +32,27 @@ def make_feeder(cfg, rows: list[dict[str, Any]], tokenizer) -> Feeder:
     else:
         sampler = CurriculumSampler(rows, cfg.train.seed, cfg.speed.curriculum, cfg.speed.curriculum_warmup_steps,
                                     cfg.train.prompts_per_step)
-    return Feeder(sampler, tokenizer, cfg.train.prompts_per_step, cfg.speed.prefetch)
+    return Feeder(sampler, tokenizer, cfg.train.prompts_per_step, cfg.speed.prefetch,
+                  cfg.generation.chat_template_kwargs)
 
 
 class Feeder:
     """take(count) -> (rows, prompt token ids); observe() passes rewards to a curriculum."""
 
-    def __init__(self, sampler, tokenizer, batch_size: int, prefetch: bool):
+    def __init__(self, sampler, tokenizer, batch_size: int, prefetch: bool, template_kwargs: dict | None = None):
         self.sampler = sampler
         self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}
         self.batch_size = batch_size
         self.buffer: deque[tuple[dict[str, Any], list[int]]] = deque()
         self.pending: concurrent.futures.Future | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "hasten-prefetch") if prefetch else None
 
     def _draw(self, count: int) -> list[tuple[dict[str, Any], list[int]]]:
-        return [(row, encode_prompt(self.tokenizer, row["prompt"])) for row in self.sampler.next(count)]
+        return [(row, self._encode(row)) for row in self.sampler.next(count)]
+
+    def _encode(self, row: dict[str, Any]) -> list[int]:
+        return encode_prompt(self.tokenizer, row["prompt"], **self.template_kwargs)
 
     def _settle(self) -> None:
         if self.pending is not None:
@@ -84,7 +89,7 @@ class Feeder:
         self._settle()
         self.sampler.load_state_dict(state["sampler"])
         rows = [self.sampler.rows[i] for i in state["buffer"]]
-        self.buffer = deque((row, encode_prompt(self.tokenizer, row["prompt"])) for row in rows)
+        self.buffer = deque((row, self._encode(row)) for row in rows)
 
     def close(self) -> None:
         if self.executor is not None:

@@ -112,10 +112,12 @@ class Learner:
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
 
-    def step(self, rollout: Rollout, advantages: torch.Tensor, off_policy: bool = False,
-             importance_cap: float | None = None) -> dict[str, float]:
+    def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None,
+             off_policy: bool = False, importance_cap: float | None = None) -> dict[str, float]:
         """num_iterations optimizer steps on `rollout`; returns the metrics record.
 
+        loss_mask: (B*G, T), the completion tokens the loss counts (default: all of them); the
+        forward always sees whole completions (algo.mask_truncated_completions passes one).
         off_policy: the rollout was sampled from older weights (speed.async_steps), so the
         clipped ratio is taken against its sampling log-probs, not the current policy's
         detached log-probs; the mismatch is logged (async/*).
@@ -127,7 +129,7 @@ class Learner:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
         model = self.policy.model
         lr = self.optimization.lr  # the lr these updates use
-        mask = rollout.completion_mask
+        mask = rollout.completion_mask if loss_mask is None else loss_mask  # (B*G, T)
         chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
                                self.cfg.speed.packed_learning)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples

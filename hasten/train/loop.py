@@ -24,6 +24,10 @@ once:
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
                  keeps it, summary.json saying status "failed" and why
+    hooks        `run(..., callbacks=[Hook, ...])`: experiment trackers (tracking.py)
+                 and the Python API's TrainerCallbacks hear of the start, each step's
+                 record, evals, saves and the end; a hook's on_step returning True
+                 stops the run after that step (status "stopped", a checkpoint saved)
 
 What a checkpoint's trainer_state.pt holds: {"step", "job" (the job's
 state_dict: optimizer, schedule, scaler, sampler ...), "rng" (python, torch),
@@ -74,6 +78,22 @@ class Job(Protocol):
     def summary(self) -> dict[str, Any]: ...  # extra summary.json fields
 
     def close(self) -> None: ...  # pools, threads, workers
+
+
+class Hook:
+    """An observer of the loop; every method is a no-op here, so a hook overrides only what it needs."""
+
+    def on_begin(self, run: RunDir, start: int) -> None: ...  # start: the step a resumed run continues from
+
+    def on_step(self, step: int, record: dict[str, Any]) -> bool | None: ...  # True: stop after this step
+
+    def on_evaluate(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def on_save(self, step: int, checkpoint: Path) -> None: ...
+
+    def on_end(self, summary: dict[str, Any]) -> None: ...  # also after an interrupted run
+
+    def close(self) -> None: ...  # always, even after a failure (flush and close files)
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -179,12 +199,14 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
 
 
 def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = print,
-        resume_from: Path | None = None, created: bool = True) -> dict[str, Any]:
+        resume_from: Path | None = None, created: bool = True, callbacks: list[Hook] | None = None) -> dict[str, Any]:
     """Run `job` to cfg's end (or a signal) in `run_dir`; returns the summary (also summary.json).
 
     created: this call made run_dir (a failure before the first step removes it).
+    callbacks: Hooks told of each step, eval, save and the end.
     """
     progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
+    hooks = list(callbacks or [])
     start = 0
     try:
         with Signals(progress.message) as signals:
@@ -193,38 +215,53 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
                 progress.message(f"resumed from {resume_from} at step {start}")
             else:
                 progress.message(f"run directory: {run_dir.path}")
-            return _steps(job, cfg, run_dir, progress, signals, start)
+            for hook in hooks:
+                hook.on_begin(run_dir, start)
+            summary = _steps(job, cfg, run_dir, progress, signals, start, hooks)
+            for hook in hooks:
+                hook.on_end(summary)
+            return summary
     except Exception as error:
         _failed(run_dir, created, start, error, log)
         raise
     finally:
         progress.close()
-        job.close()
+        try:
+            for hook in hooks:
+                hook.close()
+        finally:
+            job.close()
 
 
-def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int) -> dict:
+def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int,
+           hooks: list[Hook]) -> dict:
     saves = Checkpoints(cfg.output.save_every, cfg.output.save_minutes, cfg.output.save_total_limit, time.monotonic())
     evals = run_dir.evals()  # a resumed run's earlier evals (the summary's eval_before)
     if start == 0 and job.eval_at_start:
-        _evaluate(job, run_dir, progress, 0, evals)
-    step = start
-    while step < job.total_steps and signals.received is None:
+        _evaluate(job, run_dir, progress, 0, evals, hooks)
+    step, stopped = start, False
+    while step < job.total_steps and signals.received is None and not stopped:
         step += 1
         record = job.step(step)
         run_dir.log_step(record)
         progress.update(step, record)
         signals.received = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
+        stopped = any([bool(hook.on_step(step, record)) for hook in hooks])  # every hook hears of the step
+        stopped = bool(distributed.agree_signal(int(stopped)))  # a hook's stop, on every rank alike
         if step == job.total_steps:
             break
         if job.eval_every and step % job.eval_every == 0:
-            _evaluate(job, run_dir, progress, step, evals)
-        if saves.due(step) or signals.received is not None:
-            save(job, run_dir, step, final=False)
+            _evaluate(job, run_dir, progress, step, evals, hooks)
+        if saves.due(step) or signals.received is not None or stopped:
+            _save(job, run_dir, step, hooks)
             run_dir.prune(saves.keep)
             saves.last_saved = time.monotonic()
+    if stopped and step < job.total_steps:  # a hook (a TrainerCallback's should_training_stop) ended the run
+        return _summary(job, run_dir, step, evals, cfg.output.plot, status="stopped",
+                        checkpoint=str(run_dir.checkpoint_dir(step)))
     if signals.received is not None and step < job.total_steps:  # a stop asked in the last step just finishes
         if step > start and not (run_dir.checkpoint_dir(step) / STATE_FILE).is_file():
-            save(job, run_dir, step, final=False)
+            _save(job, run_dir, step, hooks)
         name = signal.Signals(signals.received).name
         summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
                            exit_code=128 + signals.received)
@@ -235,18 +272,28 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
     # The final save comes first: a failing final eval cannot cost the trained model, and an eval
     # may change the model in place (SFT's merges LoRA adapters into the weights for the lean engine).
     checkpoint = save(job, run_dir, job.total_steps, final=True)
+    for hook in hooks:
+        hook.on_save(job.total_steps, checkpoint)
     if job.total_steps not in evals:
-        _evaluate(job, run_dir, progress, job.total_steps, evals)
+        _evaluate(job, run_dir, progress, job.total_steps, evals, hooks)
     return _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="finished",
                     checkpoint=str(checkpoint))
 
 
-def _evaluate(job: Job, run_dir: RunDir, progress: Progress, step: int, evals: dict) -> None:
+def _evaluate(job: Job, run_dir: RunDir, progress: Progress, step: int, evals: dict, hooks: list[Hook]) -> None:
     metrics = job.evaluate(step, run_dir)
     if metrics is not None:
         run_dir.log_eval(step, metrics)
         progress.set_eval(step, metrics)
         evals[step] = metrics
+        for hook in hooks:
+            hook.on_evaluate(step, metrics)
+
+
+def _save(job: Job, run_dir: RunDir, step: int, hooks: list[Hook]) -> None:
+    checkpoint = save(job, run_dir, step, final=False)
+    for hook in hooks:
+        hook.on_save(step, checkpoint)
 
 
 def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:

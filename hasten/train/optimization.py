@@ -2,8 +2,9 @@
 
 What it owns, written once (STYLE.md 18):
     AdamW            the kernel speed.optimizer picks (speed/adamw.py)
-    schedule         linear warmup, then cosine decay to min_lr_ratio (or constant); one
-                     schedule step per optimizer step
+    schedule         linear warmup, then cosine or linear decay to min_lr_ratio (or constant);
+                     one schedule step per optimizer step. Warmup starts at (1 / warmup) of the
+                     peak by default; warmup_from_zero starts at 0 as transformers' schedules do
     precision        autocast and the fp16 GradScaler (speed/precision.py)
     clipping         the global gradient norm, at max_grad_norm (0 = no clipping, norm still logged)
     NaN guard        an update from a non-finite loss or gradient is skipped (speed/nan_guard.py)
@@ -39,14 +40,19 @@ from ..speed.precision import Precision
 from . import distributed
 
 
-def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier on the peak lr: linear warmup, then cosine decay (or constant)."""
+def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float,
+              warmup_from_zero: bool = False) -> float:
+    """Multiplier on the peak lr: linear warmup, then cosine or linear decay (or constant).
+
+    With min_ratio 0 and warmup_from_zero these are transformers' get_{cosine,linear,constant}_schedule_with_warmup.
+    """
     if warmup_steps > 0 and optimizer_step < warmup_steps:
-        return (optimizer_step + 1) / warmup_steps
+        return (optimizer_step + (0 if warmup_from_zero else 1)) / warmup_steps
     if schedule == "constant" or total_steps <= warmup_steps:
         return 1.0
-    progress = (optimizer_step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (optimizer_step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_ratio + (1 - min_ratio) * decay
 
 
 class Schedule:
@@ -91,7 +97,8 @@ class OptimizerSettings:
     lr: float
     total_steps: int  # optimizer steps in the run: the schedule's length
     warmup_steps: int = 0
-    lr_schedule: str = "cosine"  # cosine | constant
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    warmup_from_zero: bool = False
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -105,7 +112,7 @@ class OptimizerSettings:
         """GRPO and the game policy: `train:` and `speed:`; mu optimizer steps per GRPO step."""
         train = cfg.train
         return cls(lr=train.lr, total_steps=train.steps * cfg.algo.num_iterations, warmup_steps=train.warmup_steps,
-                   lr_schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
+                   lr_schedule=train.lr_schedule, warmup_from_zero=train.warmup_from_zero, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
                    betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
                    kernel=cfg.speed.optimizer, precision=cfg.speed.precision, tf32=cfg.speed.tf32)
 
@@ -114,6 +121,7 @@ class OptimizerSettings:
         sft = cfg.sft
         kernel = {"fused": "fused", "foreach": "foreach", "plain": "for_loop"}[sft.adamw]
         return cls(lr=sft.lr, total_steps=total_steps, warmup_steps=sft.warmup_steps, lr_schedule=sft.lr_schedule,
+                   warmup_from_zero=sft.warmup_from_zero,
                    min_lr_ratio=sft.min_lr_ratio, weight_decay=sft.weight_decay, max_grad_norm=sft.max_grad_norm,
                    kernel=kernel, precision=sft_precision(sft.precision, device))
 
@@ -140,7 +148,8 @@ class Optimization:
         self.optimizer = make_adamw(parameters, settings.kernel, settings.lr, settings.betas, settings.weight_decay,
                                     settings.precision)
         self.schedule = Schedule(self.optimizer, lambda step: lr_factor(
-            step, settings.warmup_steps, settings.total_steps, settings.lr_schedule, settings.min_lr_ratio))
+            step, settings.warmup_steps, settings.total_steps, settings.lr_schedule, settings.min_lr_ratio,
+            settings.warmup_from_zero))
         self.precision = Precision(settings.precision, device, settings.tf32)
         self.guard = (NanGuard(speed, self.schedule.scale_peak, self.precision.disable, log)
                       if speed.nan_guard else None)

@@ -8,7 +8,8 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
     checkpoint-<N>/    full-state checkpoints (output.save_every, output.save_minutes, on a signal)
     checkpoint/        the final checkpoint (full state too)
     summary.json       end-of-run summary (status: finished | interrupted | failed)
-    progress.png       reward and held-out accuracy curves
+    progress.png       reward and held-out accuracy curves; loss, KL, entropy, completion
+                       length and step time below them
 
 Choices:
 - A run never overwrites another: an existing non-empty directory gets a
@@ -230,9 +231,10 @@ class RunDir:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        figure = Figure(figsize=(11, 4), layout="constrained")
+        figure = Figure(figsize=(15, 7), layout="constrained")
         FigureCanvasAgg(figure)
-        left, right = figure.subplots(1, 2)
+        panels = figure.subplot_mosaic([["reward"] * 3 + ["eval"] * 2, [key for key, _ in TRAINING_PANELS]])
+        left, right = panels["reward"], panels["eval"]
 
         left.set_title("training reward")
         left.set_xlabel("step")
@@ -265,6 +267,13 @@ class RunDir:
         if has_eval and fractions:
             right.set_ylim(-0.02, 1.02)
         _finish_panel(right, has_eval, "no eval results yet")
+        for key, title in TRAINING_PANELS:
+            xs, ys = _series(steps, key)
+            panels[key].set_title(title, fontsize="medium")
+            panels[key].set_xlabel("step")
+            if xs:
+                panels[key].plot(xs, ys, linewidth=1.2)
+            _finish_panel(panels[key], bool(xs), "not logged")
 
         target = self.path / "progress.png"
         temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -274,6 +283,11 @@ class RunDir:
         finally:
             temporary.unlink(missing_ok=True)
         return target
+
+
+# metrics.jsonl key -> panel title, the plot's bottom row
+TRAINING_PANELS = (("loss", "loss"), ("kl", "KL to the reference"), ("entropy", "entropy (nats/token)"),
+                   ("completion_length", "completion length (tokens)"), ("time/step", "step time (s)"))
 
 
 # ---------------------------------------------------------------- helpers
@@ -306,6 +320,9 @@ def save_model_files(model, tokenizer, directory: Path) -> None:
         # Adapters only. "auto" would look the base model up on the hub to see whether
         # the vocabulary changed; hasten never trains the embeddings through LoRA.
         model.save_pretrained(directory, save_embedding_layers=False)
+        registry_name = getattr(model.get_base_model(), "_hasten_registry_name", None)
+        if registry_name is not None:  # the base's cache path may not exist elsewhere; hasten resolves the name
+            (Path(directory) / "hasten_base.json").write_text(json.dumps({"name": registry_name}) + "\n")
     else:
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -50,6 +50,7 @@ from ..config import Config, ConfigError
 from ..games.fruit_catcher import Draws, Rules, start_states
 from ..games.policy import POLICY_FILE, CatcherPolicy, Episodes, play, save_policy
 from . import loop
+from .tracking import check_trackers, make_trackers
 from .optimization import Optimization, OptimizerSettings
 from .outputs import RunDir
 from .runtime import configure_threads
@@ -256,6 +257,7 @@ class GameJob:
 
 def train_policy(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None) -> dict:
     """Train a game policy with GRPO; the same run directory and summary shape as `trainer.train`."""
+    check_trackers(cfg)  # before anything is written
     job = GameJob(prepare_game(cfg, log))
     run, checkpoint = loop.open_run(cfg, resume)
-    return loop.run(job, cfg, run, log, checkpoint, created=resume is None)
+    return loop.run(job, cfg, run, log, checkpoint, created=resume is None, callbacks=make_trackers(cfg, run, list))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -100,11 +101,12 @@ class RewardScorer:
         return self.gate is None and not any(self.slow) and not any(self.cached)
 
     def start(self, prompts: list, completions: list, columns: dict[str, list],
-              completion_ids: list[list[int]]) -> PendingScores:
-        batch = _Batch(prompts, completions, columns, completion_ids)
+              completion_ids: list[list[int]], extra: dict | None = None) -> PendingScores:
+        """extra: whole-batch keyword arguments for every function (trainer_state, log_metric, log_extra)."""
+        batch = _Batch(prompts, completions, columns, completion_ids, dict(extra or {}))
         if self.plain:
             pending = PendingScores(self, batch, [], {}, None)
-            pending.result = score_rewards(self.functions, prompts, completions, columns, completion_ids)
+            pending.result = score_rewards(self.functions, prompts, completions, columns, completion_ids, extra)
             return pending
         _check(prompts, completions, columns, completion_ids)
         count = len(completions)
@@ -221,3 +223,42 @@ def _check(prompts, completions, columns, completion_ids) -> None:
             raise RewardError(f"reward error: a dataset column may not be named '{column}' (reserved for rewards)")
         if len(values) != count:
             raise RewardError(f"reward error: column '{column}' has {len(values)} values for {count} samples")
+
+
+@dataclass
+class RewardState:
+    """trainer_state for reward functions on the CLI path (the Python API passes its TrainerState):
+    the fields of transformers' TrainerState a reward schedule reads."""
+
+    global_step: int = 0  # optimizer steps completed
+    max_steps: int = 0
+    epoch: float = 0.0
+    log_history: list = field(default_factory=list)
+
+
+class RewardLogs:
+    """TRL 1.16's reward-function keyword arguments `trainer_state`, `log_metric`, `log_extra`.
+
+    log_metric(name, value): the step's record gets the mean of the values under `name`.
+    log_extra(column, values): one value per sample, added to the step's logged completions.
+    Both are drained once per step; thread-pool rewards may call them concurrently (list appends).
+    """
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns.setdefault(column, []).extend(values)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"trainer_state": self.state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def drain(self) -> tuple[dict[str, float], dict[str, list]]:
+        metrics = {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
+        columns, self.metrics, self.columns = self.columns, {}, {}
+        return metrics, columns

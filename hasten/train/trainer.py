@@ -16,6 +16,11 @@ so a bad invocation leaves nothing behind.
 
 Under torchrun (train/distributed.py) each rank runs this same step on its
 share of whole groups; the hooks are marked where they act.
+
+The Python API (hasten/api/, TRL's GRPOTrainer surface) runs this same code:
+it builds the Task, reward functions and Policy in memory and hands them to
+`prepare(task=, rewards=, policy=)` / `train(...)` instead of names, plus
+its callbacks (TRL's TrainerCallback hooks) for the loop.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..algo import group_advantages, zero_variance_fraction
+from ..algo.advantages import nanstd
 from ..config import Config, ConfigError
 from ..device import configure_device, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
@@ -37,6 +43,7 @@ from ..rewards import RewardFunction, load_reward
 from ..rewards.batch import ScoredBatch, reward_inputs
 from ..rewards.runner import RewardScores
 from ..rollout import Engine, KVCacheEngine, RowRange, SamplingParams
+from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
@@ -48,7 +55,8 @@ from .learner import Learner
 from .outputs import RunDir, save_model_files
 from .preflight import check_output_dir
 from .runtime import configure_threads, keep_freed_memory
-from .scoring import RewardScorer
+from .scoring import RewardLogs, RewardScorer, RewardState
+from .tracking import check_trackers, make_trackers
 
 
 @dataclass
@@ -61,11 +69,15 @@ class Session:
     policy: Policy
     engine: Engine  # KVCacheEngine or LeanEngine (speed.engine)
     scorer: RewardScorer | None = None  # reward pool, cache and gate (speed.*); owns the pool threads
+    reward_logs: RewardLogs | None = None  # trainer_state / log_metric / log_extra for reward functions
+    completions: list[dict[str, Any]] = field(default_factory=list)  # the last step's samples (output.log_completions)
 
 
-def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
+def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
+    """The task's rewards (rewards.task_rewards), rewards.extra's files, then `given` (the Python API's)."""
     functions = list(task.reward_functions) if cfg.rewards.task_rewards else []
     functions += [load_reward(spec) for spec in cfg.rewards.extra]
+    functions += list(given or [])
     if not functions:
         raise ConfigError(
             f"config error: no reward functions (task '{task.name}' has none built in; add --reward file.py:function)"
@@ -81,23 +93,32 @@ def build_rewards(cfg: Config, task: Task) -> list[RewardFunction]:
     return functions
 
 
-def prepare(cfg: Config, log: Callable[[str], None] = print) -> Session:
+def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None = None,
+            rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
+            trainer_state: Any = None) -> Session:
+    """Everything a run needs. task / rewards / policy: built by the caller (the Python API) instead of
+    from cfg's names; rewards are added after the task's and rewards.extra's. trainer_state: what reward
+    functions receive as `trainer_state` (default: a RewardState the step keeps current)."""
     device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
     configure_device(device)
+    check_trackers(cfg)
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    task = make_task(cfg.task, cfg)
-    rewards = build_rewards(cfg, task)
-    policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
+    task = task if task is not None else make_task(cfg.task, cfg)
+    rewards = build_rewards(cfg, task, rewards)
+    if policy is None:
+        policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
     distributed.init(device)  # torchrun: join the process group (nothing without it)
     distributed.broadcast_parameters(policy.model)  # equal by seed already; rank 0's by construction
     if cfg.speed.compile:
         compile_model(policy.model, cfg.speed.compile_mode, log)
-    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed))
+    state = trainer_state if trainer_state is not None else RewardState(max_steps=cfg.train.steps * cfg.algo.num_iterations)
+    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed),
+                   RewardLogs(state))
 
 
 def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
@@ -154,22 +175,23 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
 
 def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
     """Take `count` prompts, sample a group for each with `engine`, score them (slow rewards joined here)."""
-    cfg, tokenizer = session.cfg, session.policy.tokenizer
-    sampling = SamplingParams(
-        cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.generation.top_p, cfg.generation.top_k
-    )
+    tokenizer, generation = session.policy.tokenizer, session.cfg.generation
+    sampling = SamplingParams(generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k,
+                              generation.min_p, generation.repetition_penalty)
     rows, prompts = feeder.take(count)  # the global batch's prompts: every rank draws the same stream
     mine = distributed.group_slice(count)  # this rank's whole groups (all of them in one process)
     rows, prompts = rows[mine], prompts[mine]
-    group = cfg.generation.num_generations
+    group = generation.num_generations
     started = time.perf_counter()
     rollout = engine.generate(prompts, group, sampling, seed=seed,
                               rows=RowRange(mine.start * group, count * group))  # the global batch's draws
+    rollout = apply_stop_strings(rollout, tokenizer, generation.stop_strings, session.policy.pad_token_id)
     generated = time.perf_counter()
     inputs = reward_inputs(tokenizer, rows, rollout)
-    pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids)
+    pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids,
+                                   session.reward_logs.kwargs())
     scores = pending.join()  # slow rewards ran in the pool while the fast ones ran here
-    group_means = scores.total.view(len(rows), -1).mean(dim=1)  # (B,)
+    group_means = torch.nan_to_num(torch.nanmean(scores.scored_total.view(len(rows), -1), dim=1))  # (B,)
     feeder.observe(rows, group_means.tolist())  # curriculum success rates
     metrics = {**pending.metrics, "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
     return ScoredBatch(rows, rollout, inputs, scores, metrics)
@@ -188,6 +210,8 @@ def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Coll
     """Generate and score step `step`'s batch (refilled by dynamic sampling when on)."""
     cfg = session.cfg
     seed = cfg.train.seed * 1_000_003 + step
+    state = session.reward_logs.state  # what reward functions see as trainer_state
+    state.global_step = (step - 1) * cfg.algo.num_iterations
     rounds: list[ScoredBatch] = [generate_and_score(session, engine, feeder, cfg.train.prompts_per_step, seed)]
     batch: ScoredBatch | None = rounds[0]
     dynamic: dict[str, float] = {}
@@ -224,10 +248,14 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
 
     learned_metrics: dict[str, Any] = {"skipped_update": 1.0}  # every group was flat: nothing to learn from
     if batch is not None:
-        totals = distributed.gather_rows(batch.scores.total)  # (B*G,) the global batch's, in rank order
+        totals = distributed.gather_rows(batch.scores.scored_total)  # (B*G,) the global batch's, in rank order
         mine = distributed.group_slice(len(totals) // group)
-        advantages = group_advantages(totals, group, cfg.algo.scale_rewards)[mine.start * group:mine.stop * group]
-        learned_metrics = learner.step(batch.rollout, advantages, off_policy=off_policy,
+        advantages = group_advantages(totals, group, cfg.algo.scale_rewards)  # (B*G,), 0 where unscored
+        advantages = advantages[mine.start * group:mine.stop * group]
+        loss_mask = None
+        if cfg.algo.mask_truncated_completions:  # cut at max_new_tokens: no loss on them (TRL's option)
+            loss_mask = batch.rollout.completion_mask * batch.rollout.ended_with_eos[:, None]  # (B*G, T)
+        learned_metrics = learner.step(batch.rollout, advantages, loss_mask, off_policy=off_policy,
                                        importance_cap=importance_cap(cfg))
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
@@ -241,19 +269,25 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     ended = distributed.gather_rows(first.rollout.ended_with_eos)
     tokens = distributed.sum_over_ranks(
         sum(int(r.rollout.prompt_mask.sum()) + int(r.rollout.completion_mask.sum()) for r in rounds))
+    logged, columns = session.reward_logs.drain()  # what reward functions sent through log_metric / log_extra
+    if cfg.output.log_completions:
+        session.completions = completion_table(first, columns)
+    total = scores.scored_total  # (B*G,) NaN where no reward function applied
     record = {
         "step": step,
-        "reward_mean": float(scores.total.mean()),
-        "reward_std": float(scores.total.std()),
+        "reward_mean": float(torch.nanmean(total)),
+        "reward_std": float(nanstd(total)),
         **{f"rewards/{name}": value for name, value in scores.means().items()},
         **{f"rewards/{name}/std": value for name, value in scores.stds().items()},
-        "zero_variance_groups": zero_variance_fraction(scores.total, group),
+        "zero_variance_groups": zero_variance_fraction(total, group),
+        "unscored_fraction": float((~scores.scorable).float().mean()),
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
         "eos_fraction": float(ended.float().mean()),
         **rounds[-1].metrics,
         **collected.dynamic,
         **learned_metrics,
+        **logged,
         "time/generate": sum(r.metrics["time/generate"] for r in rounds),
         "time/reward": sum(r.metrics["time/reward"] for r in rounds),
         "time/learn": finished - scored,
@@ -261,6 +295,18 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         "tokens_per_second": tokens / (finished - started),
     }
     return record
+
+
+def completion_table(batch: ScoredBatch, columns: dict[str, list]) -> list[dict[str, Any]]:
+    """One row per sample of a round: prompt, completion, rewards, and log_extra's columns."""
+    scores = batch.scores
+    table = []
+    for index, (prompt, text) in enumerate(zip(batch.inputs.prompts, batch.inputs.texts)):
+        row = {"prompt": prompt, "completion": text, "reward": float(scores.total[index])}
+        row.update({name: float(scores.per_function[index, column]) for column, name in enumerate(scores.names)})
+        row.update({name: values[index] for name, values in columns.items() if index < len(values)})
+        table.append(row)
+    return table
 
 
 class GRPOJob:
@@ -307,7 +353,9 @@ class GRPOJob:
         metrics, samples = evaluate(
             session.task, session.engine, session.policy.tokenizer, session.rewards,
             min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
+            cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
         )
+        metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
         run.save_samples(f"eval-step{step}", samples)
         return metrics
@@ -344,8 +392,14 @@ class GRPOJob:
                 close_shared()  # the code task's sandbox workers
 
 
-def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None) -> dict:
-    """Train with GRPO (a game task: its policy loop); `resume`: a checkpoint of this run (see loop.resolve)."""
+def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None, *,
+          task: Task | None = None, rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
+          trainer_state: Any = None, callbacks: list | None = None, session: Session | None = None) -> dict:
+    """Train with GRPO (a game task: its policy loop); `resume`: a checkpoint of this run (see loop.resolve).
+
+    task, rewards, policy, trainer_state: see prepare; session: one prepare() already made (the API
+    prepares at construction, as TRL does). callbacks: loop hooks (loop.run), after the trackers.
+    """
     from ..games import GAMES
 
     if resume is None:
@@ -359,11 +413,14 @@ def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None =
         return train_policy(cfg, log, resume)
     distributed.check_config(cfg)  # what does not split over torchrun's ranks: before any work
     log = distributed.main_only(log)  # torchrun: rank 0 speaks for the run
-    session = prepare(cfg, log)  # raises on bad input before anything is written
+    if session is None:
+        session = prepare(cfg, log, task, rewards, policy, trainer_state)  # raises on bad input before any write
     try:
         job = GRPOJob(session, log)
     except BaseException:
         session.scorer.close()
         raise
     run, checkpoint = loop.open_run(cfg, resume)
-    return loop.run(job, cfg, run, log, checkpoint, created=resume is None)
+    trackers = make_trackers(cfg, run, lambda: session.completions) if distributed.is_main() else []  # rank 0 logs
+    hooks = trackers + list(callbacks or [])
+    return loop.run(job, cfg, run, log, checkpoint, created=resume is None, callbacks=hooks)

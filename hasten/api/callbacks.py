@@ -1,0 +1,161 @@
+"""transformers TrainerCallbacks on hasten's loop: TrainerState, TrainerControl and the bridge Hook.
+
+The loop (train/loop.py) tells its Hooks of the start, each step, evals,
+saves and the end; `CallbackBridge` turns that into the TrainerCallback
+calls that have a meaning here, with transformers' arguments
+(args, state, control, model=, processing_class=, logs= / metrics=):
+
+    on_train_begin   before the first step (or the first step after a resume)
+    on_step_end      after every hasten step (one generation batch: num_iterations optimizer steps)
+    on_log           every args.logging_steps: the mean of the steps since the last log, under TRL's
+                     names (loss, grad_norm, learning_rate, reward, reward_std, rewards/<f>/mean,
+                     completions/mean_length, kl, entropy, ...); appended to state.log_history
+    on_evaluate      after each held-out eval (metrics prefixed "eval_", as transformers does)
+    on_save          after each checkpoint
+    on_train_end     after the last step (or a stop)
+
+A callback that sets control.should_training_stop ends the run after that
+step (a checkpoint is saved). Hooks hasten has no moment for (on_step_begin,
+on_substep_end, on_pre_optimizer_step, on_optimizer_step, on_epoch_begin,
+on_epoch_end, on_prediction_step, on_init_end) are an error when a callback
+overrides them, rather than never being called. The state and control are
+hasten's own small dataclasses with transformers' field names, so the
+Python API does not import transformers unless the model needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..train.loop import Hook
+from .grpo_config import APIError
+
+NOT_CALLED = ("on_init_end", "on_epoch_begin", "on_epoch_end", "on_step_begin", "on_substep_end",
+              "on_pre_optimizer_step", "on_optimizer_step", "on_prediction_step", "on_push_begin")
+
+# hasten's metrics.jsonl names -> TRL's log names (others keep hasten's name)
+TRL_NAMES = {"reward_mean": "reward", "lr": "learning_rate", "completion_length": "completions/mean_length",
+             "completion_length_max": "completions/max_length", "zero_variance_groups": "frac_reward_zero_std",
+             "eos_fraction": "completions/eos_fraction"}
+
+
+@dataclass
+class TrainerState:
+    """transformers.TrainerState's fields that describe a hasten run; global_step counts optimizer steps."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_train_epochs: float = 0.0
+    logging_steps: float = 10
+    save_steps: float = 500
+    eval_steps: float | None = None
+    train_batch_size: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    total_flos: float = 0.0
+    num_input_tokens_seen: int = 0
+
+
+@dataclass
+class TrainerControl:
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+
+def instantiate(callbacks: list | None) -> list:
+    """Callback instances (a class is instantiated, as transformers does); overrides hasten cannot call are errors."""
+    result = []
+    for callback in callbacks or []:
+        instance = callback() if isinstance(callback, type) else callback
+        for klass in type(instance).__mro__:
+            if klass.__module__.startswith(("transformers", "trl")) or klass is object:
+                break  # the library's own (no-op) hooks
+            overridden = [name for name in NOT_CALLED if name in vars(klass)]
+            if overridden:
+                raise APIError(f"callbacks: {type(instance).__name__}.{overridden[0]} is never called by hasten "
+                               "(it has no such moment); docs/trl.md lists the hooks it calls")
+        result.append(instance)
+    return result
+
+
+def trl_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record under TRL's log names."""
+    out = {}
+    for key, value in record.items():
+        if key.startswith("rewards/") and not key.endswith("/std"):
+            key = f"{key}/mean"
+        out[TRL_NAMES.get(key, key)] = value
+    return out
+
+
+class CallbackBridge(Hook):
+    """The loop's Hook that drives TrainerCallbacks and keeps TrainerState (log_history) current."""
+
+    def __init__(self, callbacks: list, args: Any, state: TrainerState, model: Any, tokenizer: Any,
+                 iterations: int, prompts_per_epoch: float, log_every: int):
+        self.callbacks, self.args, self.state, self.control = callbacks, args, state, TrainerControl()
+        self.model, self.tokenizer = model, tokenizer
+        self.iterations, self.prompts_per_epoch, self.log_every = iterations, prompts_per_epoch, log_every
+        self.window: list[dict[str, Any]] = []
+        self.run_dir = None
+
+    def _call(self, hook: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                result = method(self.args, self.state, self.control, model=self.model,
+                                processing_class=self.tokenizer, **kwargs)
+                if isinstance(result, TrainerControl):  # transformers lets a hook return a new control
+                    self.control = result
+
+    def _advance(self, step: int) -> None:
+        self.state.global_step = step * self.iterations
+        self.state.epoch = step / self.prompts_per_epoch
+
+    def on_begin(self, run, start: int) -> None:
+        self.run_dir = run.path
+        self._advance(start)
+        self._call("on_train_begin")
+
+    def on_step(self, step: int, record: dict[str, Any]) -> bool:
+        self._advance(step)
+        self.window.append(record)
+        self._call("on_step_end")
+        if step % self.log_every == 0:
+            self._log()
+        return self.control.should_training_stop
+
+    def _log(self) -> None:
+        if not self.window:
+            return
+        numeric = [{k: v for k, v in trl_record(r).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and k != "step"} for r in self.window]
+        keys = dict.fromkeys(key for record in numeric for key in record)
+        logs = {key: sum(r[key] for r in numeric if key in r) / sum(key in r for r in numeric) for key in keys}
+        logs["epoch"] = self.state.epoch
+        self.window = []
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._call("on_log", logs=logs)
+
+    def on_evaluate(self, step: int, metrics: dict[str, Any]) -> None:
+        self._advance(step)
+        prefixed = {f"eval_{key}": value for key, value in metrics.items()}
+        self.state.log_history.append({**prefixed, "epoch": self.state.epoch, "step": self.state.global_step})
+        self._call("on_evaluate", metrics=prefixed)
+
+    def on_save(self, step: int, checkpoint) -> None:
+        self._call("on_save")
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        self._log()  # a last window shorter than logging_steps
+        self._call("on_train_end")

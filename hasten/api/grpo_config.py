@@ -1,0 +1,320 @@
+"""GRPOConfig: TRL 1.16's field names and defaults, mapped onto hasten's Config (one source of truth).
+
+`GRPOConfig(output_dir=..., learning_rate=..., ...)` takes the fields a TRL
+script sets; `to_config(rows)` turns them into the same config.py dataclasses
+the CLI builds (validated by load_config, saved as the run's config.yaml).
+Nothing is kept on the side: what the run does is what config.yaml says.
+
+Rules:
+- Every field below means what it means in TRL; docs/trl.md has the table.
+- A TRL field hasten has no counterpart for (vLLM, hub, DeepSpeed, ...) is
+  accepted only at its TRL default; any other value is one UserError naming
+  it (trl_fields.py). A name that is no TRL field at all is an error too.
+- Where hasten's CLI defaults differ from TRL's, this path uses TRL's:
+  adam_beta2 0.999 (CLI 0.99), a linear schedule (CLI cosine), warmup
+  starting from lr 0 (CLI from lr/warmup), save_minutes off (TRL saves by
+  steps only). Where TRL's default is a GPU default, hasten keeps its own
+  and documents it: gradient_checkpointing and bf16 default to None = off
+  on this path (TRL: on), set either explicitly to turn it on.
+- Batch arithmetic is TRL's: generation_batch_size completions per
+  generation = per_device_train_batch_size x steps_per_generation, split
+  into gradient_accumulation_steps micro-batches for one optimizer step.
+  hasten takes exactly one optimizer step per generation batch (per
+  iteration), so steps_per_generation must equal gradient_accumulation_steps.
+- max_steps counts optimizer steps as in TRL; hasten's train.steps counts
+  generation batches, so train.steps = max_steps / num_iterations.
+
+Hasten's own switches: `speed={"engine": "lean", ...}` (any speed.* key) and
+`profile="balanced"` (profiles.py), applied as on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+
+
+class APIError(UserError):
+    """A GRPOConfig / GRPOTrainer argument hasten cannot honour; one line."""
+
+
+@dataclass
+class _TrainingFields:
+    """TrainingArguments fields hasten reads for both GRPO and SFT (TRL's defaults)."""
+
+    # where and how long
+    output_dir: str | None = None  # the run directory (None: "trainer_output", as transformers)
+    max_steps: int = -1  # optimizer steps; -1: from num_train_epochs
+    num_train_epochs: float = 3.0
+    seed: int = 42
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    # optimizer and schedule
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"  # linear | cosine | constant | constant_with_warmup
+    warmup_steps: float = 0  # an int, or a float < 1: a fraction of the optimizer steps (transformers 5)
+    warmup_ratio: float | None = None  # older transformers' name for the fraction
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    optim: str = "adamw_torch_fused"  # adamw_torch | adamw_torch_fused
+    # logging, saving
+    logging_steps: float = 10
+    report_to: Any = "none"  # none | tensorboard | wandb | trackio | mlflow, or a list
+    save_strategy: str = "steps"  # steps | no
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    disable_tqdm: bool | None = None
+    # precision and memory
+    bf16: bool | None = None  # None: fp32 on CPU (TRL: bf16); True: bf16 autocast
+    fp16: bool = False
+    tf32: bool | None = None
+    gradient_checkpointing: bool | None = None  # None: off (TRL: on); memory is rarely the limit on CPU
+    torch_compile: bool = False
+    model_init_kwargs: dict | None = None  # only {"dtype": ...}
+    # hasten's own
+    speed: dict[str, Any] | None = None  # speed.* keys, e.g. {"engine": "hf"}
+    profile: str | None = None  # baseline | conservative | balanced | aggressive (profiles.py)
+
+
+@dataclass
+class _GRPOFields(_TrainingFields):
+    # batch (TRL's arithmetic: completions, not prompts)
+    generation_batch_size: int | None = None  # completions per generation
+    steps_per_generation: int | None = None
+    num_generations: int = 8
+    max_completion_length: int = 512
+    # the algorithm
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"  # "sequence" with loss_type="grpo" is hasten's gspo
+    scale_rewards: Any = "group"  # group | batch | none, or True / False
+    reward_weights: list[float] | None = None
+    mask_truncated_completions: bool = False
+    # generation
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None  # only {"stop_strings": [...]}
+    chat_template_kwargs: dict | None = None
+    # logging and evaluation
+    log_completions: bool = False
+    eval_strategy: str = "no"  # no | steps
+    eval_steps: float | None = None
+    eval_on_start: bool = False
+    per_device_eval_batch_size: int = 8
+
+
+class TrainingConfig:
+    """What GRPOConfig and SFTConfig share: TRL's keyword-only construction and the common mappings."""
+
+    fields_class: type = _TrainingFields
+
+    def __init__(self, output_dir: str | None = None, **fields: Any):
+        from .trl_fields import unsupported_value
+
+        known = {item.name for item in dataclasses.fields(self.fields_class)}
+        for name, value in fields.items():
+            if name not in known:
+                problem = unsupported_value(name, value, type(self).__name__)
+                if problem is not None:
+                    raise APIError(f"{type(self).__name__}: {problem}")
+        self.fields_class.__init__(self, output_dir=output_dir, **{k: v for k, v in fields.items() if k in known})
+
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps per hasten step (GRPO: num_iterations; SFT: 1)."""
+        return 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def _error(self, text: str) -> APIError:
+        return APIError(f"{type(self).__name__}: {text}")
+
+    def _precision_mode(self) -> str | None:
+        """bf16 | fp16 | None (hasten's default: fp32 on CPU)."""
+        if self.bf16 and self.fp16:
+            raise self._error("bf16 and fp16 can not both be True")
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else None
+
+    def _model(self) -> list[tuple[str, Any]]:
+        kwargs = dict(self.model_init_kwargs or {})
+        dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+        if kwargs:
+            raise self._error(f"model_init_kwargs {sorted(kwargs)} are not supported (only dtype)")
+        return [("model.dtype", str(dtype).removeprefix("torch."))] if dtype not in (None, "auto") else []
+
+    def _optimizer(self) -> str:
+        kernels = {"adamw_torch_fused": "fused", "adamw_torch": "foreach"}  # the same AdamW update either way
+        if self.optim not in kernels:
+            raise self._error(f"optim={self.optim!r} is not supported (hasten's AdamW: {', '.join(kernels)})")
+        return kernels[self.optim]
+
+    def _schedule(self) -> str:
+        kind = str(self.lr_scheduler_type)
+        if kind == "constant" and (self.warmup_steps or self.warmup_ratio):
+            raise self._error("lr_scheduler_type='constant' ignores warmup in transformers; "
+                              "use 'constant_with_warmup' (or no warmup)")
+        mapping = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+        if kind not in mapping:
+            raise self._error(f"lr_scheduler_type={kind!r} is not supported (hasten has {', '.join(mapping)})")
+        return mapping[kind]
+
+    def _warmup(self, optimizer_steps: int) -> int:
+        ratio = self.warmup_ratio if self.warmup_ratio is not None else (
+            self.warmup_steps if 0 < self.warmup_steps < 1 else None)
+        if ratio is not None:
+            return math.ceil(optimizer_steps * ratio)  # transformers' get_warmup_steps
+        if self.warmup_steps != int(self.warmup_steps) or self.warmup_steps < 0:
+            raise self._error(f"warmup_steps must be a whole number >= 0 or a fraction < 1 (got {self.warmup_steps})")
+        return int(self.warmup_steps)
+
+    def _output(self, steps: int) -> list[tuple[str, Any]]:
+        """output.*: the run directory is output_dir; saving and logging intervals in hasten steps."""
+        directory = Path(self.output_dir or "trainer_output")
+        if self.save_strategy not in ("steps", "no"):
+            raise self._error(f"save_strategy={self.save_strategy!r} is not supported (steps | no)")
+        save_every = 0 if self.save_strategy == "no" else _every(self.save_steps, steps, self.iterations)
+        report = [] if self.report_to in (None, "none") else (
+            [self.report_to] if isinstance(self.report_to, str) else list(self.report_to))
+        if "all" in report:
+            raise self._error("report_to='all' is not supported; name the trackers (tensorboard, wandb, trackio, "
+                              "mlflow)")
+        return [("output.dir", str(directory.parent)), ("output.name", directory.name),
+                ("output.save_every", save_every), ("output.save_minutes", 0.0),
+                ("output.save_total_limit", self.save_total_limit or 0), ("output.report_to", report),
+                ("output.log_every", max(1, _every(self.logging_steps, steps, self.iterations))),
+                ("output.progress", "off" if self.disable_tqdm else "auto"), *self._model()]
+
+class GRPOConfig(TrainingConfig, _GRPOFields):
+    """TRL's GRPOConfig surface; `overrides(...)` gives hasten's config keys."""
+
+    fields_class = _GRPOFields
+
+    @property
+    def iterations(self) -> int:
+        return self.num_iterations
+
+    # ------------------------------------------------------------------ mapping
+
+    def prompts_per_step(self) -> int:
+        """Prompts per generation batch, by TRL's arithmetic (one process)."""
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise self._error("'generation_batch_size' and 'steps_per_generation' can not be both set")
+        steps = self.steps_per_generation
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % self.per_device_train_batch_size:
+                raise self._error(f"generation_batch_size ({self.generation_batch_size}) must be divisible "
+                               f"by per_device_train_batch_size ({self.per_device_train_batch_size})")
+            steps = self.generation_batch_size // self.per_device_train_batch_size
+        steps = self.gradient_accumulation_steps if steps is None else steps
+        if steps != self.gradient_accumulation_steps:
+            raise self._error(f"steps_per_generation={steps} with gradient_accumulation_steps="
+                           f"{self.gradient_accumulation_steps} is not supported (hasten takes one optimizer step "
+                           "per generation batch: make them equal)")
+        completions = self.per_device_train_batch_size * steps
+        if completions % self.num_generations:
+            raise self._error(f"generation_batch_size ({completions}) must be divisible by num_generations "
+                           f"({self.num_generations})")
+        return completions // self.num_generations
+
+    def grpo_steps(self, num_rows: int) -> int:
+        """hasten's train.steps (generation batches) from max_steps or num_train_epochs."""
+        if self.max_steps > 0:
+            if self.max_steps % self.num_iterations:
+                raise self._error(f"max_steps ({self.max_steps}) must be a multiple of num_iterations "
+                               f"({self.num_iterations}): hasten runs all of a batch's iterations in one step")
+            return self.max_steps // self.num_iterations
+        return max(1, math.ceil(self.num_train_epochs * num_rows / self.prompts_per_step()))
+
+    def overrides(self, num_rows: int, num_eval_rows: int) -> list[tuple[str, Any]]:
+        """(dotted key, value) pairs for config.load_config: every field's meaning in hasten's terms."""
+        steps = self.grpo_steps(num_rows)
+        optimizer_steps = steps * self.num_iterations
+        pairs: list[tuple[str, Any]] = [
+            ("train.steps", steps), ("train.prompts_per_step", self.prompts_per_step()),
+            ("train.gradient_accumulation_steps", self.gradient_accumulation_steps), ("train.seed", self.seed),
+            ("train.lr", self.learning_rate), ("train.weight_decay", self.weight_decay),
+            ("train.adam_beta1", self.adam_beta1), ("train.adam_beta2", self.adam_beta2),
+            ("train.max_grad_norm", self.max_grad_norm), ("train.warmup_from_zero", True),
+            ("train.warmup_steps", self._warmup(optimizer_steps)), ("train.lr_schedule", self._schedule()),
+            ("speed.optimizer", self._optimizer()),
+            ("generation.num_generations", self.num_generations),
+            ("generation.max_new_tokens", self.max_completion_length),
+            ("eval.max_new_tokens", self.max_completion_length),
+            ("generation.temperature", self.temperature), ("generation.top_p", self.top_p),
+            ("generation.top_k", self.top_k), ("generation.min_p", self.min_p or 0.0),
+            ("generation.repetition_penalty", self.repetition_penalty),
+            ("generation.stop_strings", self._stop_strings()),
+            ("generation.chat_template_kwargs", dict(self.chat_template_kwargs or {})),
+            ("algo.loss", self._loss()), ("algo.beta", self.beta), ("algo.epsilon", self.epsilon),
+            ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
+            ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
+            ("algo.mask_truncated_completions", self.mask_truncated_completions),
+            ("rewards.task_rewards", False), ("rewards.weights", self.reward_weights),
+            ("output.log_completions", self.log_completions),
+            *self._output(steps), *self._eval(num_eval_rows, steps),
+        ]
+        if self._precision_mode() is not None:
+            pairs.append(("speed.precision", self._precision_mode()))
+        if self.tf32:
+            pairs.append(("speed.tf32", True))
+        if self.gradient_checkpointing is not None:
+            pairs.append(("speed.gradient_checkpointing", self.gradient_checkpointing))
+        if self.torch_compile:
+            pairs.append(("speed.compile", True))
+        pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
+        return pairs
+
+    def _loss(self) -> str:
+        from ..config import CHOICES
+
+        level, loss = self.importance_sampling_level, self.loss_type
+        if level == "sequence":
+            if loss != "grpo":
+                raise self._error(f"importance_sampling_level='sequence' with loss_type={loss!r} is not "
+                               "supported (hasten's gspo is TRL's sequence level with loss_type='grpo')")
+            return "gspo"
+        if level != "token":
+            raise self._error(f"importance_sampling_level must be 'token' or 'sequence' (got {level!r})")
+        if loss not in CHOICES["algo.loss"] or loss == "gspo":
+            raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo; "
+                           "GSPO is importance_sampling_level='sequence')")
+        return loss
+
+    def _stop_strings(self) -> list[str]:
+        given = dict(self.generation_kwargs or {})
+        stops = given.pop("stop_strings", None) or []
+        if given:
+            raise self._error(f"generation_kwargs {sorted(given)} are not supported (hasten reads "
+                           "stop_strings; temperature, top_p, top_k, min_p, repetition_penalty are fields)")
+        return [stops] if isinstance(stops, str) else list(stops)
+
+    def _eval(self, num_eval_rows: int, steps: int = 0) -> list[tuple[str, Any]]:
+        if self.eval_strategy not in ("no", "steps"):
+            raise self._error(f"eval_strategy={self.eval_strategy!r} is not supported (no | steps)")
+        if self.eval_strategy == "no" or not num_eval_rows:
+            return [("eval.at_start", False), ("eval.num_examples", 0)]
+        every = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        return [("eval.at_start", self.eval_on_start), ("eval.every", _every(every, steps, self.iterations)),
+                ("eval.num_examples", num_eval_rows), ("eval.batch_size", self.per_device_eval_batch_size)]
+
+
+def _every(value: float, steps: int, iterations: int = 1) -> int:
+    """A TRL interval in optimizer steps (a whole number, or a fraction < 1 of the run) as hasten steps:
+    each hasten step is num_iterations optimizer steps. Rounded up, at least 1; 0 stays 0."""
+    if 0 < value < 1:
+        return max(1, math.ceil(value * steps))
+    return 0 if value <= 0 else max(1, math.ceil(int(value) / iterations))

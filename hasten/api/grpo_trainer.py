@@ -1,0 +1,164 @@
+"""GRPOTrainer: TRL 1.16's constructor and methods over hasten's one GRPO loop.
+
+    from hasten import GRPOConfig, GRPOTrainer      # was: from trl import GRPOConfig, GRPOTrainer
+    trainer = GRPOTrainer(model="tiny", reward_funcs=my_reward, args=GRPOConfig(output_dir="out"),
+                          train_dataset=dataset)
+    trainer.train()
+
+Construction does what TRL's does, and everything that can fail on user
+input fails here: the arguments are mapped onto a Config (grpo_config.py),
+the model, tokenizer, reward functions and rows are built (inputs.py) and
+handed to train/trainer.py's `prepare(task=, rewards=, policy=)`. `train()`
+runs train/trainer.py's `train(session=...)` (the same loop, checkpoints,
+resume and signals as `hasten train`) with the callbacks bridged in
+(callbacks.py). The model is trained in place: `trainer.model` is the
+trained policy afterwards, as in TRL.
+
+Differences a TRL user meets (docs/trl.md has all of them): the run
+directory is output_dir itself unless it holds another run, in which case
+a fresh `<output_dir>-2` is used (hasten never overwrites a run; the log
+says so); `train()` a second time on the same trainer is an error; an
+interrupted run (Ctrl-C) returns with metrics["status"] == "interrupted"
+after saving a checkpoint instead of raising KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import Config, load_config, to_dict
+from .callbacks import CallbackBridge, TrainerState, instantiate
+from .grpo_config import APIError, GRPOConfig
+from .inputs import build_policy, build_rewards, build_task, model_name
+
+UNSUPPORTED_ARGUMENTS = ("reward_processing_classes", "quantization_config", "tools", "rollout_func",
+                         "environment_factory")
+
+
+@dataclass
+class TrainOutput:
+    """transformers' TrainOutput: (global_step, training_loss, metrics); metrics is the run's summary."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
+
+
+class GRPOTrainer:
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), peft_config: Any = None,
+                 log: Callable[[str], None] = print, **others: Any):
+        import torch
+
+        from ..train.trainer import prepare
+
+        for name, value in others.items():
+            if name not in UNSUPPORTED_ARGUMENTS:
+                raise APIError(f"GRPOTrainer: unexpected argument '{name}'")
+            if value is not None:
+                raise APIError(f"GRPOTrainer: {name} is not supported by hasten (docs/trl.md)")
+        if optimizers != (None, None):
+            raise APIError("GRPOTrainer: optimizers is not supported (hasten's AdamW and schedule come from args)")
+        if args is None:
+            args = GRPOConfig(f"{model_name(model).rstrip('/').split('/')[-1]}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise APIError(f"GRPOTrainer: args must be a hasten GRPOConfig (got {type(args).__name__})")
+        self.args, self.log = args, log
+        self.callbacks = instantiate(callbacks)
+        task = build_task(train_dataset, eval_dataset)
+        rewards = build_rewards(reward_funcs)
+        pairs = [("model.name", model_name(model)), ("task.name", "dataset"),
+                 *args.overrides(len(task.train_rows), len(task.eval_rows))]
+        self.config: Config = load_config(None, pairs, profile=args.profile)
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)  # LoRA's initialization, as TRL seeds before building the model
+        policy = build_policy(model, self.config, processing_class, peft_config, log)
+        cfg = self.config
+        self.state = TrainerState(max_steps=cfg.train.steps * cfg.algo.num_iterations,
+                                  num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
+                                  save_steps=args.save_steps, eval_steps=args.eval_steps,
+                                  train_batch_size=args.per_device_train_batch_size)
+        self.session = prepare(cfg, log, task=task, rewards=rewards, policy=policy, trainer_state=self.state)
+        self.run_dir: Path | None = None
+        self._trained = False
+
+    @property
+    def model(self):
+        return self.session.policy.model
+
+    @property
+    def processing_class(self):
+        return self.session.policy.tokenizer
+
+    @property
+    def reward_funcs(self) -> list:
+        return [function.fn for function in self.session.rewards]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **unsupported: Any) -> TrainOutput:
+        """Run to args' end. resume_from_checkpoint: True = the newest checkpoint in output_dir, or a
+        checkpoint / run directory path; the run continues bit-identically (train/loop.py)."""
+        from ..train.trainer import train
+
+        if unsupported:
+            raise APIError(f"GRPOTrainer.train: {', '.join(unsupported)} not supported")
+        if self._trained:
+            raise APIError("GRPOTrainer.train: this trainer already ran (its reward pool and engine are closed); "
+                           "make a new GRPOTrainer, with resume_from_checkpoint to continue")
+        self._trained = True
+        resume = self._resume_path(resume_from_checkpoint)
+        cfg = self.config
+        bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class,
+                                cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
+                                cfg.output.log_every)
+        target = Path(cfg.output.dir) / cfg.output.name
+        if resume is None and target.is_dir() and any(target.iterdir()):
+            self.log(f"output_dir {target} holds an earlier run; hasten never overwrites one, so this run "
+                     "gets a fresh directory beside it (resume_from_checkpoint=True continues the earlier run)")
+        summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
+        self.run_dir = Path(summary["run_dir"])
+        losses = [record["loss"] for record in _records(self.run_dir) if isinstance(record.get("loss"), float)]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
+
+    def _resume_path(self, resume: str | bool | None) -> Path | None:
+        from ..train.loop import find_checkpoint
+
+        if not resume:
+            return None
+        cfg = self.config
+        path = Path(cfg.output.dir) / cfg.output.name if resume is True else Path(resume)
+        run_dir, checkpoint = find_checkpoint(path)
+        _check_same_config(cfg, run_dir.path / "config.yaml")
+        return checkpoint
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The model (adapters only with LoRA) and tokenizer in HF format; default: the run directory."""
+        from ..train.outputs import save_model_files
+
+        target = Path(output_dir) if output_dir else (self.run_dir or Path(self.config.output.dir) /
+                                                      self.config.output.name)
+        target.mkdir(parents=True, exist_ok=True)
+        save_model_files(self.model, self.processing_class, target)
+        return target
+
+
+def _check_same_config(cfg: Config, saved_path: Path) -> None:
+    """A resumed run continues the saved config; an argument that changes what is learned is an error."""
+    saved = load_config(saved_path)
+    ignored = {("output", "progress"), ("output", "plot")}
+    now, before = to_dict(cfg), to_dict(saved)
+    for section, values in now.items():
+        for key, value in values.items():
+            if (section, key) not in ignored and before[section].get(key) != value:
+                raise APIError(f"resume_from_checkpoint: {section}.{key} is {value!r} now but "
+                               f"{before[section].get(key)!r} in {saved_path}; a resumed run continues its own "
+                               "config (use the arguments it was started with)")
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    from ..train.outputs import _read_json_lines
+
+    return _read_json_lines(run_dir / "metrics.jsonl")

@@ -1,0 +1,132 @@
+"""What a TRL-style trainer is handed, turned into hasten's parts: Policy, RewardFunctions, Task.
+
+- model: a registry name ("tiny", "smollm2-135m"), a model directory or a
+  hub id (loaded as the CLI loads it, the native Llama where it applies), or
+  a loaded model (a transformers PreTrainedModel, a peft model, or hasten's
+  NativeLlamaForCausalLM), used as it is: trained in place.
+- processing_class: the tokenizer; None loads the model's own (by name).
+- peft_config: a peft LoraConfig, applied with peft.get_peft_model exactly
+  as given (every LoraConfig option works; the run's config.yaml records r,
+  alpha, dropout and target modules).
+- reward_funcs: a callable, a 'file.py:function' or 'package.module:function'
+  string, or a list mixing them, in the order reward_weights follow. TRL also
+  takes a reward *model* (a hub id or nn.Module); hasten does not (one error).
+- train_dataset / eval_dataset: see tasks/data.py (rows_from).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..config import Config
+from ..models import ALIASES, Policy, load_policy, mark_lora_base
+from ..rewards.runner import RewardFunction, load_reward
+from ..tasks.base import Task
+from ..tasks.data import rows_from
+from .grpo_config import APIError
+
+
+def model_name(model: Any) -> str:
+    """What config.yaml records as model.name: the string, or a loaded model's name_or_path."""
+    if isinstance(model, str):
+        return model
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(name) if name else type(model).__name__
+
+
+def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_config: Any = None,
+                 log: Callable[[str], None] = print) -> Policy:
+    """The Policy the run trains (cfg.model.name already set from `model`)."""
+    from ..train.trainer import use_native_model
+
+    if isinstance(model, str):
+        native = peft_config is None and processing_class is None and use_native_model(cfg, log)
+        policy = load_policy(cfg.model, log, native=native)
+    else:
+        if not hasattr(model, "parameters") or not callable(model):
+            raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "
+                           f"(got {type(model).__name__})")
+        tokenizer = processing_class if processing_class is not None else _tokenizer_for(model)
+        policy = Policy(model=model, tokenizer=tokenizer, source=model_name(model), lora=hasattr(model, "peft_config"))
+    if processing_class is not None:
+        policy.tokenizer = processing_class
+    if policy.tokenizer.pad_token_id is None:
+        policy.tokenizer.pad_token = policy.tokenizer.eos_token
+    if peft_config is not None:
+        policy = _with_lora(policy, peft_config, cfg)
+    policy.model.train()
+    return policy
+
+
+def _tokenizer_for(model: Any):
+    name = model_name(model)
+    if ALIASES.get(name.lower()) == "tiny":
+        from ..models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as error:  # OSError for unknown names; anything the hub raises offline
+        raise APIError(f"GRPOTrainer: cannot load a tokenizer for '{name}' ({type(error).__name__}); "
+                       "pass processing_class=") from None
+
+
+def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:
+    from peft import get_peft_model
+
+    if hasattr(policy.model, "peft_config"):
+        raise APIError("GRPOTrainer: the model already has peft adapters; pass peft_config=None")
+    if getattr(policy.model, "hasten_native", False):
+        raise APIError("GRPOTrainer: peft needs a transformers model, not hasten's native Llama "
+                       "(pass the model by name, or speed={'model_impl': 'hf'})")
+    targets = peft_config.target_modules
+    cfg.model.lora = True  # the record in config.yaml; the adapters are peft_config's, as given
+    cfg.model.lora_r, cfg.model.lora_alpha = int(peft_config.r), int(peft_config.lora_alpha)
+    cfg.model.lora_dropout = float(peft_config.lora_dropout)
+    if isinstance(targets, (list, set, tuple)):
+        cfg.model.lora_target_modules = sorted(targets)
+    mark_lora_base(policy.model, policy.tokenizer, cfg.model.name, print)  # a base peft can load from the checkpoint
+    model = get_peft_model(policy.model, peft_config)
+    return Policy(model=model, tokenizer=policy.tokenizer, source=policy.source, lora=True)
+
+
+def build_rewards(reward_funcs: Any) -> list[RewardFunction]:
+    """RewardFunctions in the given order (reward_weights follow it)."""
+    if reward_funcs is None:
+        raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, or a list)")
+    given = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    functions = []
+    for index, item in enumerate(given):
+        if isinstance(item, str):
+            if ":" not in item:
+                raise APIError(f"GRPOTrainer: reward_funcs[{index}] '{item}' looks like a reward model id; hasten "
+                               "takes reward functions only ('file.py:function', 'package.module:function')")
+            functions.append(load_reward(item))
+        elif hasattr(item, "parameters") and hasattr(item, "forward"):
+            raise APIError(f"GRPOTrainer: reward_funcs[{index}] is a model ({type(item).__name__}); hasten takes "
+                           "reward functions only")
+        elif callable(item):
+            name = getattr(item, "__name__", None) or type(item).__name__
+            functions.append(RewardFunction(name=name, fn=item))
+        else:
+            raise APIError(f"GRPOTrainer: reward_funcs[{index}] must be callable or a 'module:function' string "
+                           f"(got {type(item).__name__})")
+    names = [f.name for f in functions]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise APIError(f"GRPOTrainer: two reward functions are named {', '.join(duplicates)} (metrics are per name)")
+    return functions
+
+
+def build_task(train_dataset: Any, eval_dataset: Any) -> Task:
+    """A Task whose rows are the datasets' (no rewards of its own; answers graded by an "answer" column)."""
+    from ..tasks.jsonl import check_answer_column
+
+    if train_dataset is None:
+        raise APIError("GRPOTrainer: train_dataset is required")
+    train_rows = rows_from(train_dataset, "train_dataset")
+    eval_rows = rows_from(eval_dataset, "eval_dataset") if eval_dataset is not None else []
+    return Task(name="dataset", description="rows given to the Python API", train_rows=train_rows,
+                eval_rows=eval_rows, reward_functions=[], check=check_answer_column)

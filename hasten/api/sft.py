@@ -1,0 +1,212 @@
+"""SFTConfig / SFTTrainer: TRL 1.16's SFT surface over rft/sft.py's SFTJob and the shared loop.
+
+Datasets, as TRL reads them:
+  prompt + completion  loss on the completion only (TRL's completion_only_loss default); a
+                       conversational prompt goes through the chat template with the generation
+                       prompt, a conversational completion contributes its message contents
+  text                 language modelling: loss on every token after the first
+  messages             the chat template of the whole conversation, as text (TRL's default
+                       assistant_only_loss=False: loss on every token)
+Every completion and text ends with EOS, as TRL appends it. Examples longer
+than max_length keep their start (TRL's truncation_mode="keep_start"); one
+left with no target token is dropped, with a log line.
+
+Mapping (docs/trl.md): per_device_train_batch_size x gradient_accumulation_steps
+examples per optimizer step (sft.batch_size), split into
+gradient_accumulation_steps micro-batches; each step's loss is the token
+mean over the whole step, as TRL's (num_items_in_batch). num_train_epochs
+must be whole and max_steps -1 (hasten plans SFT by epochs). packing=None
+keeps hasten's packed rows (a block mask: every example sees only itself,
+so the loss is the unpacked one); False runs the padded batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import Config, load_config
+from .callbacks import CallbackBridge, TrainerState, instantiate
+from .grpo_config import APIError, TrainingConfig, _TrainingFields
+from .grpo_trainer import TrainOutput, _check_same_config, _records
+from .inputs import build_policy, model_name
+
+
+@dataclass
+class _SFTFields(_TrainingFields):
+    learning_rate: float = 2e-5
+    max_length: int | None = 1024
+    packing: bool | None = None  # None: hasten's exact packing (block mask); False: padded batches
+    completion_only_loss: bool | None = None  # None / True: prompt-completion rows train on the completion
+    dataset_text_field: str = "text"
+
+
+class SFTConfig(TrainingConfig, _SFTFields):
+    """TRL's SFTConfig surface; `overrides()` gives hasten's config keys (sft:, model:, output:)."""
+
+    fields_class = _SFTFields
+
+    def overrides(self) -> list[tuple[str, Any]]:
+        if self.max_steps > 0:
+            raise self._error("max_steps is not supported for SFT (hasten plans SFT by epochs: use num_train_epochs)")
+        if self.num_train_epochs != int(self.num_train_epochs) or self.num_train_epochs < 1:
+            raise self._error(f"num_train_epochs must be a whole number >= 1 for SFT (got {self.num_train_epochs})")
+        if self.profile is not None or self.tf32:
+            raise self._error(f"{'profile' if self.profile is not None else 'tf32'} is not supported for SFT "
+                              "(hasten sft --profile has SFT's own profiles)")
+        if self.completion_only_loss is False:
+            raise self._error("completion_only_loss=False is not supported (prompt-completion rows train on the "
+                              "completion; use a 'text' column for loss on every token)")
+        mode = self._precision_mode()
+        pairs = [("sft.epochs", int(self.num_train_epochs)), ("sft.lr", self.learning_rate),
+                 ("sft.batch_size", self.per_device_train_batch_size * self.gradient_accumulation_steps),
+                 ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
+                 ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
+                 ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
+                 ("sft.seed", self.seed), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
+                 ("eval.num_examples", 0), ("eval.at_start", False)]
+        if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
+            raise self._error("adam_beta1 / adam_beta2 other than 0.9 / 0.999 are not supported for SFT")
+        if self.packing is not None:
+            pairs.append(("sft.packing", self.packing))
+        if self.gradient_checkpointing is not None:
+            pairs.append(("sft.gradient_checkpointing", self.gradient_checkpointing))
+        pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
+        return pairs
+
+    def steps_and_warmup(self, num_examples: int) -> tuple[int, list[tuple[str, Any]]]:
+        """Optimizer steps of the run, and the output / warmup keys that depend on them."""
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        steps = int(self.num_train_epochs) * -(-num_examples // batch)
+        return steps, [("sft.warmup_steps", self._warmup(steps)), *self._output(steps)]
+
+
+class SFTTrainer:
+    def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, callbacks: list | None = None,
+                 peft_config: Any = None, log: Callable[[str], None] = print, **others: Any):
+        import torch
+
+        unexpected = {name: value for name, value in others.items() if value not in (None, (None, None))}
+        if unexpected or eval_dataset is not None:
+            name = next(iter(unexpected), "eval_dataset")
+            raise APIError(f"SFTTrainer: {name} is not supported by hasten (docs/trl.md)")
+        args = args if args is not None else SFTConfig(f"{model_name(model).rstrip('/').split('/')[-1]}-SFT")
+        if not isinstance(args, SFTConfig):
+            raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
+        if train_dataset is None:
+            raise APIError("SFTTrainer: train_dataset is required")
+        self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
+        rows = _rows(train_dataset)
+        base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
+        steps, more = args.steps_and_warmup(len(rows))
+        self.config: Config = load_config(None, base + more, profile=None)
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        self.policy = build_policy(model, self.config, processing_class, peft_config, log)
+        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
+        self.state = TrainerState(max_steps=steps, num_train_epochs=args.num_train_epochs,
+                                  logging_steps=args.logging_steps, save_steps=args.save_steps,
+                                  train_batch_size=args.per_device_train_batch_size)
+        self.run_dir: Path | None = None
+
+    @property
+    def model(self):
+        return self.policy.model
+
+    @property
+    def processing_class(self):
+        return self.policy.tokenizer
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        from ..rft.sft import SFTJob
+        from ..train import loop
+        from ..train.tracking import make_trackers
+
+        cfg = self.config
+        resume = None
+        if resume_from_checkpoint:
+            path = Path(cfg.output.dir) / cfg.output.name if resume_from_checkpoint is True \
+                else Path(resume_from_checkpoint)
+            run_dir, resume = loop.find_checkpoint(path)
+            _check_same_config(cfg, run_dir.path / "config.yaml")
+        job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer)
+        run, checkpoint = loop.open_run(cfg, resume)
+        steps_per_epoch = max(1, job.total_steps / cfg.sft.epochs)
+        bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1,
+                                steps_per_epoch, cfg.output.log_every)
+        hooks = make_trackers(cfg, run, list) + [bridge]
+        summary = loop.run(job, cfg, run, self.log, checkpoint, created=resume is None, callbacks=hooks)
+        self.run_dir = Path(summary["run_dir"])
+        losses = [r["loss"] for r in _records(self.run_dir) if isinstance(r.get("loss"), float)]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        from ..train.outputs import save_model_files
+
+        cfg = self.config
+        target = Path(output_dir) if output_dir else (self.run_dir or Path(cfg.output.dir) / cfg.output.name)
+        target.mkdir(parents=True, exist_ok=True)
+        save_model_files(self.model, self.processing_class, target)
+        return target
+
+
+def _rows(dataset: Any) -> list[dict[str, Any]]:
+    if isinstance(dataset, (str, Path)):
+        return _file_rows(str(dataset))
+    if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
+        return dataset.to_list()
+    if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset) and dataset:
+        return list(dataset)
+    raise APIError("SFTTrainer: train_dataset must be a non-empty list of dicts, a datasets.Dataset or a file path")
+
+
+def _file_rows(path: str) -> list[dict[str, Any]]:
+    """SFT rows from a file: the readers of tasks/data.py without GRPO's "prompt" requirement."""
+    from ..tasks.data import READERS, FORMATS
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS or not Path(path).is_file():
+        raise APIError(f"SFTTrainer: {path} is not a {', '.join(FORMATS)} file")
+    return READERS[suffix](Path(path))[0]
+
+
+def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTConfig, log) -> list:
+    """Rows -> rft/batches.py Examples (prompt ids as context, completion ids + EOS as targets)."""
+    from ..rft.batches import Example
+    from ..rollout.prompts import encode_prompt
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    examples, dropped = [], 0
+    for number, row in enumerate(rows, start=1):
+        if "prompt" in row and "completion" in row:
+            prompt = encode_prompt(tokenizer, row["prompt"])
+            completion = row["completion"]
+            text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+            example = Example(prompt, ids(text) + [eos_id])
+        elif args.dataset_text_field in row or "messages" in row:
+            text = row.get(args.dataset_text_field)
+            if text is None:
+                text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            tokens = ids(text) + [eos_id]
+            example = Example(tokens[:1], tokens[1:])  # language modelling: every token after the first
+        else:
+            raise APIError(f"SFTTrainer: train_dataset row {number} has none of prompt+completion, "
+                           f"'{args.dataset_text_field}' or 'messages' (columns: {', '.join(row)})")
+        if args.max_length is not None and len(example.prompt_ids) + len(example.completion_ids) > args.max_length:
+            keep = args.max_length - len(example.prompt_ids)
+            example = Example(example.prompt_ids[:args.max_length], example.completion_ids[:max(keep, 0)])
+        if not example.completion_ids or not example.prompt_ids:
+            dropped += 1
+            continue
+        examples.append(example)
+    if dropped:
+        log(f"SFTTrainer: {dropped} examples left no target token within max_length={args.max_length}; dropped")
+    if not examples:
+        raise APIError("SFTTrainer: no example has a target token")
+    return examples

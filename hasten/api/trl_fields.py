@@ -1,0 +1,96 @@
+"""TRL 1.16 GRPOConfig fields hasten does not take, with TRL's defaults and the reason.
+
+A field left at its TRL default is accepted (a script that spells out
+defaults still runs); any other value is one UserError naming the field and
+why. TrainingArguments' own fields (transformers) not listed here and not
+supported by hasten/api/grpo_config.py are checked against the installed
+transformers' defaults the same way (`unsupported_value`). docs/trl.md is
+the human-readable table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+VLLM = "hasten generates with its own engines (speed.engine); vLLM is not wired in yet"
+LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo and gspo (algo/losses.py)"
+HUB = "hasten does not push to the Hugging Face Hub; upload the run's checkpoint/ yourself"
+MULTI = "hasten runs one process on one device"
+ENTROPY = "no entropy regularisation or masking in hasten's GRPO loss"
+
+# name -> (TRL 1.16 default, why hasten does not take another value)
+GRPO_ONLY: dict[str, tuple[Any, str]] = {
+    "model_init_kwargs": (None, "only {'dtype': ...} is read (model.dtype); handled in grpo_config.py"),
+    "trust_remote_code": (False, "hasten loads Llama-family models and transformers' own classes only"),
+    "router_aux_loss_coef": (None, "mixture-of-experts aux loss is not implemented"),
+    "disable_dropout": (False, "hasten's models run without dropout at generation; training keeps the model's own"),
+    "cast_lm_head_to_fp32": (False, "the learner computes log-probs in fp32 already (train/packing.py)"),
+    "num_generations_eval": (None, "hasten's eval is greedy, one completion per prompt (train/evaluate.py)"),
+    "ds3_gather_for_generation": (True, MULTI),
+    "shuffle_dataset": (True, "hasten always draws prompts in a seeded shuffle (tasks/sampler.py)"),
+    "pad_to_multiple_of": ("auto", "hasten packs sequences instead of padding (speed.packed_learning)"),
+    "cache_implementation": (None, "the engines own their KV caches (rollout/)"),
+    "use_vllm": (False, VLLM), "vllm_mode": ("colocate", VLLM), "vllm_model_impl": ("vllm", VLLM),
+    "vllm_enable_sleep_mode": (False, VLLM), "vllm_structured_outputs_regex": (None, VLLM),
+    "vllm_server_base_url": (None, VLLM), "vllm_server_host": ("0.0.0.0", VLLM), "vllm_server_port": (8000, VLLM),
+    "vllm_server_timeout": (240.0, VLLM), "vllm_group_port": (51216, VLLM),
+    "vllm_gpu_memory_utilization": (0.3, VLLM), "vllm_max_model_length": (None, VLLM),
+    "vllm_tensor_parallel_size": (1, VLLM), "vllm_importance_sampling_correction": (True, VLLM),
+    "vllm_importance_sampling_mode": ("sequence_mask", VLLM), "vllm_importance_sampling_clip_max": (3.0, VLLM),
+    "vllm_importance_sampling_clip_min": (None, VLLM), "vllm_importance_sampling_cap": (None, VLLM),
+    "delta": (None, "two-sided clipping (delta) is not in hasten's losses"),
+    "sapo_temperature_neg": (1.05, LOSS), "sapo_temperature_pos": (1.0, LOSS),
+    "vespo_k_pos": (2.0, LOSS), "vespo_lambda_pos": (3.0, LOSS), "vespo_k_neg": (3.0, LOSS),
+    "vespo_lambda_neg": (2.0, LOSS),
+    "multi_objective_aggregation": ("sum_then_normalize", "hasten sums weighted rewards, then normalizes (TRL's default)"),
+    "sync_ref_model": (False, "the KL reference stays the initial model"),
+    "ref_model_mixup_alpha": (0.6, "the KL reference stays the initial model"),
+    "ref_model_sync_steps": (512, "the KL reference stays the initial model"),
+    "top_entropy_quantile": (1.0, ENTROPY), "entropy_coef": (0.0, ENTROPY),
+    "use_adaptive_entropy": (False, ENTROPY), "entropy_coef_min": (0.0, ENTROPY),
+    "entropy_coef_max": (1.0, ENTROPY), "entropy_coef_delta": (0.005, ENTROPY), "entropy_target": (0.2, ENTROPY),
+    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
+    "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
+    "use_bias_correction_kl": (True, "hasten's KL is the plain k3 estimator"),
+    "log_multimodal": (True, "hasten trains text models only"),
+    "num_completions_to_print": (None, "hasten prints no completions; output.log_completions sends them to trackers"),
+    "log_unique_prompts": (False, "completions are logged per sample (output.log_completions)"),
+    "log_completions_hub_repo": (None, HUB),
+    "use_transformers_continuous_batching": (False, "hasten generates with its own engines (speed.engine)"),
+    "transformers_continuous_batching_config": (None, "hasten generates with its own engines (speed.engine)"),
+    "use_transformers_paged": (False, "hasten generates with its own engines (speed.engine)"),
+    "remove_unused_columns": (False, "every dataset column reaches the reward functions, as with TRL's default"),
+}
+
+# TrainingArguments fields whose defaults TRL's GRPOConfig overrides (the rest come from transformers).
+TRL_OVERRIDES = {"logging_steps": 10, "gradient_checkpointing": True, "bf16": None, "learning_rate": 1e-6,
+                 "remove_unused_columns": False}
+
+
+def training_arguments_defaults() -> dict[str, Any]:
+    """transformers.TrainingArguments' fields and defaults (imported only when a non-hasten field is given)."""
+    from transformers import TrainingArguments
+
+    defaults = {}
+    for item in dataclasses.fields(TrainingArguments):
+        if item.default is not dataclasses.MISSING:
+            defaults[item.name] = item.default
+        elif item.default_factory is not dataclasses.MISSING:
+            defaults[item.name] = item.default_factory()
+    return defaults
+
+
+def unsupported_value(name: str, value: Any, trainer: str = "GRPOConfig") -> str | None:
+    """Why `name=value` cannot be honoured (None: it is the TRL default, so nothing is lost)."""
+    if name in GRPO_ONLY and trainer == "GRPOConfig":
+        default, reason = GRPO_ONLY[name]
+        return None if value == default else f"{name}={value!r} is not supported by hasten ({reason})"
+    defaults = training_arguments_defaults()
+    if name in defaults:
+        default = TRL_OVERRIDES.get(name, defaults[name])
+        if value == default:
+            return None
+        return (f"{name}={value!r} is not supported by hasten (a transformers TrainingArguments option hasten's "
+                "loop has no counterpart for; docs/trl.md lists what is)")
+    return f"{name} is not a {trainer} field of TRL 1.16 (misspelt?)"
