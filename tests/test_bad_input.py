@@ -226,5 +226,5 @@ def test_a_writable_output_dir_is_left_as_it_was(tmp_path):
 def test_task_path_naming_a_directory(tmp_path, capsys, task):
     error = fails(capsys, ["train", "--model", "tiny", *task, f"--task.path={tmp_path}", *SMALL,
                            f"--output.dir={tmp_path / 'runs'}"])
-    assert error == f"data error: '{tmp_path}' is a directory, not a data file"
+    assert error.startswith(f"data error: '{tmp_path}' is a directory, not a data file")
     assert not (tmp_path / "runs").exists()

@@ -127,9 +127,9 @@ def test_the_learner_never_sees_a_zero_variance_group(tmp_path, monkeypatch):
     seen = []
     original = Learner.step
 
-    def recording(self, rollout, advantages, **options):
+    def recording(self, rollout, advantages, *args, **options):
         seen.append(advantages.view(-1, rollout.num_generations).clone())
-        return original(self, rollout, advantages, **options)
+        return original(self, rollout, advantages, *args, **options)
 
     monkeypatch.setattr(Learner, "step", recording)
     cfg = load_config(overrides=list({

@@ -123,6 +123,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def machine_figures() -> dict[str, Any]:
+    """What explains a number on this machine: the CPU, its vector extensions, oneDNN's ISA, peak RSS."""
+    import resource
+
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return {"cpu": model, "cpu_flags": [flag for flag in wanted if flag in flags],
+            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default (best the CPU has)"),
+            "mkldnn": torch.backends.mkldnn.is_available(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
 def run(opts) -> tuple[list, dict[str, Any], float]:
     """Measure the peak, run the chosen workloads in order, measure the peak again."""
     import torch
@@ -158,6 +180,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
         "peers": opts.peers, "peers_missing": peers_missing,
         "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
+        **machine_figures(),
     }
     return results, header, max(peak_start, peak_end)
 

@@ -36,7 +36,8 @@ def load_rows(source: str) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     if suffix in FORMATS or path.exists():
         if path.is_dir():
-            raise TaskError(f"data error: '{source}' is a directory (expected a {', '.join(FORMATS)} file)")
+            raise TaskError(f"data error: '{source}' is a directory, not a data file "
+                            f"(expected a {', '.join(FORMATS)} file)")
         if not path.is_file():
             raise TaskError(f"data error: '{source}' does not exist")
         if suffix not in FORMATS:
