@@ -332,7 +332,8 @@ class GRPOJob:
         before = shared_stats()
         record = self._step(step)
         after = shared_stats()  # code tasks: this step's sandbox runs (malformed reports scored 0, counted here)
-        return {**record, **{f"sandbox/{name}": value - before.get(name, 0) for name, value in after.items()}}
+        work = {f"sandbox/{name}": value - before.get(name, 0) for name, value in after.items()}
+        return {**record, **work} if any(work.values()) else record  # a sandbox left idle by another run: silent
 
     def _step(self, step: int) -> dict[str, Any]:
         if self.pipeline is None:
