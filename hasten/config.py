@@ -149,6 +149,10 @@ class SpeedConfig:
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
     fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
+    speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine
+    speculative_tokens: int = 4  # k: tokens drafted per verify forward (rollout/speculative.py)
+    draft_model: str = "layers:8"  # speculative=draft: a model name/path with the policy's vocabulary, or layers:N (self-draft)
+    ngram_size: int = 3  # speculative=ngram: longest suffix looked up in prompt + completion
     # The keys below are hasten/speed/ (docs/speedups.md has one section per feature). The defaults
     # equal the `conservative` profile (hasten/profiles.py): nothing here changes what is learned
     # unless its comment says so.
@@ -289,6 +293,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),
+    "speed.speculative": ("off", "ngram", "draft"),
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
     "rft.keep": ("one", "all"),
@@ -322,6 +327,8 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("generation.top_k", lambda v: v >= 0, ">= 0"),
     ("generation.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("generation.repetition_penalty", lambda v: v > 0, "> 0"),
+    ("speed.speculative_tokens", lambda v: v >= 1, ">= 1"),
+    ("speed.ngram_size", lambda v: v >= 1, ">= 1"),
     ("generation.stop_strings", lambda v: all(v), "a list of non-empty strings"),
     ("algo.epsilon", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algo.epsilon_high", lambda v: v is None or v >= 0, ">= 0"),
@@ -505,6 +512,12 @@ def validate(cfg: Config) -> Config:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"config error: {key} must be {requirement} (got {value!r})")
+    if cfg.speed.speculative != "off" and cfg.speed.engine in ("hf", "vllm"):
+        raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} runs in the lean engine only "
+                          f"(got speed.engine={cfg.speed.engine}; use auto or lean, or speculative=off)")
+    if cfg.speed.speculative != "off" and cfg.generation.repetition_penalty != 1.0:
+        raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} does not apply "
+                          f"generation.repetition_penalty (got {cfg.generation.repetition_penalty}; set it to 1)")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")
     if cfg.train.gradient_accumulation_steps > cfg.train.prompts_per_step * cfg.generation.num_generations:

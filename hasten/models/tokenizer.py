@@ -106,6 +106,9 @@ class FastTokenizer:
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
     # -- text <-> ids
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -7,7 +7,7 @@ also what the learner consumes, which is why it carries the prompts too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -62,6 +62,7 @@ class Rollout:
     ended_with_eos: torch.Tensor  # (B*G,) bool; False = cut at max_new_tokens
     num_generations: int
     sampling: SamplingParams | None = None  # how it was sampled: the learner's temperature and length cap
+    stats: dict[str, float] = field(default_factory=dict)  # the engine's own counters (spec/acceptance, ...)
 
     @property
     def num_prompts(self) -> int:

@@ -169,8 +169,53 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
                 raise ConfigError(f"config error: speed.engine=lean cannot run this model ({reason})") from None
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
-            return LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+            return speculative(cfg, policy, LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids), log)
+    if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
+        raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
+                          "which cannot run this model (see above)")
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+
+
+def speculative(cfg: Config, policy: Policy, engine, log: Callable[[str], None] = print):
+    """speed.speculative: the lean engine as is (off), or wrapped with a drafter (rollout/speculative.py)."""
+    speed = cfg.speed
+    if speed.speculative == "off":
+        return engine
+    from ..rollout.drafters import ModelDrafter, NgramDrafter, parse_draft
+    from ..rollout.speculative import SpeculativeEngine
+
+    if speed.speculative == "ngram":
+        return SpeculativeEngine(engine, NgramDrafter(speed.ngram_size), speed.speculative_tokens)
+    try:
+        layers = parse_draft(speed.draft_model)
+    except ValueError as error:
+        raise ConfigError(f"config error: {error}") from None
+    if layers is not None:
+        if layers > len(engine.layers):
+            raise ConfigError(f"config error: speed.draft_model={speed.draft_model}: the policy has "
+                              f"{len(engine.layers)} layers")
+        return SpeculativeEngine(engine, ModelDrafter(layers=layers), speed.speculative_tokens)
+    return SpeculativeEngine(engine, ModelDrafter(draft_engine(cfg, policy, log)), speed.speculative_tokens)
+
+
+def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):
+    """The draft model named by speed.draft_model, loaded as the policy is, in the lean engine, checked to
+    share the policy's vocabulary (same size, same token -> id map)."""
+    from ..rollout.lean import LeanEngine, check_supported
+
+    name = cfg.speed.draft_model
+    draft = load_policy(dataclasses.replace(cfg.model, name=name, lora=False), log=log)
+    model = draft.model.to(next(policy.model.parameters()).device).eval()
+    same_size = model.config.vocab_size == policy.model.config.vocab_size
+    if not same_size or draft.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+        raise ConfigError(f"config error: speed.draft_model={name} has another vocabulary than the policy "
+                          f"({model.config.vocab_size} vs {policy.model.config.vocab_size} logits, or other "
+                          "token ids); a draft needs the policy's tokenizer")
+    try:
+        check_supported(model)
+    except ValueError as reason:
+        raise ConfigError(f"config error: speed.draft_model={name} cannot run in the lean engine ({reason})") from None
+    return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids)
 
 
 def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
@@ -193,7 +238,7 @@ def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: 
     scores = pending.join()  # slow rewards ran in the pool while the fast ones ran here
     group_means = torch.nan_to_num(torch.nanmean(scores.scored_total.view(len(rows), -1), dim=1))  # (B,)
     feeder.observe(rows, group_means.tolist())  # curriculum success rates
-    metrics = {**pending.metrics, "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
+    metrics = {**pending.metrics, **rollout.stats, "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
     return ScoredBatch(rows, rollout, inputs, scores, metrics)
 
 
