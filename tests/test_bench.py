@@ -77,6 +77,24 @@ def test_quick_b1_b2_b3_table_and_json_shape(capsys):
             assert any(line.split()[:1] == [workload] and name in line for line in lines), (workload, name)
 
 
+def test_quick_b2_speculative_rows_and_batch_sweep(capsys):
+    _, payload = run_bench(capsys, "--workloads", "B2", "--peers", "none", "--speculative", "ngram,layers:1",
+                           "--speculative-tokens", "3", "--batch-sizes", "1,4")
+    decode = rows_of(payload, "B2")
+    assert {"lean", "lean+ngram", "lean+draft(layers:1)"} <= decode.keys()
+    assert all(row["work"] == [2 * 4 * 8] * 2 for row in decode.values())  # EOS ignored, speculative too
+    assert 0 <= decode["lean+ngram"]["spec/acceptance"] <= 1 and decode["lean+ngram"]["spec/tokens_per_forward"] >= 1
+    sweep = rows_of(payload, "B2-batch")
+    for mode in ("sampled", "greedy"):
+        for batch in (1, 4):
+            names = [f"{mode} b={batch} {engine}" for engine in ("lean", "lean+ngram", "lean+draft(layers:1)")]
+            assert set(names) <= sweep.keys()
+            if mode == "sampled":
+                assert all(sweep[name]["work"] == [batch * 8] * 2 for name in names)
+            else:  # greedy: the same tokens from every engine, so the same count (EOS may end rows)
+                assert len({tuple(sweep[name]["work"]) for name in names}) == 1
+
+
 @pytest.mark.parametrize("json_only, lines", [(True, 1), (False, None)])
 def test_json_only_prints_the_json_line_alone(capsys, monkeypatch, json_only, lines):
     import hasten.bench
@@ -111,6 +129,8 @@ def test_b1_against_trl(capsys):
     (["--workloads", "B9"], "unknown workload"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--peers", "deepspeed"], "unknown peer"),
+    (["--batch-sizes", "1,x"], "--batch-sizes must be a comma list"),
+    (["--workloads", "B3", "--speculative", "ngram"], "add B2 to --workloads"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, argv, message):
     assert main(argv) == 2

@@ -2,6 +2,7 @@
 
     hasten bench [--workloads B1,B2,B3,B4] [--repeats N] [--peers trl,hf,vllm] [--model NAME]
                  [--quick] [--json-only] [--config configs/b1.yaml]
+                 [--speculative ngram,layers:8] [--speculative-tokens K] [--batch-sizes 1,4,16,64]
     hasten bench --ablate [--steps N] [--rounds R]      (each speed feature off alone; ablate.py)
 
 The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
@@ -15,7 +16,10 @@ both sides, then one JSON line, last.
 
 Defaults: every workload; the peers that import; 5 B1 steps (median over
 steps 2..5) and 3 rounds elsewhere. `--quick` runs the tiny model at toy
-sizes (2 prompts x 4 samples x 8 tokens), for tests.
+sizes (2 prompts x 4 samples x 8 tokens), for tests. `--speculative` adds
+B2 rows for the lean engine with speed.speculative (`lean+ngram`,
+`lean+draft(layers:8)`); `--batch-sizes` adds B2-batch: decode tokens/s per
+batch size, sampled and greedy, lean with and without those drafters.
 
 B1-B3 live in workloads.py, peers in peers.py, rows and output in report.py.
 B4 is here: it measures the command line itself, in fresh processes.
@@ -61,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument("--config", help="B1 config file (default: configs/b1.yaml)")
+    parser.add_argument("--speculative", default="",
+                        help="B2: add lean+speculative rows, a comma list of ngram, layers:N (self-draft) or "
+                             "draft model names/paths")
+    parser.add_argument("--speculative-tokens", type=int, default=4, help="their k: tokens drafted per verify")
+    parser.add_argument("--batch-sizes", default="",
+                        help="B2: also decode at these batch sizes (comma list, e.g. 1,4,16,64), sampled and greedy, "
+                             "lean with and without --speculative")
     parser.add_argument("--ablate", action="store_true",
                         help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
@@ -83,6 +94,17 @@ def _options(args) -> Any:
         unknown = [name for name in peers if name not in PEERS]
         if unknown:
             raise BenchError(f"bench error: unknown peer {', '.join(unknown)} (available: {', '.join(PEERS)}, none)")
+    speculative = tuple(name.strip() for name in args.speculative.split(",") if name.strip())
+    if args.speculative_tokens < 1:
+        raise BenchError(f"bench error: --speculative-tokens must be >= 1 (got {args.speculative_tokens})")
+    try:
+        batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",") if size.strip())
+    except ValueError:
+        raise BenchError(f"bench error: --batch-sizes must be a comma list of integers (got {args.batch_sizes!r})")
+    if any(size < 1 for size in batch_sizes):
+        raise BenchError(f"bench error: --batch-sizes must be >= 1 each (got {args.batch_sizes!r})")
+    if (speculative or batch_sizes) and "B2" not in workloads:
+        raise BenchError("bench error: --speculative and --batch-sizes add B2 rows; add B2 to --workloads")
     config = Path(args.config) if args.config else CONFIG_PATH
     if not config.is_file():
         raise BenchError(f"bench error: config file '{config}' does not exist (pass --config path/to/b1.yaml)")
@@ -92,7 +114,8 @@ def _options(args) -> Any:
 
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
-                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing])
+                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
+                        speculative=speculative, speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +174,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
     import transformers
 
     from .report import matmul_peak
-    from .workloads import HastenSide, run_b1, run_b2, run_b3
+    from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
 
     peers_missing = [peer for peer in opts.peers if importlib.util.find_spec(PEER_MODULES[peer]) is None]
     opts.peers = [peer for peer in opts.peers if peer not in peers_missing]
@@ -173,6 +196,8 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
         if side is None:
             side = HastenSide.build(opts)
         results.append(runners[workload](side, opts))
+        if workload == "B2" and opts.batch_sizes:
+            results.append(run_b2_batches(side, opts))
     peak_end = matmul_peak(size, repeats)
     header = {
         "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -45,6 +45,9 @@ class BenchOptions:
     log: Callable[[str], None] = print
     decode_shape: tuple[int, int, int] = (8, 8, 64)  # B2: 8 prompts x 8 samples x 64 new tokens
     trl_checkpointing: tuple[bool, ...] = (False, True)  # B1: TRL's CPU best, then its default
+    speculative: tuple[str, ...] = ()  # B2: extra lean+speculative rows: "ngram", "layers:N" or a draft model
+    speculative_tokens: int = 4  # their k
+    batch_sizes: tuple[int, ...] = ()  # B2: also the sweep over decode batch sizes (sampled and greedy)
 
     def rounds(self, workload: str) -> int:
         if self.repeats is not None:
@@ -278,6 +281,30 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
     return engines
 
 
+def speculative_engines(side: HastenSide, opts: BenchOptions, eos_token_ids: list[int]) -> dict[str, Any]:
+    """`lean+ngram`, `lean+draft(layers:8)`, ...: the lean engine with speed.speculative, as training builds it."""
+    import copy
+
+    from ..rollout.lean import LeanEngine
+    from ..train.trainer import speculative
+
+    policy, engines = side.session.policy, {}
+    for choice in opts.speculative:
+        cfg = copy.deepcopy(side.cfg)
+        cfg.speed.speculative = "ngram" if choice == "ngram" else "draft"
+        cfg.speed.draft_model, cfg.speed.speculative_tokens = choice, opts.speculative_tokens
+        name = "lean+ngram" if choice == "ngram" else f"lean+draft({choice})"
+        engines[name] = speculative(cfg, policy, LeanEngine(policy.model, policy.pad_token_id, eos_token_ids),
+                                    opts.log)
+    return engines
+
+
+def spec_extra(rollouts: list) -> dict[str, float]:
+    """Mean spec/* counters over a row's measured runs (empty for engines without them)."""
+    keys = {key for rollout in rollouts for key in rollout.stats}
+    return {key: statistics.mean(rollout.stats[key] for rollout in rollouts) for key in sorted(keys)}
+
+
 def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
     from .peers import hf_generate, VllmGenerate
 
@@ -292,10 +319,18 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
 
     runners: dict[str, tuple[str, Callable[[Any, int], int]]] = {}
     hf_policy = side.hf_policy()
-    for name, engine in hasten_engines(policy, result.notes, hf_policy).items():
-        runners[name] = ("hasten", lambda params, seed, engine=engine:
-                         int(engine.generate(prompts, group, params, seed).completion_mask.sum()))
-    result.settings["hasten"] = {"engines": list(runners), "eos_token_ids": [], "prefill": "once per prompt"}
+    last: dict[str, list] = {}  # the measured rollouts of each hasten engine, for its spec/* counters
+    engines = {**hasten_engines(policy, result.notes, hf_policy), **speculative_engines(side, opts, [])}
+
+    def hasten_run(params, seed, name, engine):
+        rollout = engine.generate(prompts, group, params, seed)
+        last.setdefault(name, []).append(rollout)
+        return int(rollout.completion_mask.sum())
+
+    for name, engine in engines.items():
+        runners[name] = ("hasten", lambda params, seed, name=name, engine=engine: hasten_run(params, seed, name, engine))
+    result.settings["hasten"] = {"engines": list(runners), "eos_token_ids": [], "prefill": "once per prompt",
+                                 "speculative_tokens": opts.speculative_tokens}
     if "hf" in opts.peers:
         runners["hf generate"] = ("peer", lambda params, seed: hf_generate(
             hf_policy.model, prompts, group, params, seed, policy.pad_token_id))
@@ -326,8 +361,59 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
     prompt_tokens = sum(len(p) for p in prompts)
     for name, (role, _) in runners.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=tokens[name],
-                               flops=[generation_flops(side.size, prompt_tokens, t) for t in tokens[name]]))
+                               flops=[generation_flops(side.size, prompt_tokens, t) for t in tokens[name]],
+                               extra=spec_extra(last.get(name, [])[1:])))  # [0]: the warm-up
     result.notes.append("seed r for round r on every engine; rounds alternate engines")
+    return result
+
+
+def run_b2_batches(side: HastenSide, opts: BenchOptions) -> Result:
+    """Decode tokens/s per batch size, the lean engine with and without speculative decoding.
+
+    `sampled b=N`: N rows, groups of min(8, N) samples, B2's sampling, EOS ignored.
+    `greedy b=N`: N prompts x 1, greedy, EOS ends a row (as the held-out eval runs).
+    FLOPs per token do not count the drafts or the rejected positions: MFU is the useful work.
+    """
+    from ..rollout import SamplingParams
+    from ..rollout.lean import LeanEngine
+
+    policy, rounds = side.session.policy, opts.rounds("B2")
+    new_tokens = 8 if opts.quick else opts.decode_shape[2]
+    result = Result("B2-batch", f"decode per batch size ({', '.join(map(str, opts.batch_sizes))} rows), "
+                                f"{new_tokens} new tokens, lean with and without speculative decoding")
+    variants = {"lean": {False: LeanEngine(policy.model, policy.pad_token_id, []),
+                         True: LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)}}
+    for name, engine in speculative_engines(side, opts, []).items():
+        variants[name] = {False: engine}
+    for name, engine in speculative_engines(side, opts, policy.eos_token_ids).items():
+        variants[name][True] = engine
+    result.settings["workload"] = {"batch_sizes": list(opts.batch_sizes), "new_tokens": new_tokens,
+                                   "speculative": list(opts.speculative), "k": opts.speculative_tokens}
+    for batch in opts.batch_sizes:
+        group = min(8, batch)
+        for mode, greedy in (("sampled", False), ("greedy", True)):
+            count, samples = (batch, 1) if greedy else (max(batch // group, 1), group)
+            _, prompts = side.prompts(count)
+            sampling = SamplingParams(new_tokens, temperature=0.0) if greedy else side.sampling(new_tokens)
+            seconds: dict[str, list[float]] = {name: [] for name in variants}
+            work: dict[str, list[float]] = {name: [] for name in variants}
+            rollouts: dict[str, list] = {name: [] for name in variants}
+            for name, engines in variants.items():  # warm-up at this shape
+                engines[greedy].generate(prompts, samples, sampling, 0)
+            for round_index in range(rounds):
+                for name, engines in variants.items():
+                    opts.log(f"B2-batch: {mode} b={batch} round {round_index + 1}/{rounds} {name}")
+                    started = time.perf_counter()
+                    rollout = engines[greedy].generate(prompts, samples, sampling, round_index)
+                    seconds[name].append(time.perf_counter() - started)
+                    work[name].append(float(rollout.completion_mask.sum()))
+                    rollouts[name].append(rollout)
+            prompt_tokens = sum(len(p) for p in prompts)  # prefilled once per prompt
+            for name in variants:
+                result.rows.append(Row(f"{mode} b={count * samples} {name}", "hasten", "tok/s", seconds[name],
+                                       work=work[name], extra=spec_extra(rollouts[name]),
+                                       flops=[generation_flops(side.size, prompt_tokens, t) for t in work[name]]))
+    result.notes.append("rows of one batch size and mode alternate engines round by round; seed r for round r")
     return result
 
 
