@@ -114,7 +114,8 @@ def _options(args) -> Any:
 
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
-                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
+                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[
+                            args.trl_checkpointing],
                         speculative=speculative, speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes)
 
 

@@ -328,7 +328,8 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
         return int(rollout.completion_mask.sum())
 
     for name, engine in engines.items():
-        runners[name] = ("hasten", lambda params, seed, name=name, engine=engine: hasten_run(params, seed, name, engine))
+        runners[name] = ("hasten", lambda params, seed, name=name, engine=engine:
+                         hasten_run(params, seed, name, engine))
     result.settings["hasten"] = {"engines": list(runners), "eos_token_ids": [], "prefill": "once per prompt",
                                  "speculative_tokens": opts.speculative_tokens}
     if "hf" in opts.peers:

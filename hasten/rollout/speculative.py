@@ -231,7 +231,6 @@ class SpeculativeEngine:
             raise ValueError(f"speculative decoding needs k >= 1 draft tokens (got {num_draft_tokens})")
         self.engine, self.drafter, self.k = engine, drafter, num_draft_tokens
         self.model, self.pad_token_id, self.eos_token_ids = engine.model, engine.pad_token_id, engine.eos_token_ids
-        self.totals = {"rows": 0, "drafted": 0, "accepted": 0, "committed": 0, "row_forwards": 0, "forwards": 0}
 
     def weights_changed(self) -> None:
         self.engine.weights_changed()
@@ -273,8 +272,7 @@ class SpeculativeEngine:
         tokens = token[:, None]  # (N, 1)
         logprobs, counts = logprob[:, None], torch.ones(num_rows, dtype=torch.long, device=device)
         live = torch.arange(num_rows, device=device)  # batch row -> output row
-        stats = dict.fromkeys(self.totals, 0)
-        stats["rows"] = num_rows
+        stats = {"rows": num_rows, "drafted": 0, "accepted": 0, "committed": 0, "row_forwards": 0, "forwards": 0}
         while True:
             keep = self._commit(state, sequences, live, tokens, logprobs, counts, steps)
             if keep is not None:
@@ -302,8 +300,6 @@ class SpeculativeEngine:
             stats["row_forwards"] += len(live)
             stats["forwards"] += 1
         stats["committed"] = int(state.mask.sum())
-        for key, value in stats.items():
-            self.totals[key] += value
         rollout = state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
         rollout.stats = summary(stats)
         return rollout

@@ -238,7 +238,8 @@ def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: 
     scores = pending.join()  # slow rewards ran in the pool while the fast ones ran here
     group_means = torch.nan_to_num(torch.nanmean(scores.scored_total.view(len(rows), -1), dim=1))  # (B,)
     feeder.observe(rows, group_means.tolist())  # curriculum success rates
-    metrics = {**pending.metrics, **rollout.stats, "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
+    metrics = {**pending.metrics, **rollout.stats,  # stats: the engine's own counters (spec/*)
+               "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
     return ScoredBatch(rows, rollout, inputs, scores, metrics)
 
 
