@@ -142,7 +142,7 @@ class SpeedConfig:
     vllm_memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: the fraction of RAM it may reserve)
     vllm_kv_cache_mb: int = 1024  # KV cache size in MiB; 0 = vLLM sizes it from vllm_memory_fraction
     vllm_max_model_len: int = 0  # longest prompt + completion; 0 = the model's max_position_embeddings
-    vllm_importance_sampling_correction: bool = True  # TIS: weight each token by min(pi_learner / pi_vllm, cap)
+    vllm_importance_sampling_correction: bool = True  # TIS: weight each token by min(pi_learner / pi_sampler, cap) (vllm, bf16 sampling)
     vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
     model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
@@ -180,6 +180,7 @@ class SpeedConfig:
     nan_guard_action: str = "lower_lr"  # lower_lr | disable_mixed_precision | stop
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
+    generation_precision: str = "fp32"  # fp32 | bf16: lean engine's sampled rollouts in bf16 matmuls, TIS-corrected; changes learning
     async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
 
 
@@ -211,6 +212,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.reward_pool": ("thread", "process"),
     "speed.curriculum": ("off", "length", "complexity", "success_rate"),
     "speed.precision": ("fp32", "bf16", "fp16"),
+    "speed.generation_precision": ("fp32", "bf16"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
