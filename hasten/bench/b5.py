@@ -128,6 +128,7 @@ def hasten_worker(spec: dict[str, Any]) -> None:
 
     launched = time.perf_counter()
     cfg = load_config(spec["config"], typed(spec["overrides"]), profile=spec["profile"])
+
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
