@@ -62,7 +62,7 @@ class BenchError(UserError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hasten bench",
-        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B4).",
+        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B6).",
         epilog="Prints a table, the settings of both sides, then one JSON line last.",
     )
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),

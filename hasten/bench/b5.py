@@ -258,6 +258,7 @@ def minutes_to_target(curve: list[list[float]], target: float) -> float:
 
 def run_b5(opts) -> Result:
     from ..config import load_config
+    from ..errors import UserError
     from ..tasks import make_task
     from ..tasks.sampler import PromptSampler
     from ..train.trainer import build_rewards
@@ -276,8 +277,12 @@ def run_b5(opts) -> Result:
     opts.log("B5: scoring the base model")
     scorer = Scorer(cfg, lambda text: None)
     base = scorer.base.get("accuracy")
-    if base is None:
-        raise PeerError(f"B5: task '{cfg.task.name}' reports no accuracy")
+    if base is None:  # B5 is time to accuracy: a task without a verdict per answer cannot be measured
+        scorer.close()
+        raise UserError(f"bench error: --b5-config {b5.config}: task '{cfg.task.name}' reports no held-out accuracy")
+    if "trl" not in opts.peers:
+        result.notes.append("trl not measured (--peers, or the `trl` package does not import: pip install "
+                            "'hasten[bench]')")
     curves: dict[str, dict[int, list[list[float]]]] = {}
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     try:
