@@ -193,6 +193,7 @@ def run_worker(side: str, spec: dict[str, Any], directory: Path) -> dict[str, An
     from .peers import PeerError, peer_env
 
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / "run.json").unlink(missing_ok=True)  # a reused --b5-dir: an old record must not pass for this run
     with open(directory / "log.txt", "w") as log:
         process = subprocess.run([sys.executable, "-m", "hasten.bench.b5", side], input=json.dumps(spec),
                                  stdout=log, stderr=subprocess.STDOUT, text=True, env=peer_env())
