@@ -63,7 +63,7 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "beta": cfg.algo.beta,
         "num_iterations": cfg.algo.num_iterations,
         "learning_rate": cfg.train.lr,
-        "lr_scheduler_type": "constant" if cfg.train.lr_schedule == "constant" else "cosine",
+        **trl_schedule(cfg.train),
         "warmup_steps": cfg.train.warmup_steps,
         "adam_beta1": cfg.train.adam_beta1,
         "adam_beta2": cfg.train.adam_beta2,
@@ -82,6 +82,21 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
+
+
+def trl_schedule(train) -> dict[str, Any]:
+    """transformers' lr_scheduler_type (+ kwargs) for hasten's train.lr_schedule, warmup and min_lr_ratio.
+
+    transformers' "constant" ignores warmup_steps, hence constant_with_warmup;
+    its cosine decays to 0 unless cosine_with_min_lr; its linear has no floor.
+    """
+    if train.lr_schedule == "constant":
+        return {"lr_scheduler_type": "constant_with_warmup" if train.warmup_steps else "constant"}
+    if train.min_lr_ratio == 0:
+        return {"lr_scheduler_type": train.lr_schedule}
+    if train.lr_schedule == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": train.min_lr_ratio}}
+    raise PeerError(f"train.min_lr_ratio={train.min_lr_ratio} with a linear schedule has no transformers equivalent")
 
 
 def reward_spec(rewards) -> list[list[Any]]:
