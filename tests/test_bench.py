@@ -97,6 +97,37 @@ def test_b4_startup_rows(capsys):
     assert "step_1" in rows["hasten train: launch -> step 1"]
 
 
+def test_quick_b5_variant_trains_with_its_own_keys(capsys, tmp_path):
+    _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "none", "--b5-dir", str(tmp_path / "b5"),
+                           "--b5-variant", "lr:train.lr=3e-3,train.weight_decay=0.1")
+    check_b5(payload, {"hasten", "hasten lr"}, [0])
+    settings = payload["workloads"]["B5"]["settings"]
+    assert settings["hasten lr"]["train"]["lr"] == 3e-3 and settings["hasten lr"]["train"]["weight_decay"] == 0.1
+    assert settings["hasten"]["train"]["lr"] == 1e-5  # the plain run keeps the config's
+
+
+def test_variants_run_before_each_seeds_peer():
+    from pathlib import Path
+
+    from hasten.bench.b5 import B5Options, add_variants, plan_runs
+
+    b5 = B5Options(seeds=[0, 1])
+    plans = add_variants(plan_runs(b5, ["trl"], Path("d")), [("bf16", [("speed.precision", "bf16")])],
+                         Path("d"), [0, 1])
+    assert [(p.label, p.seed) for p in plans] == [("hasten", 0), ("hasten bf16", 0), ("trl gc=off", 0),
+                                                  ("hasten", 1), ("hasten bf16", 1), ("trl gc=off", 1)]
+    assert plans[1].overrides == [("speed.precision", "bf16")] and plans[0].overrides == []
+
+
+def test_trl_bf16_is_passed_to_grpo_config():
+    from hasten.bench.peers import trl_settings
+    from hasten.config import load_config
+
+    cfg = load_config("configs/b1.yaml")
+    assert trl_settings(cfg, False, 3)["bf16"] is False
+    assert trl_settings(cfg, False, 3, bf16=True)["bf16"] is True
+
+
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (hasten[bench])")
 def test_b1_against_trl(capsys):
@@ -233,6 +264,9 @@ def test_quick_b1_at_two_contention_levels(capsys):
     (["--workloads", "B5", "--seeds", "a"], "--seeds"),
     (["--workloads", "B5", "--profiles", "fastest"], "unknown profile"),
     (["--workloads", "B5", "--b5-minutes", "0"], "--b5-minutes"),
+    (["--workloads", "B5", "--b5-variant", "bf16"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", "bf16:speed.precision"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", ":speed.precision=bf16"], "--b5-variant"),
 ])
 def test_bad_contention_and_b5_arguments(capsys, argv, message):
     assert main(argv) == 2

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--trl-checkpointing", default="both", choices=("both", "off", "on"),
                         help="B1's TRL processes: gradient checkpointing off (TRL's CPU best), on (its default) "
                              "or both (default); one alone needs less memory")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL with bf16=True (B1, B5): its best on a CPU with AMX or AVX512-BF16")
     parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -83,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     b5.add_argument("--b5-config", help="the task trained (default: configs/demo.yaml)")
     b5.add_argument("--seeds", default="0", help="comma list of train.seed values, one run per side each (default 0)")
     b5.add_argument("--profiles", default="", help="comma list of hasten profiles, one more hasten run each")
+    b5.add_argument("--b5-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="one more hasten run per seed with these config keys, e.g. "
+                         "bf16:speed.precision=bf16,speed.generation_precision=bf16 (repeatable)")
     b5.add_argument("--b5-minutes", type=float, default=15.0, help="training-time budget per run (default 15)")
     b5.add_argument("--b5-mark-minutes", type=float,
                     help="a checkpoint after the first step past every M training minutes (default 1; --quick 0 = "
@@ -127,7 +132,7 @@ def _options(args) -> Any:
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
                         trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
-                        contention=contention, b5=b5)
+                        contention=contention, b5=b5, trl_bf16=args.trl_bf16)
 
 
 def _b5_options(args) -> Any:
@@ -152,8 +157,16 @@ def _b5_options(args) -> Any:
     if args.b5_minutes <= 0 or mark < 0:
         raise BenchError(f"bench error: --b5-minutes must be > 0 and --b5-mark-minutes >= 0 "
                          f"(got {args.b5_minutes:g}, {mark:g})")
+    variants = []
+    for text in args.b5_variant:
+        label, _, keys = text.partition(":")
+        pairs = [pair.partition("=") for pair in keys.split(",") if pair.strip()]
+        if not label.strip() or not label.replace("-", "").replace("_", "").isalnum() or not pairs \
+                or any(not sep or not key.strip() for key, sep, _ in pairs):
+            raise BenchError(f"bench error: --b5-variant '{text}' is not LABEL:KEY=VALUE[,KEY=VALUE...]")
+        variants.append((label.strip(), [(key.strip(), value.strip()) for key, _, value in pairs]))
     return B5Options(config, seeds, profiles, args.b5_minutes, mark,
-                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints)
+                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ class B5Options:
     mark_minutes: float = 1.0  # a checkpoint after the first step past each mark; 0 = every step
     directory: Path | None = None  # None: a new temporary directory
     keep_checkpoints: bool = False
+    variants: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)  # --b5-variant: label, keys
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RunPlan:
     seed: int
     profile: str | None
     directory: Path
+    overrides: list[tuple[str, str]] = field(default_factory=list)  # --b5-variant's config keys
 
 
 # ------------------------------------------------------------------ the clock both sides train under
@@ -252,6 +254,18 @@ def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]
     return plans
 
 
+def add_variants(plans: list[RunPlan], variants: list[tuple[str, list[tuple[str, str]]]], directory: Path,
+                 seeds: list[int]) -> list[RunPlan]:
+    """One more hasten run per seed and --b5-variant (its label and config overrides), after the profiles."""
+    for label, overrides in variants:
+        for seed in seeds:
+            plan = RunPlan(f"hasten {label}", "hasten", seed, None, directory / f"hasten-{label}-seed{seed}")
+            plan.overrides = overrides
+            first_peer = next((i for i, p in enumerate(plans) if p.seed == seed and p.side == "peer"), None)
+            plans.insert(len(plans) if first_peer is None else first_peer, plan)
+    return plans
+
+
 def minutes_to_target(curve: list[list[float]], target: float) -> float:
     """Training minutes of the first point at or above `target` accuracy; inf when none is."""
     return next((minutes for minutes, _, accuracy in curve if accuracy >= target), math.inf)
@@ -287,9 +301,9 @@ def run_b5(opts) -> Result:
     curves: dict[str, dict[int, list[list[float]]]] = {}
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     try:
-        for plan in plan_runs(b5, opts.peers, directory):
+        for plan in add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds):
             opts.log(f"B5: {plan.label} seed {plan.seed}: training")
-            seeded = overrides + [("train.seed", plan.seed)]
+            seeded = overrides + [("train.seed", plan.seed)] + plan.overrides
             try:
                 if plan.side == "hasten":
                     spec = {"config": str(b5.config), "overrides": [list(pair) for pair in seeded],
@@ -300,7 +314,8 @@ def run_b5(opts) -> Result:
                     rows = PromptSampler(task.train_rows, plan.seed).next(
                         run_cfg.train.prompts_per_step * run_cfg.train.steps)  # hasten's prompt stream, in order
                     spec = trl_spec(run_cfg, rows, build_rewards(run_cfg, task),
-                                    peer_model_dir(run_cfg.model.name, directory), False, run_cfg.train.steps)
+                                    peer_model_dir(run_cfg.model.name, directory), False, run_cfg.train.steps,
+                                    opts.trl_bf16)
                 spec.update(minutes=b5.minutes, mark_minutes=b5.mark_minutes, directory=str(plan.directory))
                 record = run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory)
             except PeerError as error:

@@ -43,7 +43,7 @@ class PeerError(RuntimeError):
     """A peer failed to build or run; the bench notes it and goes on."""
 
 
-def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any]:
+def trl_settings(cfg, gradient_checkpointing: bool, steps: int, bf16: bool = False) -> dict[str, Any]:
     """GRPOConfig keyword arguments equal to hasten's config `cfg` (see configs/b1.yaml)."""
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations  # 4 x 8 = 32
     return {
@@ -73,7 +73,7 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "max_steps": steps,
         "shuffle_dataset": False,  # the parent hands over hasten's prompts, in hasten's order
         "use_cpu": True,
-        "bf16": False,  # fp32, as hasten: bf16 matmul is slower on CPUs without AMX
+        "bf16": bf16,  # --trl-bf16; default fp32, as hasten: bf16 is emulated (slower) on CPUs without AMX/AVX512-BF16
         "gradient_checkpointing": gradient_checkpointing,
         "model_init_kwargs": {"dtype": cfg.model.dtype},
         "report_to": "none",

@@ -45,6 +45,7 @@ class BenchOptions:
     log: Callable[[str], None] = print
     decode_shape: tuple[int, int, int] = (8, 8, 64)  # B2: 8 prompts x 8 samples x 64 new tokens
     trl_checkpointing: tuple[bool, ...] = (False, True)  # B1: TRL's CPU best, then its default
+    trl_bf16: bool = False  # TRL with bf16=True (B1, B5): its best on a CPU with AMX / AVX512-BF16
     contention: list[int] = field(default_factory=lambda: [0])  # busy neighbour processes, one level per entry
     b5: Any = None  # b5.B5Options when B5 is asked for
 
@@ -155,11 +156,12 @@ def peer_model_dir(name: str, workdir: Path) -> str:
     return name
 
 
-def trl_spec(cfg, rows: list[dict], rewards, model_dir: str, gradient_checkpointing: bool, steps: int) -> dict:
+def trl_spec(cfg, rows: list[dict], rewards, model_dir: str, gradient_checkpointing: bool, steps: int,
+             bf16: bool = False) -> dict:
     from .peers import reward_spec, trl_settings
 
     return {"model_dir": model_dir, "rows": rows, "rewards": reward_spec(rewards),
-            "config": trl_settings(cfg, gradient_checkpointing, steps)}
+            "config": trl_settings(cfg, gradient_checkpointing, steps, bf16)}
 
 
 def hasten_settings(cfg) -> dict[str, Any]:
@@ -204,8 +206,8 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
         if "trl" in opts.peers:
             model_dir = peer_model_dir(cfg.model.name, Path(workdir))
             for checkpointing in opts.trl_checkpointing:  # TRL's CPU best, then its default (--trl-checkpointing)
-                name = f"trl gc={'on' if checkpointing else 'off'}"
-                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps)
+                name = f"trl gc={'on' if checkpointing else 'off'}" + (" bf16" if opts.trl_bf16 else "")
+                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps, opts.trl_bf16)
                 result.settings[name] = {"model": model_dir, **spec["config"]}
                 opts.log(f"B1: starting {name}")
                 try:
