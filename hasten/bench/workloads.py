@@ -326,6 +326,10 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
     except Exception as error:  # a module still being written must not stop the bench
         if notes is not None:
             notes.append(f"LeanEngine did not build: {type(error).__name__}: {error}")
+    from ..device import cpu_has_native_bf16
+
+    if "lean" in engines and cpu_has_native_bf16():  # speed.generation_precision=bf16 (AMX / AVX512-BF16 only)
+        engines["lean bf16"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="bf16")
     from ..rollout import vllm_engine
 
     if vllm_engine.available():  # speed.engine=vllm, as training builds it (hasten[vllm] installed)
