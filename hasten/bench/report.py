@@ -121,7 +121,8 @@ def matmul_peak(size: int, repeats: int) -> float:
 
 def pair_ratio(peer: Row, hasten: Row) -> float | None:
     """Median over rounds of peer seconds / hasten seconds (> 1: hasten is faster)."""
-    pairs = [p / h for p, h in zip(peer.seconds, hasten.seconds) if h > 0]
+    # B5's minutes are inf where a run never got there: a pair where neither did says nothing
+    pairs = [p / h for p, h in zip(peer.seconds, hasten.seconds) if h > 0 and not (math.isinf(p) and math.isinf(h))]
     return statistics.median(pairs) if pairs else None
 
 
@@ -156,10 +157,21 @@ def _extra_text(extra: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _compact(value: Any) -> str:
+    return " ".join(f"{key}={item}" for key, item in value.items()) if isinstance(value, dict) else str(value)
+
+
 def format_table(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
     """The human-readable report: one table over all workloads, then settings and notes."""
-    lines = [
-        "hasten bench  " + "  ".join(f"{key}={value}" for key, value in header.items()),
+    scalars = {key: value for key, value in header.items() if not isinstance(value, dict)}
+    lines = ["hasten bench  " + "  ".join(f"{key}={value}" for key, value in scalars.items())]
+    for key, value in header.items():  # nested figures (OpenMP variables, matmul rates per shape): a line each
+        if isinstance(value, dict) and value and all(isinstance(item, dict) for item in value.values()):
+            for part, items in value.items():
+                lines.append(f"{key} {part}: " + "  ".join(f"{name} {_compact(item)}" for name, item in items.items()))
+        elif isinstance(value, dict):
+            lines.append(f"{key}: {_compact(value) or '(none set)'}")
+    lines += [
         f"matmul peak: {peak_gflops:.1f} GFLOP/s (fp32, all threads, best of several; the MFU denominator)",
         "ratio = median over A B pairs of peer seconds / hasten seconds (> 1: hasten faster)",
         "",

@@ -45,6 +45,9 @@ class BenchOptions:
     log: Callable[[str], None] = print
     decode_shape: tuple[int, int, int] = (8, 8, 64)  # B2: 8 prompts x 8 samples x 64 new tokens
     trl_checkpointing: tuple[bool, ...] = (False, True)  # B1: TRL's CPU best, then its default
+    trl_bf16: bool = False  # TRL with bf16=True (B1, B5): its best on a CPU with AMX / AVX512-BF16
+    contention: list[int] = field(default_factory=lambda: [0])  # busy neighbour processes, one level per entry
+    b5: Any = None  # b5.B5Options when B5 is asked for
     speculative: tuple[str, ...] = ()  # B2: extra lean+speculative rows: "ngram", "layers:N" or a draft model
     speculative_tokens: int = 4  # their k
     batch_sizes: tuple[int, ...] = ()  # B2: also the sweep over decode batch sizes (sampled and greedy)
@@ -156,11 +159,12 @@ def peer_model_dir(name: str, workdir: Path) -> str:
     return name
 
 
-def trl_spec(cfg, rows: list[dict], rewards, model_dir: str, gradient_checkpointing: bool, steps: int) -> dict:
+def trl_spec(cfg, rows: list[dict], rewards, model_dir: str, gradient_checkpointing: bool, steps: int,
+             bf16: bool = False) -> dict:
     from .peers import reward_spec, trl_settings
 
     return {"model_dir": model_dir, "rows": rows, "rewards": reward_spec(rewards),
-            "config": trl_settings(cfg, gradient_checkpointing, steps)}
+            "config": trl_settings(cfg, gradient_checkpointing, steps, bf16)}
 
 
 def hasten_settings(cfg) -> dict[str, Any]:
@@ -176,11 +180,19 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) ->
 
 
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
+    """Rounds of steps: per round, per contention level, neighbours on, a hasten step, a step of each TRL process.
+
+    Every side's step r at level L runs under the same neighbours, so rows pair
+    by round; each side's slowdown under contention is the median over rounds
+    of its busy / idle step seconds.
+    """
     from ..train.feeder import make_feeder
     from ..train.trainer import grpo_step
+    from .contention import Neighbours, label
     from .peers import PeerError, TrlProcess
 
-    cfg, session, steps = side.cfg, side.session, opts.rounds("B1")
+    cfg, session, rounds, levels = side.cfg, side.session, opts.rounds("B1"), opts.contention
+    steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
                           f"max {cfg.generation.max_new_tokens} new tokens, full fine-tune, fp32)")
@@ -189,69 +201,108 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
 
     workers: dict[str, TrlProcess] = {}
+    records: dict[int, list[dict]] = {level: [] for level in levels}  # hasten's step records per level
+    flops: dict[int, list[float]] = {level: [] for level in levels}
+    peer_steps: dict[tuple[str, int], list[dict]] = {}
+    loads: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
     with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
         if "trl" in opts.peers:
             model_dir = peer_model_dir(cfg.model.name, Path(workdir))
             for checkpointing in opts.trl_checkpointing:  # TRL's CPU best, then its default (--trl-checkpointing)
-                label = f"trl gc={'on' if checkpointing else 'off'}"
-                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps)
-                result.settings[label] = {"model": model_dir, **spec["config"]}
-                opts.log(f"B1: starting {label}")
+                name = f"trl gc={'on' if checkpointing else 'off'}" + (" bf16" if opts.trl_bf16 else "")
+                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps, opts.trl_bf16)
+                result.settings[name] = {"model": model_dir, **spec["config"]}
+                opts.log(f"B1: starting {name}")
                 try:
-                    workers[label] = TrlProcess(label, spec)
+                    workers[name] = TrlProcess(name, spec)
                 except PeerError as error:
                     result.notes.append(str(error))
-        records, flops, peer_steps = [], [], {label: [] for label in workers}
+        peer_steps = {(name, level): [] for name in workers for level in levels}
         learner, sampler = side.learner, make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         recorder = session.engine = RecordingEngine(session.engine)
         try:
-            for step in range(1, steps + 1):  # A B B, A B B, ...: no two runs overlap
-                opts.log(f"B1: step {step}/{steps}")
-                records.append(grpo_step(session, learner, sampler, step))
-                rollout = recorder.last
-                prompt_count, completion_count = float(rollout.prompt_mask.sum()), float(rollout.completion_mask.sum())
-                flops.append(b1_flops(side.size, prompt_count, completion_count))
-                for label in list(workers):
-                    try:
-                        peer_steps[label].append(workers[label].step())
-                    except PeerError as error:
-                        result.notes.append(str(error))
-                        workers.pop(label).close()
+            step = 0
+            for round_index in range(rounds):  # A B B, A B B, ...: no two runs overlap
+                for level in levels:
+                    step += 1
+                    opts.log(f"B1: round {round_index + 1}/{rounds}{label(level)}")
+                    with Neighbours(level) as neighbours:
+                        records[level].append(grpo_step(session, learner, sampler, step))
+                        for name in list(workers):
+                            try:
+                                peer_steps[name, level].append(workers[name].step())
+                            except PeerError as error:
+                                result.notes.append(str(error))
+                                workers.pop(name).close()
+                    loads[level].append((neighbours.load_before, neighbours.load_after))
+                    rollout = recorder.last
+                    flops[level].append(b1_flops(side.size, float(rollout.prompt_mask.sum()),
+                                                 float(rollout.completion_mask.sum())))
         finally:
             session.engine = recorder.engine
             sampler.close()  # the prefetch thread
             for worker in workers.values():
                 worker.close()
 
-    measured = slice(1, None) if steps > 1 else slice(None)  # steps 2..N
-    result.rows.append(Row(
-        "hasten", "hasten", "s/step", [r["time/step"] for r in records[measured]], flops=flops[measured],
-        extra={
-            **{part: statistics.median(r[f"time/{part}"] for r in records[measured])
-               for part in ("generate", "reward", "learn")},
-            "first_step": records[0]["time/step"],
-            "reward_mean": statistics.mean(r["reward_mean"] for r in records),
-            "completion_length": statistics.mean(r["completion_length"] for r in records),
-        },
-    ))
-    for label, messages in peer_steps.items():
-        if len(messages) < steps:
-            continue
+    measured = slice(1, None) if rounds > 1 else slice(None)  # rounds 2..R: round 1 pays one-off allocation
+    for level in levels:
+        level_records = records[level]
+        load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
         result.rows.append(Row(
-            label, "peer", "s/step", [m["seconds"] for m in messages[measured]],
-            flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"])
-                   for m in messages[measured]],
+            f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
+            flops=flops[level][measured],
             extra={
-                "first_step": messages[0]["seconds"],
-                "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
-                "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
-                                                     for m in messages),
+                **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
+                   for part in ("generate", "reward", "learn")},
+                "first_step": level_records[0]["time/step"],
+                "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
+                "completion_length": statistics.mean(r["completion_length"] for r in level_records),
+                **load,
             },
         ))
-    result.notes.append(f"steps 1..{steps} run alternately (hasten, then each TRL process); "
-                        f"median over steps {'2' if steps > 1 else '1'}..{steps}; both sides get the same prompt rows; "
+        for name in dict.fromkeys(name for name, _ in peer_steps):  # in start order
+            messages = peer_steps[name, level]
+            if len(messages) < rounds:
+                continue
+            result.rows.append(Row(
+                f"{name}{label(level)}", "peer", "s/step", [m["seconds"] for m in messages[measured]],
+                baseline=f"hasten{label(level)}",
+                flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"])
+                       for m in messages[measured]],
+                extra={
+                    "first_step": messages[0]["seconds"],
+                    "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
+                    "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
+                                                         for m in messages),
+                    **load,
+                },
+            ))
+    if len(levels) > 1:
+        slowdowns = result.settings["contention"] = contention_slowdowns(result, levels)
+        result.notes.append("slowdown under contention (busy / idle step seconds, median over rounds): "
+                            + ", ".join(f"{pair} {value:.2f}x" for pair, value in slowdowns.items()))
+    result.notes.append(f"rounds 1..{rounds} run alternately (hasten, then each TRL process"
+                        f"{', at each contention level' if len(levels) > 1 else ''}); median over rounds "
+                        f"{'2' if rounds > 1 else '1'}..{rounds}; both sides get the same prompt rows; "
                         "samples differ (different random streams), so completion lengths differ a little")
     return result
+
+
+def contention_slowdowns(result: Result, levels: list[int]) -> dict[str, float]:
+    """Each side's busy / idle step seconds, median over rounds: {"hasten +1 busy / hasten": 1.4, ...}."""
+    from .contention import label
+    from .report import pair_ratio
+
+    rows = {row.name: row for row in result.rows}
+    idle, slowdowns = levels[0], {}
+    for level in levels[1:]:
+        for name, row in rows.items():
+            base_name = name.removesuffix(label(level))
+            if name.endswith(label(level)) and (base_name + label(idle)) in rows:
+                ratio = pair_ratio(row, rows[base_name + label(idle)])
+                if ratio is not None:
+                    slowdowns[f"{name} / {base_name}{label(idle)}"] = ratio
+    return slowdowns
 
 
 # ------------------------------------------------------------------ B2: decode
@@ -278,6 +329,18 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
     except Exception as error:  # a module still being written must not stop the bench
         if notes is not None:
             notes.append(f"LeanEngine did not build: {type(error).__name__}: {error}")
+    from ..device import cpu_has_native_bf16
+
+    if "lean" in engines and cpu_has_native_bf16():  # speed.generation_precision=bf16 (AMX / AVX512-BF16 only)
+        engines["lean bf16"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="bf16")
+    from ..rollout import vllm_engine
+
+    if vllm_engine.available():  # speed.engine=vllm, as training builds it (hasten[vllm] installed)
+        try:
+            engines["vllm"] = vllm_engine.VLLMEngine(policy.model, policy.pad_token_id, [])
+        except Exception as error:
+            if notes is not None:
+                notes.append(f"VLLMEngine did not build: {type(error).__name__}: {error}")
     return engines
 
 
@@ -343,7 +406,7 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
         try:
             with tempfile.TemporaryDirectory() as workdir:
                 vllm = VllmGenerate(peer_model_dir(side.cfg.model.name, Path(workdir)), side.cfg.model.dtype)
-            runners["vllm"] = ("peer", lambda params, seed: vllm(prompts, group, params, seed))
+            runners["vllm LLM.generate"] = ("peer", lambda params, seed: vllm(prompts, group, params, seed))
         except Exception as error:
             result.notes.append(f"vllm skipped: {type(error).__name__}: {error}")
     else:

@@ -138,11 +138,12 @@ class VLLMEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        stops = stop_token_ids or self.eos_token_ids  # none: never stop early, like the lean engine with no EOS
         draws = 1 if sampling.greedy else num_generations  # vLLM refuses n > 1 greedy: G equal copies
         params = [VLLMSampling(n=draws, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                                logprobs=0, seed=(seed * 7919 + first_request + index) % 2**31, detokenize=False,
-                               stop_token_ids=stop_token_ids or self.eos_token_ids)
+                               stop_token_ids=stops, ignore_eos=not stops)
                   for index in range(len(prompts))]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [(list(c.token_ids), [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids)])

@@ -24,6 +24,10 @@ forward and input gradient, 135-160 weight gradient; at the LM head's shape
 Left out on purpose:
 - small layers (LoRA's A and B, rank 16): thin matmuls where oneDNN's setup
   cost dominates;
+- the block under CPU autocast (speed.precision=bf16/fp16): there the linears
+  must run in bf16 (on AMX 1250-1430 GFLOP/s a thread at the learning shapes
+  against 160 for either fp32 library), and an autograd Function would keep
+  them fp32 unseen; the context then routes nothing;
 - anything not fp32 on the CPU, or a torch build without oneDNN: the context
   manager then leaves the model untouched (`available()` says which), and
   the learner logs that choice once.
@@ -109,7 +113,9 @@ def onednn_linears(model: torch.nn.Module, enabled: bool = True):
     unavailable). The original forward is restored even if the block raises.
     """
     routed: list[torch.nn.Module] = []
-    if enabled and available():
+    # Under autocast (speed.precision=bf16/fp16) the linears must run in the autocast dtype: an
+    # autograd Function is not autocast-aware, so routing them here would silently keep them fp32.
+    if enabled and available() and not torch.is_autocast_enabled("cpu"):
         for module in model.modules():
             if eligible(module) and "forward" not in vars(module):
                 module.forward = functools.partial(_forward, module)

@@ -110,6 +110,8 @@ class Learner:
         self.optimization = Optimization(self.parameters, OptimizerSettings.for_training(cfg), cfg.speed, log)
         self.device = next(policy.model.parameters()).device
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
+        # Whose log-probs an importance correction compares against: vllm/* or bf16_sampler/* metrics.
+        self.sampler = "vllm" if cfg.speed.engine == "vllm" else "bf16_sampler"
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
 
     def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None,
@@ -121,9 +123,10 @@ class Learner:
         off_policy: the rollout was sampled from older weights (speed.async_steps), so the
         clipped ratio is taken against its sampling log-probs, not the current policy's
         detached log-probs; the mismatch is logged (async/*).
-        importance_cap: the sampler is another implementation (vLLM): each token's loss is weighted
-        by min(exp(logp_learner - logp_sampler), cap), truncated importance sampling as TRL's
-        vllm_importance_sampling_correction; the mismatch is logged (vllm/*).
+        importance_cap: the sampler is another implementation (vLLM, or the lean engine's bf16
+        matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap),
+        truncated importance sampling as TRL's vllm_importance_sampling_correction; the mismatch
+        is logged (vllm/* or bf16_sampler/*).
         """
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
@@ -143,7 +146,7 @@ class Learner:
         metric_sums: dict[str, float] = {}
         entropy_sum = 0.0
         mismatch = OffPolicyStats("async") if off_policy else None
-        correction = OffPolicyStats("vllm") if importance_cap is not None else None
+        correction = OffPolicyStats(self.sampler) if importance_cap is not None else None
         weights: list[torch.Tensor | None] = [None] * len(chunks)  # per chunk (rows, T), fixed at iteration 0
         loss_total = 0.0
         grad_norm = 0.0

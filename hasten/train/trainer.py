@@ -147,6 +147,16 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
+    if cfg.speed.generation_precision == "bf16":
+        from ..device import cpu_has_native_bf16
+
+        if choice in ("hf", "vllm"):
+            raise ConfigError(f"config error: speed.generation_precision=bf16 needs the lean engine, not "
+                              f"speed.engine={choice}")
+        device = next(policy.model.parameters()).device
+        if device.type == "cpu" and not cpu_has_native_bf16():
+            raise ConfigError("config error: speed.generation_precision=bf16: this CPU has no native bf16 "
+                              "(avx512_bf16 or amx_bf16 in /proc/cpuinfo), where it would be slower than fp32")
     if choice == "vllm" and cfg.speed.vllm_server:  # generation in another process: only HTTP here
         from ..rollout.vllm_server import VLLMServerEngine
 
@@ -169,7 +179,11 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
                 raise ConfigError(f"config error: speed.engine=lean cannot run this model ({reason})") from None
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
-            return speculative(cfg, policy, LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids), log)
+            return speculative(cfg, policy, LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
+                                                       cfg.speed.generation_precision), log)
+    if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
+        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the "
+                          f"lean engine, which cannot run this model")
     if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
                           "which cannot run this model (see above)")
@@ -271,10 +285,13 @@ def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Coll
 
 
 def importance_cap(cfg: Config) -> float | None:
-    """speed.engine=vllm: the TIS cap on pi_learner / pi_vllm per token (None: no correction)."""
+    """The TIS cap on pi_learner / pi_sampler per token when another implementation samples (None: none).
+
+    That is speed.engine=vllm, or the lean engine with speed.generation_precision=bf16.
+    """
     speed = cfg.speed
-    return speed.vllm_importance_sampling_cap if speed.engine == "vllm" and \
-        speed.vllm_importance_sampling_correction else None
+    other_sampler = speed.engine == "vllm" or speed.generation_precision != "fp32"
+    return speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
 
 
 def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,

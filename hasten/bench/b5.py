@@ -1,0 +1,407 @@
+"""B5 of shared/BENCH.md: time to accuracy, hasten against TRL's GRPOTrainer.
+
+    hasten bench --workloads B5 [--b5-config configs/demo.yaml] [--seeds 0,1,2] [--profiles balanced,...]
+                 [--b5-minutes 15] [--b5-mark-minutes 1] [--b5-dir DIR] [--peers trl|none]
+
+The demo task (configs/demo.yaml: two-digit addition with a worked example)
+is trained by hasten and by TRL with the same rows in the same order, the
+same reward functions and the same lr, warmup, schedule, loss, group size,
+completion length and temperature (peers.trl_settings; TRL in fp32 with
+gradient checkpointing off, its CPU best). Each run is its own process
+(`python -m hasten.bench.b5 hasten|trl`, spec on stdin): it pays its own
+imports, keeps its own allocator and threads, and a profile's process-wide
+settings do not leak. A run stops at --b5-minutes of training time or at
+train.steps, whichever comes first.
+
+Time is training time: a clock that starts when the first step starts and
+stops while a checkpoint is being written (model loading and saving are not
+counted, on either side). After the first step that ends past each mark
+(every --b5-mark-minutes of training time; 0 = after every step) and after
+the last step, the run saves the model and notes (step, training seconds).
+When a run is done the parent scores its checkpoints with hasten's held-out
+evaluator (train/evaluate.py's `evaluate`, what `hasten eval` and training's
+evals run: greedy, the task's first eval.num_examples held-out questions) on
+one session of the base model, each checkpoint's weights loaded into it in
+place, so tokenizer, prompts and engine are the same for every score. The
+base model (step 0) is scored once and shared by every curve. Scoring is not
+timed. Weight files are deleted once scored (--b5-keep-checkpoints keeps them).
+
+Reported per run (side, seed, profile): the curve (training minutes, step,
+accuracy), minutes to +20 points over the base accuracy (the first
+checkpoint at or above it; inf = not reached within the budget), final
+accuracy and median seconds per step; the peer's ratio is the median over
+seeds of TRL minutes / hasten minutes. A PNG of every curve and curves.json
+go to --b5-dir (default: a new temporary directory, printed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .report import Result, Row
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+TARGET_GAIN = 0.20  # +20 points of held-out accuracy over the base model
+# --quick: the tiny model, 2 steps of 2 prompts x 4 generations x 8 tokens, 8 held-out questions.
+QUICK_OVERRIDES = [("model.name", "tiny"), ("train.prompts_per_step", 2), ("generation.num_generations", 4),
+                   ("generation.max_new_tokens", 8), ("train.steps", 2), ("train.warmup_steps", 1),
+                   ("eval.num_examples", 8), ("eval.max_new_tokens", 8)]
+
+
+@dataclass
+class B5Options:
+    config: Path = DEMO_CONFIG
+    seeds: list[int] = field(default_factory=lambda: [0])
+    profiles: list[str] = field(default_factory=list)  # each one more hasten run per seed
+    minutes: float = 15.0  # training-time budget per run
+    mark_minutes: float = 1.0  # a checkpoint after the first step past each mark; 0 = every step
+    directory: Path | None = None  # None: a new temporary directory
+    keep_checkpoints: bool = False
+    variants: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)  # --b5-variant: label, keys
+
+
+@dataclass
+class RunPlan:
+    label: str  # "hasten", "hasten balanced", "trl gc=off"
+    side: str  # "hasten" | "peer"
+    seed: int
+    profile: str | None
+    directory: Path
+    overrides: list[tuple[str, str]] = field(default_factory=list)  # --b5-variant's config keys
+
+
+# ------------------------------------------------------------------ the clock both sides train under
+
+
+class TrainingClock:
+    """Training seconds since the first step began, checkpoint saving excluded; saves at the marks."""
+
+    def __init__(self, minutes: float, mark_minutes: float, directory: Path):
+        self.budget, self.mark = 60.0 * minutes, 60.0 * mark_minutes
+        self.directory = directory
+        self.started = time.perf_counter()
+        self.paused = 0.0  # seconds spent saving
+        self.next_mark = self.mark
+        self.steps: list[dict[str, Any]] = []
+        self.checkpoints: list[dict[str, Any]] = []
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started - self.paused
+
+    def after_step(self, step: int, record: dict[str, Any], save: Callable[[Path], None], last: bool) -> bool:
+        """Log the step, save when a mark has passed (or at the end); True when the run must stop."""
+        now = self.seconds()
+        self.steps.append({"step": step, "train_seconds": now, **record})
+        stop = last or now >= self.budget
+        if now >= self.next_mark or stop:
+            began = time.perf_counter()
+            target = self.directory / f"step-{step}"
+            save(target)
+            spent = time.perf_counter() - began
+            self.paused += spent
+            self.checkpoints.append({"step": step, "train_seconds": now, "save_seconds": spent, "path": str(target)})
+            self.next_mark = (math.floor(now / self.mark) + 1) * self.mark if self.mark > 0 else 0.0
+        return stop
+
+    def write(self, **extra: Any) -> None:
+        (self.directory / "run.json").write_text(json.dumps(
+            {"steps": self.steps, "checkpoints": self.checkpoints, **extra}, default=str))
+
+
+# ------------------------------------------------------------------ the two workers (fresh processes)
+
+
+def hasten_worker(spec: dict[str, Any]) -> None:
+    """GRPOJob.step (the step `hasten train` runs) until the budget or train.steps, saving at the marks."""
+    from ..compare import typed
+    from ..config import load_config
+    from ..train.trainer import GRPOJob, prepare
+    from .workloads import hasten_settings
+
+    launched = time.perf_counter()
+    cfg = load_config(spec["config"], typed(spec["overrides"]), profile=spec["profile"])
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    job = GRPOJob(prepare(cfg, log=log), log)
+    clock = TrainingClock(spec["minutes"], spec["mark_minutes"], Path(spec["directory"]))
+    startup = time.perf_counter() - launched
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            began = time.perf_counter()
+            record = job.step(step)
+            seconds = time.perf_counter() - began
+            if clock.after_step(step, {"seconds": seconds, "reward_mean": record["reward_mean"]}, job.save_model,
+                                last=step == cfg.train.steps):
+                break
+    finally:
+        job.close()
+    clock.write(startup_seconds=startup, settings=hasten_settings(cfg))
+
+
+def trl_worker(spec: dict[str, Any]) -> None:
+    """TRL's GRPOTrainer.train() with a callback that keeps the same clock and saves at the same marks."""
+    launched = time.perf_counter()
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from .peers import RewardLog
+
+    rewards = RewardLog(spec["rewards"])
+    directory = Path(spec["directory"])
+
+    class Marks(TrainerCallback):
+        clock: TrainingClock
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.clock = TrainingClock(spec["minutes"], spec["mark_minutes"], directory)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            record = {"seconds": time.perf_counter() - self.began, **rewards.take()}
+            if self.clock.after_step(state.global_step, record, lambda target: model.save_pretrained(target),
+                                     last=state.global_step >= args.max_steps):
+                control.should_training_stop = True
+
+    marks = Marks()
+    output_dir = tempfile.mkdtemp(prefix="hasten-b5-trl-")
+    try:
+        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=rewards.functions,
+                              args=GRPOConfig(output_dir=output_dir, **spec["config"]),
+                              train_dataset=Dataset.from_list(spec["rows"]), callbacks=[marks])
+        startup = time.perf_counter() - launched
+        trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    marks.clock.write(startup_seconds=startup, settings={"model": spec["model_dir"], **spec["config"]})
+
+
+def run_worker(side: str, spec: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """Run one side's worker to the end; its run.json. Its output goes to directory/log.txt."""
+    from .peers import PeerError, peer_env
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "run.json").unlink(missing_ok=True)  # a reused --b5-dir: an old record must not pass for this run
+    with open(directory / "log.txt", "w") as log:
+        process = subprocess.run([sys.executable, "-m", "hasten.bench.b5", side], input=json.dumps(spec),
+                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=peer_env())
+    record = directory / "run.json"
+    if process.returncode != 0 or not record.is_file():
+        tail = [line for line in (directory / "log.txt").read_text().splitlines() if line.strip()][-2:]
+        raise PeerError(f"B5 {side} run in {directory} failed (exit {process.returncode}): {' | '.join(tail)}")
+    return json.loads(record.read_text())
+
+
+# ------------------------------------------------------------------ scoring: hasten's evaluator, one session
+
+
+class Scorer:
+    """The base model's session; `score(dir)` loads a checkpoint's weights into it and evaluates."""
+
+    def __init__(self, cfg, log: Callable[[str], None]):
+        from ..train.trainer import prepare
+
+        self.cfg, self.session = cfg, prepare(cfg, log=log)
+        self.base = self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
+        from ..train.evaluate import evaluate
+
+        cfg, session = self.cfg, self.session
+        metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards,
+                              min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens,
+                              cfg.eval.batch_size, cfg.generation.chat_template_kwargs, None,
+                              cfg.generation.stop_strings)
+        return metrics
+
+    def score(self, directory: str | Path) -> dict[str, float]:
+        from ..models import load_trained_weights
+
+        load_trained_weights(self.session.policy.model, Path(directory))
+        self.session.engine.weights_changed()  # the lean engine re-packs its weights
+        return self._evaluate()
+
+    def close(self) -> None:
+        self.session.scorer.close()
+
+
+# ------------------------------------------------------------------ the workload
+
+
+def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]:
+    """Per seed: hasten (its config as is), hasten under each profile, then TRL: A B per seed."""
+    plans = []
+    for seed in b5.seeds:
+        for profile in [None] + b5.profiles:
+            label = "hasten" if profile is None else f"hasten {profile}"
+            plans.append(RunPlan(label, "hasten", seed, profile, directory / f"{label.replace(' ', '-')}-seed{seed}"))
+        if "trl" in peers:
+            plans.append(RunPlan("trl gc=off", "peer", seed, None, directory / f"trl-seed{seed}"))
+    return plans
+
+
+def add_variants(plans: list[RunPlan], variants: list[tuple[str, list[tuple[str, str]]]], directory: Path,
+                 seeds: list[int]) -> list[RunPlan]:
+    """One more hasten run per seed and --b5-variant (its label and config overrides), after the profiles."""
+    for label, overrides in variants:
+        for seed in seeds:
+            plan = RunPlan(f"hasten {label}", "hasten", seed, None, directory / f"hasten-{label}-seed{seed}")
+            plan.overrides = overrides
+            first_peer = next((i for i, p in enumerate(plans) if p.seed == seed and p.side == "peer"), None)
+            plans.insert(len(plans) if first_peer is None else first_peer, plan)
+    return plans
+
+
+def minutes_to_target(curve: list[list[float]], target: float) -> float:
+    """Training minutes of the first point at or above `target` accuracy; inf when none is."""
+    return next((minutes for minutes, _, accuracy in curve if accuracy >= target), math.inf)
+
+
+def run_b5(opts) -> Result:
+    from ..config import load_config
+    from ..errors import UserError
+    from ..tasks import make_task
+    from ..tasks.sampler import PromptSampler
+    from ..train.trainer import build_rewards
+    from .peers import PeerError
+    from .workloads import peer_model_dir, trl_spec
+
+    b5: B5Options = opts.b5
+    overrides = [("model.name", opts.model)] + (QUICK_OVERRIDES if opts.quick else [])
+    cfg = load_config(b5.config, overrides)
+    directory = Path(b5.directory or tempfile.mkdtemp(prefix="hasten-b5-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    opts.log(f"B5: output directory {directory}")
+    result = Result("B5", f"time to accuracy: {cfg.task.name} ({b5.config.name}), held-out greedy accuracy on "
+                          f"{cfg.eval.num_examples} questions against training minutes; stop at "
+                          f"{b5.minutes:g} min or {cfg.train.steps} steps")
+    opts.log("B5: scoring the base model")
+    scorer = Scorer(cfg, lambda text: None)
+    base = scorer.base.get("accuracy")
+    if base is None:  # B5 is time to accuracy: a task without a verdict per answer cannot be measured
+        scorer.close()
+        raise UserError(f"bench error: --b5-config {b5.config}: task '{cfg.task.name}' reports no held-out accuracy")
+    if "trl" not in opts.peers:
+        result.notes.append("trl not measured (--peers, or the `trl` package does not import: pip install "
+                            "'hasten[bench]')")
+    curves: dict[str, dict[int, list[list[float]]]] = {}
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    try:
+        for plan in add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds):
+            opts.log(f"B5: {plan.label} seed {plan.seed}: training")
+            seeded = overrides + [("train.seed", plan.seed)] + plan.overrides
+            try:
+                if plan.side == "hasten":
+                    spec = {"config": str(b5.config), "overrides": [list(pair) for pair in seeded],
+                            "profile": plan.profile}
+                else:
+                    run_cfg = load_config(b5.config, seeded)
+                    task = make_task(run_cfg.task, run_cfg)
+                    rows = PromptSampler(task.train_rows, plan.seed).next(
+                        run_cfg.train.prompts_per_step * run_cfg.train.steps)  # hasten's prompt stream, in order
+                    spec = trl_spec(run_cfg, rows, build_rewards(run_cfg, task),
+                                    peer_model_dir(run_cfg.model.name, directory), False, run_cfg.train.steps,
+                                    opts.trl_bf16)
+                spec.update(minutes=b5.minutes, mark_minutes=b5.mark_minutes, directory=str(plan.directory))
+                record = run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory)
+            except PeerError as error:
+                result.notes.append(str(error))
+                continue
+            opts.log(f"B5: {plan.label} seed {plan.seed}: scoring {len(record['checkpoints'])} checkpoints")
+            curve = [[0.0, 0, base]]
+            for checkpoint in record["checkpoints"]:
+                accuracy = scorer.score(checkpoint["path"]).get("accuracy", 0.0)
+                checkpoint["accuracy"] = accuracy
+                curve.append([checkpoint["train_seconds"] / 60, checkpoint["step"], accuracy])
+                if not b5.keep_checkpoints:
+                    for weights in Path(checkpoint["path"]).glob("*.safetensors"):
+                        weights.unlink()
+            curves.setdefault(plan.label, {})[plan.seed] = curve
+            runs.setdefault(plan.label, {})[plan.seed] = {**record, "side": plan.side}
+            result.settings.setdefault(plan.label, record.get("settings"))
+    finally:
+        scorer.close()
+    _rows(result, runs, curves, base, b5)
+    (directory / "curves.json").write_text(json.dumps({"base_accuracy": base, "curves": curves}))
+    plot = plot_curves(curves, base, directory / "b5-accuracy.png", b5.minutes)
+    result.settings["b5"] = {"directory": str(directory), "plot": str(plot), "seeds": b5.seeds,
+                             "profiles": b5.profiles, "minutes": b5.minutes, "mark_minutes": b5.mark_minutes,
+                             "base_accuracy": base, "target_accuracy": base + TARGET_GAIN,
+                             "eval_examples": min(cfg.eval.num_examples, scorer.base.get("num_examples", 0))}
+    result.settings["curves"] = {label: {str(seed): curve for seed, curve in by_seed.items()}
+                                 for label, by_seed in curves.items()}
+    result.notes += [
+        "minutes = training time: from the first step's start, checkpoint saving excluded; loading, "
+        "startup and scoring not counted (startup_s: launch to the first step)",
+        f"inf = +{100 * TARGET_GAIN:.0f} points not reached in {b5.minutes:g} min; "
+        "every checkpoint of both sides scored by hasten's evaluator on one base-model session (weights loaded in place)",
+        "TRL's warmup starts at lr 0 (transformers' schedules); hasten's at lr/warmup_steps unless "
+        "train.warmup_from_zero=true",
+    ]
+    return result
+
+
+def _rows(result: Result, runs: dict, curves: dict, base: float, b5: B5Options) -> None:
+    """One row per label: minutes to +20 per seed (in seed order, so peer and hasten pair by seed)."""
+    for label, by_seed in runs.items():
+        seeds = [seed for seed in b5.seeds if seed in by_seed]
+        minutes = [minutes_to_target(curves[label][seed], base + TARGET_GAIN) for seed in seeds]
+        steps = [step for seed in seeds for step in by_seed[seed]["steps"]]
+        side = by_seed[seeds[0]]["side"]
+        result.rows.append(Row(label, side, "min", minutes, baseline="hasten" if side == "peer" else None, extra={
+            "final_accuracy": statistics.mean(curves[label][seed][-1][2] for seed in seeds),
+            "s_per_step": statistics.median(step["seconds"] for step in steps),
+            "steps": statistics.mean(by_seed[seed]["steps"][-1]["step"] for seed in seeds),
+            "train_minutes": statistics.mean(by_seed[seed]["steps"][-1]["train_seconds"] / 60 for seed in seeds),
+            "startup_s": statistics.mean(by_seed[seed]["startup_seconds"] for seed in seeds),
+            "reward_mean": statistics.mean(step["reward_mean"] for step in steps),
+            "not_reached": sum(math.isinf(value) for value in minutes),
+        }))
+
+
+def plot_curves(curves: dict, base: float, target: Path, minutes: float) -> Path:
+    """Held-out accuracy against training minutes, one line per run; the base and +20 lines dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9, 5.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    for index, (label, by_seed) in enumerate(curves.items()):
+        for number, (seed, curve) in enumerate(sorted(by_seed.items())):
+            axes.plot([point[0] for point in curve], [point[2] for point in curve], marker="o", markersize=3,
+                      color=colors[index % len(colors)], alpha=0.9 if number == 0 else 0.5,
+                      label=f"{label} seed {seed}")
+    axes.axhline(base, color="grey", linestyle=":", label=f"base {base:.3f}")
+    axes.axhline(base + TARGET_GAIN, color="black", linestyle="--", label=f"+{100 * TARGET_GAIN:.0f} points")
+    ends = [curve[-1][0] for by_seed in curves.values() for curve in by_seed.values()]
+    axes.set_xlim(0, (max(ends) if ends and max(ends) > 0 else minutes) * 1.03)
+    axes.set_ylim(-0.02, 1.02)
+    axes.set_xlabel("training minutes (checkpoint saving excluded)")
+    axes.set_ylabel("held-out accuracy (greedy)")
+    axes.set_title("B5: time to accuracy")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.savefig(target, format="png", dpi=100)
+    return target
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] not in (["hasten"], ["trl"]):
+        sys.exit("usage: python -m hasten.bench.b5 hasten|trl   (started by `hasten bench --workloads B5`)")
+    (hasten_worker if sys.argv[1] == "hasten" else trl_worker)(json.loads(sys.stdin.read()))

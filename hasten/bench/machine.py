@@ -1,0 +1,112 @@
+"""What explains a number of `hasten bench` on this machine, printed in its header.
+
+- The CPU, its vector extensions and oneDNN's ISA cap: machines of one kind
+  differ by 2x in vector throughput.
+- The threads and the OpenMP variables that decide how idle threads wait
+  (spin or sleep) and where they run: they decide what a busy neighbour
+  costs (`--contention`).
+- Matmul rates at the model's own shapes, not only the large square peak:
+  `x (M, K) @ W.T (K, N)` for the fused attention projection, the fused
+  MLP gate+up, the MLP down projection and the LM head, at M = the learning
+  pass's token count and M = a decode step's rows, through each kernel hasten
+  can use: MKL's sgemm (F.linear, fp32), oneDNN (fp32: packed weights as the
+  lean engine uses at decode, plain weights as speed.fast_linear uses in the
+  learning pass) and F.linear in bf16. Each rate is the best of a few calls
+  within a small time budget, so the whole block stays within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# Variables that change how OpenMP threads wait and where they run (GNU libgomp and Intel's libiomp).
+WAIT_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_SPINCOUNT",
+                  "KMP_BLOCKTIME", "KMP_AFFINITY", "MKL_NUM_THREADS")
+LEARNING_ROWS = 1700  # B1's learning pass: 32 samples x ~53 model-input tokens (prompt once per group + completion)
+DECODE_ROWS = 64  # a decode step over 64 live rows (8 prompts x 8 samples)
+
+
+def machine_figures() -> dict[str, Any]:
+    """The CPU, its vector extensions, oneDNN's ISA, the OpenMP wait variables, threads, peak RSS."""
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return {"cpu": model, "cpu_flags": [flag for flag in wanted if flag in flags],
+            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default (best the CPU has)"),
+            "mkldnn": torch.backends.mkldnn.is_available(),
+            "omp_env": {name: os.environ.get(name) for name in WAIT_VARIABLES if os.environ.get(name) is not None},
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def model_shapes(config) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of the model's matmuls, read from a transformers-style config."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return {
+        "qkv": (hidden, (heads + 2 * kv) * head_dim),  # q, k, v fused
+        "gate_up": (hidden, 2 * config.intermediate_size),  # the MLP's two input projections fused
+        "down": (config.intermediate_size, hidden),
+        "head": (hidden, config.vocab_size),  # the LM head
+    }
+
+
+def _best_rate(call: Callable[[], Any], flops: float, budget: float, repeats: int) -> float:
+    """GFLOP/s of the fastest of up to `repeats` timed calls after one warm-up, stopping early past `budget` s."""
+    started = time.perf_counter()
+    call()  # warm-up: packing caches, thread pool, first-touch pages
+    first = time.perf_counter() - started
+    best, spent = first, first
+    for _ in range(repeats):
+        if spent > budget:
+            break
+        began = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - began
+        best, spent = min(best, elapsed), spent + elapsed
+    return flops / best / 1e9
+
+
+def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[str, float]]]:
+    """{"M=1700": {"qkv 576x960": {"mkl": GFLOP/s, "onednn": ..., "bf16": ...}, ...}, "M=64": ...}."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..rollout.lean import Matmul
+    from ..train import fast_linear
+
+    repeats, budget = (1, 0.02) if quick else (5, 0.25)
+    rows = (128, 16) if quick else (LEARNING_ROWS, DECODE_ROWS)
+    packed = Matmul(torch.float32, torch.device("cpu"))
+    plain_onednn = fast_linear.available()
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for count in rows:
+        per_shape: dict[str, dict[str, float]] = {}
+        for name, (k, n) in model_shapes(config).items():
+            x, weight = torch.randn(count, k, generator=generator), torch.randn(n, k, generator=generator)
+            flops = 2.0 * count * k * n
+            rates = {"mkl": _best_rate(lambda: F.linear(x, weight), flops, budget, repeats)}
+            if count == rows[1] and packed.packed:  # decode: the lean engine's packed weights
+                prepared = packed.prepare(weight)
+                rates["onednn"] = _best_rate(lambda: packed(x, prepared), flops, budget, repeats)
+            elif count == rows[0] and plain_onednn:  # learning: speed.fast_linear's oneDNN on plain weights
+                rates["onednn"] = _best_rate(lambda: fast_linear._onednn(x, weight), flops, budget, repeats)
+            x16, weight16 = x.bfloat16(), weight.bfloat16()
+            rates["bf16"] = _best_rate(lambda: F.linear(x16, weight16), flops, budget, repeats)
+            per_shape[f"{name} {k}x{n}"] = {kernel: round(rate, 1) for kernel, rate in rates.items()}
+        out[f"M={count}"] = per_shape
+    return out

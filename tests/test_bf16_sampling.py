@@ -1,0 +1,121 @@
+"""speed.generation_precision=bf16 (rollout/lean.py): sampled rollouts on bf16 matmuls, greedy calls on
+the fp32 weights, and the learner's truncated importance-sampling correction against the bf16 sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import encode
+from hasten.config import load_config
+from hasten.errors import UserError
+from hasten.rollout import SamplingParams
+from hasten.rollout.lean import LeanEngine, Matmul
+from hasten.train.logprobs import completion_logprobs
+
+LETTERS = '''
+def letters(prompts, completions, **kwargs):
+    return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
+'''
+
+
+def engines(model, tokenizer):
+    eos = [tokenizer.eos_token_id]
+    return (LeanEngine(model, tokenizer.pad_token_id, eos),
+            LeanEngine(model, tokenizer.pad_token_id, eos, sample_precision="bf16"))
+
+
+def test_bf16_matmul_is_f_linear_in_bf16_with_fp32_output():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(5, 64), torch.randn(32, 64), torch.randn(32)
+    matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
+    prepared = matmul.prepare(weight)
+    assert prepared.dtype == torch.bfloat16 and not matmul.packed
+    out = matmul(x, prepared, bias)
+    assert out.dtype == torch.float32
+    expected = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+    assert torch.equal(out, expected)
+    assert (out - F.linear(x, weight, bias)).abs().max() < 0.2  # bf16 rounding, not another function
+
+
+def test_greedy_calls_stay_fp32_and_identical(model, tokenizer):
+    plain, bf16 = engines(model, tokenizer)
+    prompts = encode(tokenizer)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    expected, actual = plain.generate(prompts, 2, greedy, seed=0), bf16.generate(prompts, 2, greedy, seed=0)
+    assert torch.equal(expected.completion_ids, actual.completion_ids)
+    assert torch.equal(expected.sampling_logprobs, actual.sampling_logprobs)
+    # and back and forth: each switch rebuilds the weights in the precision of the call
+    sampled = SamplingParams(max_new_tokens=16, temperature=1.0)
+    bf16.generate(prompts, 2, sampled, seed=0)
+    assert bf16.layers[0].qkv.dtype == torch.bfloat16
+    again = bf16.generate(prompts, 2, greedy, seed=0)
+    assert torch.equal(again.completion_ids, expected.completion_ids)
+
+
+def test_sampled_rollouts_come_from_the_bf16_policy_close_to_fp32(model, tokenizer):
+    plain, bf16 = engines(model, tokenizer)
+    prompts = encode(tokenizer)
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    rollout = bf16.generate(prompts, 4, sampling, seed=3)
+    assert bf16.layers[0].qkv.dtype == torch.bfloat16
+    group = torch.arange(rollout.num_samples) // 4
+    stats = completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
+                                rollout.completion_ids, rollout.completion_mask, temperature=1.0)
+    gap = ((stats.logps - rollout.sampling_logprobs) * rollout.completion_mask).abs()
+    assert 0 < gap.max() < 0.1  # another sampler (bf16 rounding), but the same policy
+    same = plain.generate(prompts, 4, sampling, seed=3)
+    agree = (same.completion_ids == rollout.completion_ids).float().mean()
+    assert agree > 0.8  # same seeded draws: most tokens agree, as rounding only moves CDF steps a little
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"prompt": f"write letters {i}:"} for i in range(40)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "rewards.py").write_text(LETTERS)
+    return tmp_path
+
+
+def config(data: Path, name: str, **extra):
+    pairs = {"model.name": "tiny", "task.name": "jsonl", "task.path": str(data / "data.jsonl"),
+             "rewards.extra": [f"{data / 'rewards.py'}:letters"], "train.steps": 3, "train.prompts_per_step": 2,
+             "train.lr": 3e-3, "train.num_threads": 1, "generation.num_generations": 4,
+             "generation.max_new_tokens": 8, "eval.num_examples": 0, "output.dir": str(data / "runs"),
+             "output.name": name, "output.progress": "off", "output.plot": False, **extra}
+    return load_config(overrides=list(pairs.items()))
+
+
+def test_training_corrects_and_logs_the_bf16_sampler(data, monkeypatch):
+    from hasten import device
+    from hasten.train.trainer import train
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)  # the CI machine may lack it
+    summary = train(config(data, "bf16", **{"speed.generation_precision": "bf16"}), log=lambda _: None)
+    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    for record in records:
+        assert 0 < record["bf16_sampler/logp_abs_diff"] < 0.1
+        assert record["bf16_sampler/ratio_max"] <= 2.0 + 1e-6  # the TIS cap (speed.vllm_importance_sampling_cap)
+        assert torch.isfinite(torch.tensor(record["loss"]))
+    plain = train(config(data, "fp32"), log=lambda _: None)
+    fp32_records = [json.loads(line) for line in (Path(plain["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("bf16_sampler/") for key in fp32_records[0])
+
+
+@pytest.mark.parametrize("extra, culprit", [
+    ({"speed.engine": "hf"}, "speed.engine=hf"),
+    ({}, "no native bf16"),
+])
+def test_bf16_sampling_refuses_what_it_cannot_honour(data, monkeypatch, extra, culprit):
+    from hasten import device
+    from hasten.train.trainer import train
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(UserError, match=culprit):
+        train(config(data, "refused", **{"speed.generation_precision": "bf16", **extra}), log=lambda _: None)
+    assert not (data / "runs" / "refused").exists()
