@@ -297,7 +297,10 @@ def _save(job: Job, run_dir: RunDir, step: int, hooks: list[Hook]) -> None:
 
 
 def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
-    """A full-state checkpoint of `job` after `step`: checkpoint-<step>/ or, final, checkpoint/."""
+    """A full-state checkpoint of `job` after `step`: checkpoint-<step>/ or, final, checkpoint/.
+
+    Every rank builds `state` (job.state_dict(): FSDP gathers its shards there); rank 0 alone writes.
+    """
     state = {"step": step, "job": job.state_dict(), "logs": run_dir.log_offsets(),
              "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}
 
