@@ -38,6 +38,7 @@ torch.load(weights_only=True): plain tensors and containers only.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -97,6 +98,14 @@ class Hook:
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A Ctrl-C reaches a torchrun worker twice: from the terminal (the whole foreground process group)
+# and forwarded by torchrun, which passes every SIGINT/SIGTERM on to its workers. The same signal
+# again within this many seconds is that copy, not a second request.
+ECHO_SECONDS = 2.0
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 class Signals:
@@ -105,6 +114,7 @@ class Signals:
     def __init__(self, log: Callable[[str], None]):
         self.log = log
         self.received: int | None = None
+        self.received_at = 0.0  # time.monotonic() of the first signal
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
@@ -119,8 +129,10 @@ class Signals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:
+            if signum == self.received and time.monotonic() - self.received_at < ECHO_SECONDS and under_torchrun():
+                return  # Ctrl-C's echo: the terminal's SIGINT and torchrun's forwarded copy of it
             raise Interrupted(signum)
-        self.received = signum
+        self.received, self.received_at = signum, time.monotonic()
         self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
                  "(send it again to stop at once)")
 
@@ -239,32 +251,40 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
     evals = run_dir.evals()  # a resumed run's earlier evals (the summary's eval_before)
     if start == 0 and job.eval_at_start:
         _evaluate(job, run_dir, progress, 0, evals, hooks)
-    step, stopped = start, False
-    while step < job.total_steps and signals.received is None and not stopped:
+    # Under torchrun a rank acts only on the agreed stop (`stop`), never on its own handler's: a
+    # signal can land on one rank after an agreement and on another before it, and a rank that
+    # left the loop alone would leave the others waiting in a collective (FSDP's saves gather).
+    step, stopped, stop, saved = start, False, None, start
+    while step < job.total_steps and not stopped:
+        stop = distributed.agree_signal(signals.received)  # one that came during the last eval or save
+        if stop is not None:
+            break
         step += 1
         record = job.step(step)
         run_dir.log_step(record)
         progress.update(step, record)
-        signals.received = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
+        stop = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
         stopped = any([bool(hook.on_step(step, record)) for hook in hooks])  # every hook hears of the step
         stopped = bool(distributed.agree_signal(int(stopped)))  # a hook's stop, on every rank alike
         if step == job.total_steps:
             break
         if job.eval_every and step % job.eval_every == 0:
             _evaluate(job, run_dir, progress, step, evals, hooks)
-        if saves.due(step) or signals.received is not None or stopped:
+        if saves.due(step) or stop is not None or stopped:
             _save(job, run_dir, step, hooks)
             run_dir.prune(saves.keep)
-            saves.last_saved = time.monotonic()
+            saves.last_saved, saved = time.monotonic(), step
+        if stop is not None:
+            break
     if stopped and step < job.total_steps:  # a hook (a TrainerCallback's should_training_stop) ended the run
         return _summary(job, run_dir, step, evals, cfg.output.plot, status="stopped",
                         checkpoint=str(run_dir.checkpoint_dir(step)))
-    if signals.received is not None and step < job.total_steps:  # a stop asked in the last step just finishes
-        if step > start and not (run_dir.checkpoint_dir(step) / STATE_FILE).is_file():
+    if stop is not None and step < job.total_steps:  # a stop asked in the last step just finishes
+        if saved != step:  # the signal came during an eval or save after step `step`
             _save(job, run_dir, step, hooks)
-        name = signal.Signals(signals.received).name
+        name = signal.Signals(stop).name
         summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
-                           exit_code=128 + signals.received)
+                           exit_code=128 + stop)
         checkpoint = run_dir.latest_checkpoint()
         progress.message(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
                          if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
