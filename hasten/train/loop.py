@@ -324,11 +324,13 @@ def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
     state = {"step": step, "job": job.state_dict(), "logs": run_dir.log_offsets(),
              "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}
 
+    target = run_dir.checkpoint_dir(None if final else step)
+
     def write(directory: Path) -> None:
         job.save_model(directory)
         torch.save(state, directory / STATE_FILE)
         readable = {"step": step, "final": final, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "resume": f"{job.resume_command} {directory}"}
+                    "resume": f"{job.resume_command} {target}"}  # where it lands, not the temporary
         (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
 
     return run_dir.save_files(write, None if final else step)
