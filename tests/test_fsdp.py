@@ -172,3 +172,29 @@ def test_a_signal_under_torchrun_saves_stops_every_worker_and_resumes(tmp_path, 
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["reward_mean"] == b["reward_mean"]
     assert max_difference(weights(straight), weights(run)) < 1e-6
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+def test_a_second_signal_under_torchrun_stops_every_worker_at_once(tmp_path):
+    launch(tmp_path, "setup", 1, ["--train.steps=1", "--eval.num_examples=0"])  # writes data.jsonl and rewards.py
+    process = start_torchrun(tmp_path, "twice", ["--train.steps=50"])
+    run = tmp_path / "runs" / "twice"
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-3000:]
+            time.sleep(0.1)
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                                                      text=True).stdout.split()]
+        process.send_signal(signal.SIGINT)  # torchrun forwards each one to every worker's process group
+        time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, output[-3000:]
+    assert len(workers) == 2 and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not (run / "checkpoint").exists()  # stopped mid-run, not finished
+    summary = run / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["status"] != "finished"

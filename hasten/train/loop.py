@@ -38,7 +38,6 @@ torch.load(weights_only=True): plain tensors and containers only.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -98,14 +97,6 @@ class Hook:
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# A Ctrl-C reaches a torchrun worker twice: from the terminal (the whole foreground process group)
-# and forwarded by torchrun, which passes every SIGINT/SIGTERM on to its workers. The same signal
-# again within this many seconds is that copy, not a second request.
-ECHO_SECONDS = 2.0
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 class Signals:
@@ -114,7 +105,6 @@ class Signals:
     def __init__(self, log: Callable[[str], None]):
         self.log = log
         self.received: int | None = None
-        self.received_at = 0.0  # time.monotonic() of the first signal
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
@@ -129,10 +119,8 @@ class Signals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:
-            if signum == self.received and time.monotonic() - self.received_at < ECHO_SECONDS and under_torchrun():
-                return  # Ctrl-C's echo: the terminal's SIGINT and torchrun's forwarded copy of it
             raise Interrupted(signum)
-        self.received, self.received_at = signum, time.monotonic()
+        self.received = signum
         self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
                  "(send it again to stop at once)")
 
