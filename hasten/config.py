@@ -105,7 +105,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # the batch is split in this many chunks per optimizer step
     seed: int = 0  # seeds sampling, the prompt order and LoRA init
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    distributed: str = "ddp"  # under torchrun: ddp (replicated weights) | fsdp (FSDP2 shards per decoder layer, train/fsdp.py)
+    distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
 
 
 @dataclass

@@ -67,7 +67,8 @@ def test_two_fsdp_ranks_learn_what_one_process_learns(tmp_path, options):
     assert max_difference(weights(one), weights(two)) < 1e-5
     # rank 0 alone wrote the run, with the one-process checkpoint's files and optimizer layout
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
-    assert sorted(p.name for p in (two / "checkpoint").iterdir()) == sorted(p.name for p in (one / "checkpoint").iterdir())
+    files = [sorted(p.name for p in (run / "checkpoint").iterdir()) for run in (one, two)]
+    assert files[0] == files[1]
     states = [torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=True)["job"]["optimization"]
               ["optimizer"]["state"] for run in (one, two)]
     assert sorted(states[0]) == sorted(states[1])

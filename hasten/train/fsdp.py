@@ -71,7 +71,8 @@ def check_config(cfg: Config) -> None:
     elif cfg.model.lora:
         reason = "model.lora=true (adapters are not sharded; train LoRA with train.distributed=ddp)"
     elif speed.token_budget:
-        reason = "speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives must line up)"
+        reason = ("speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives "
+                  "must line up)")
     elif speed.async_steps:
         reason = "speed.async_steps (its frozen copy of the weights is not sharded)"
     elif speed.compile:
@@ -90,7 +91,7 @@ def shard(model: torch.nn.Module) -> None:
     """fully_shard every decoder layer, then the root; gradients reduce as sums (in place)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -116,7 +117,7 @@ def _units(model: torch.nn.Module) -> list:
 
 
 def before_pass(model: torch.nn.Module) -> None:
-    """Gather the root's weights (embeddings, norm, lm_head) for one learning pass; FSDP reshards them after backward."""
+    """Gather the root's weights (embeddings, norm, lm_head) for one learning pass; backward reshards them."""
     if is_sharded(model):
         model.unshard()
 

@@ -192,7 +192,7 @@ class Optimization:
         return 0 if self.guard is None else self.guard.skipped
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded (FSDP): AdamW's moments gathered whole, the one-process layout (a collective: every rank calls it)."""
+        """Sharded (FSDP): AdamW's moments gathered whole, the one-process layout (a collective on every rank)."""
         optimizer = self.optimizer.state_dict()
         if self.sharded:
             optimizer = fsdp.full_optimizer_state(optimizer)
