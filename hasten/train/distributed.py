@@ -273,6 +273,13 @@ def agree_signal(received: int | None) -> int | None:
     return _max_over_ranks(received or 0) or None
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any: one decision where each rank's own could differ."""
+    if not _active():
+        return flag
+    return bool(_max_over_ranks(int(flag)))
+
+
 def _max_over_ranks(value: int) -> int:
     import torch.distributed as dist
 

@@ -236,7 +236,10 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
 def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int,
            hooks: list[Hook]) -> dict:
     saves = Checkpoints(cfg.output.save_every, cfg.output.save_minutes, cfg.output.save_total_limit, time.monotonic())
-    evals = run_dir.evals()  # a resumed run's earlier evals (the summary's eval_before)
+    # A resumed run's earlier evals (the summary's eval_before), as rank 0 reads them after cutting the
+    # logs back: a follower reading eval.jsonl itself could see the cut-off final eval and skip the
+    # final one, which under FSDP is a collective (every rank gathers the weights).
+    evals = distributed.from_main(run_dir.evals)
     if start == 0 and job.eval_at_start:
         _evaluate(job, run_dir, progress, 0, evals, hooks)
     # Under torchrun a rank acts only on the agreed stop (`stop`), never on its own handler's: a
@@ -253,12 +256,13 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         progress.update(step, record)
         stop = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
         stopped = any([bool(hook.on_step(step, record)) for hook in hooks])  # every hook hears of the step
-        stopped = bool(distributed.agree_signal(int(stopped)))  # a hook's stop, on every rank alike
+        stopped = distributed.any_rank(stopped)  # a hook's stop, on every rank alike
         if step == job.total_steps:
             break
         if job.eval_every and step % job.eval_every == 0:
             _evaluate(job, run_dir, progress, step, evals, hooks)
-        if saves.due(step) or stop is not None or stopped:
+        # output.save_minutes reads each rank's clock: one decision, or FSDP's gathering save would hang
+        if distributed.any_rank(saves.due(step)) or stop is not None or stopped:
             _save(job, run_dir, step, hooks)
             run_dir.prune(saves.keep)
             saves.last_saved, saved = time.monotonic(), step
