@@ -32,7 +32,7 @@ computes what one process computes for the same global batch and seed:
                 path) and every rank restores from it on resume (a shared filesystem across
                 machines)
     signals     a stop asked on any rank is agreed after every step (`agree_signal`), so all
-                ranks save and stop at the same step
+                ranks save and stop at the same step; loop.py acts on the agreed stop only
 
 Sharded weights instead of replicated ones: train.distributed=fsdp (fsdp.py;
 the split above stays, only where weights and gradients live changes).

@@ -20,7 +20,10 @@ once:
                  threads are always closed
     torchrun     rank 0 alone writes the run directory (the others follow it, distributed.py),
                  every rank restores on resume, and a signal on any rank stops all after
-                 the same step
+                 the same step: every choice that decides whether a rank saves, evaluates or
+                 stops is made once for all ranks (agreed, or rank 0's), because under FSDP
+                 those are collectives. torchrun forwards SIGINT/SIGTERM to every worker and
+                 exits 1 itself (README, Scaling; tests/test_fsdp.py)
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
                  keeps it, summary.json saying status "failed" and why
