@@ -105,6 +105,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # the batch is split in this many chunks per optimizer step
     seed: int = 0  # seeds sampling, the prompt order and LoRA init
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
 
 
 @dataclass
@@ -210,6 +211,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "train.lr_schedule": ("cosine", "linear", "constant"),
+    "train.distributed": ("ddp", "fsdp"),
     "output.progress": ("auto", "live", "plain", "off"),
     "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),

@@ -290,8 +290,11 @@ class Reference:
                 yield self.policy.model
 
 
-def load_trained_weights(model, directory: Path) -> None:
+def load_trained_weights(model, directory: Path, copy_into: Callable | None = None) -> None:
     """Copy a checkpoint's trained weights into `model` in place (resume).
+
+    copy_into(model, state): how the checked full tensors reach the parameters, when a
+    plain copy_ cannot (FSDP's sharded parameters: train/fsdp.py load_full_weights).
 
     In place, so the optimizer's state stays attached to the same Parameter
     objects and the KL reference (a separate frozen copy, or the
@@ -323,6 +326,9 @@ def load_trained_weights(model, directory: Path) -> None:
     missing = [name for name, p in parameters.items() if p.requires_grad and name not in state]
     if missing:
         raise ModelError(f"resume error: {directory} lacks {len(missing)} trained weights ({missing[0]}, ...)")
+    if copy_into is not None:
+        copy_into(model, state)
+        return
     with torch.no_grad():
         for name, parameter in parameters.items():
             if name in state:

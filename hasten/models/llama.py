@@ -353,18 +353,22 @@ class NativeLlamaForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         self.model.rotary_emb = Rotary(self.config).to(device)  # the buffer was on meta
 
-    def save_pretrained(self, directory: str | Path, **kwargs) -> None:
-        """A transformers-loadable checkpoint: config.json, generation_config.json, model.safetensors."""
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs) -> None:
+        """A transformers-loadable checkpoint: config.json, generation_config.json, model.safetensors.
+
+        state_dict: the weights to write instead of this module's (transformers' keyword: FSDP's gathered copy).
+        """
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         raw = dict(self.config.raw)
-        raw["dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        raw["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         (directory / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         generation = {k: v for k, v in vars(self.generation_config).items() if v is not None}
         (directory / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous() for k, v in (state_dict or self.state_dict()).items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # tied: transformers restores it from the embeddings
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -50,14 +50,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import Config, SFTConfig
+from ..config import Config, ConfigError, SFTConfig
 from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
 from ..speed.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
-from ..train import distributed, loop
+from ..train import distributed, fsdp, loop
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
@@ -296,6 +296,9 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     resume: a run directory or checkpoint of an interrupted `hasten sft` (cfg is its config.yaml).
     """
     device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    if fsdp.wanted(cfg):
+        raise ConfigError("config error: train.distributed=fsdp shards GRPO runs only; hasten sft runs data "
+                          "parallel (train.distributed=ddp)")
     configure_device(device)
     distributed.init(device)  # torchrun: join the process group (nothing without it)
     log = distributed.main_only(log)

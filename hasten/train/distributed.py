@@ -32,10 +32,11 @@ computes what one process computes for the same global batch and seed:
                 path) and every rank restores from it on resume (a shared filesystem across
                 machines)
     signals     a stop asked on any rank is agreed after every step (`agree_signal`), so all
-                ranks save and stop at the same step
+                ranks save and stop at the same step; loop.py acts on the agreed stop only
 
-Left out on purpose: FSDP (sharded weights for models that do not fit one
-device: hasten's models fit), dynamic sampling and feedback-driven curricula
+Sharded weights instead of replicated ones: train.distributed=fsdp (fsdp.py;
+the split above stays, only where weights and gradients live changes).
+Left out on purpose: dynamic sampling and feedback-driven curricula
 under several ranks (their refills and sampler updates depend on every
 rank's rewards; `check_config` rejects them), the game policy (its episodes
 would repeat on every rank).
@@ -144,6 +145,9 @@ def check_config(cfg: Config) -> None:
     if cfg.speed.curriculum == "success_rate":
         raise ConfigError("config error: speed.curriculum=success_rate does not run under torchrun yet (it learns "
                           "from every rank's rewards); use off, length or complexity")
+    from .fsdp import check_config as check_sharding
+
+    check_sharding(cfg)  # train.distributed=fsdp: what does not run sharded
     samples = cfg.train.prompts_per_step // ranks * cfg.generation.num_generations
     if cfg.train.gradient_accumulation_steps > samples:
         raise ConfigError(f"config error: train.gradient_accumulation_steps must be <= samples per rank per step "
@@ -267,6 +271,13 @@ def agree_signal(received: int | None) -> int | None:
     if not _active():
         return received
     return _max_over_ranks(received or 0) or None
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any: one decision where each rank's own could differ."""
+    if not _active():
+        return flag
+    return bool(_max_over_ranks(int(flag)))
 
 
 def _max_over_ranks(value: int) -> int:

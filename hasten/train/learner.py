@@ -34,7 +34,7 @@ from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
 from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
-from . import distributed
+from . import distributed, fsdp
 from .fast_linear import onednn_linears
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import micro_batches
@@ -107,7 +107,8 @@ class Learner:
         self.loss_fn = LOSSES[cfg.algo.loss]
         self.settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
         self.parameters = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimization = Optimization(self.parameters, OptimizerSettings.for_training(cfg), cfg.speed, log)
+        self.optimization = Optimization(self.parameters, OptimizerSettings.for_training(cfg), cfg.speed, log,
+                                         sharded=fsdp.is_sharded(policy.model))
         self.device = next(policy.model.parameters()).device
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         # Whose log-probs an importance correction compares against: vllm/* or bf16_sampler/* metrics.
@@ -153,6 +154,7 @@ class Learner:
         for iteration in range(self.cfg.algo.num_iterations):
             loss_total = 0.0
             for index, rows in enumerate(chunks):
+                fsdp.before_pass(model)  # FSDP: the root's weights for the packed pass; else nothing
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
                     stats = self.logprob_pass(model, rollout, rows, with_entropy=iteration == 0)
                 if iteration == 0:

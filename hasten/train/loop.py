@@ -20,7 +20,10 @@ once:
                  threads are always closed
     torchrun     rank 0 alone writes the run directory (the others follow it, distributed.py),
                  every rank restores on resume, and a signal on any rank stops all after
-                 the same step
+                 the same step: every choice that decides whether a rank saves, evaluates or
+                 stops is made once for all ranks (agreed, or rank 0's), because under FSDP
+                 those are collectives. torchrun forwards SIGINT/SIGTERM to every worker and
+                 exits 1 itself (README, Scaling; tests/test_fsdp.py)
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
                  keeps it, summary.json saying status "failed" and why
@@ -236,35 +239,47 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
 def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int,
            hooks: list[Hook]) -> dict:
     saves = Checkpoints(cfg.output.save_every, cfg.output.save_minutes, cfg.output.save_total_limit, time.monotonic())
-    evals = run_dir.evals()  # a resumed run's earlier evals (the summary's eval_before)
+    # A resumed run's earlier evals (the summary's eval_before), as rank 0 reads them after cutting the
+    # logs back: a follower reading eval.jsonl itself could see the cut-off final eval and skip the
+    # final one, which under FSDP is a collective (every rank gathers the weights).
+    evals = distributed.from_main(run_dir.evals)
     if start == 0 and job.eval_at_start:
         _evaluate(job, run_dir, progress, 0, evals, hooks)
-    step, stopped = start, False
-    while step < job.total_steps and signals.received is None and not stopped:
+    # Under torchrun a rank acts only on the agreed stop (`stop`), never on its own handler's: a
+    # signal can land on one rank after an agreement and on another before it, and a rank that
+    # left the loop alone would leave the others waiting in a collective (FSDP's saves gather).
+    step, stopped, stop, saved = start, False, None, start
+    while step < job.total_steps and not stopped:
+        stop = distributed.agree_signal(signals.received)  # one that came during the last eval or save
+        if stop is not None:
+            break
         step += 1
         record = job.step(step)
         run_dir.log_step(record)
         progress.update(step, record)
-        signals.received = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
+        stop = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
         stopped = any([bool(hook.on_step(step, record)) for hook in hooks])  # every hook hears of the step
-        stopped = bool(distributed.agree_signal(int(stopped)))  # a hook's stop, on every rank alike
+        stopped = distributed.any_rank(stopped)  # a hook's stop, on every rank alike
         if step == job.total_steps:
             break
         if job.eval_every and step % job.eval_every == 0:
             _evaluate(job, run_dir, progress, step, evals, hooks)
-        if saves.due(step) or signals.received is not None or stopped:
+        # output.save_minutes reads each rank's clock: one decision, or FSDP's gathering save would hang
+        if distributed.any_rank(saves.due(step)) or stop is not None or stopped:
             _save(job, run_dir, step, hooks)
             run_dir.prune(saves.keep)
-            saves.last_saved = time.monotonic()
+            saves.last_saved, saved = time.monotonic(), step
+        if stop is not None:
+            break
     if stopped and step < job.total_steps:  # a hook (a TrainerCallback's should_training_stop) ended the run
         return _summary(job, run_dir, step, evals, cfg.output.plot, status="stopped",
                         checkpoint=str(run_dir.checkpoint_dir(step)))
-    if signals.received is not None and step < job.total_steps:  # a stop asked in the last step just finishes
-        if step > start and not (run_dir.checkpoint_dir(step) / STATE_FILE).is_file():
+    if stop is not None and step < job.total_steps:  # a stop asked in the last step just finishes
+        if saved != step:  # the signal came during an eval or save after step `step`
             _save(job, run_dir, step, hooks)
-        name = signal.Signals(signals.received).name
+        name = signal.Signals(stop).name
         summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
-                           exit_code=128 + signals.received)
+                           exit_code=128 + stop)
         checkpoint = run_dir.latest_checkpoint()
         progress.message(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
                          if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
@@ -297,15 +312,20 @@ def _save(job: Job, run_dir: RunDir, step: int, hooks: list[Hook]) -> None:
 
 
 def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
-    """A full-state checkpoint of `job` after `step`: checkpoint-<step>/ or, final, checkpoint/."""
+    """A full-state checkpoint of `job` after `step`: checkpoint-<step>/ or, final, checkpoint/.
+
+    Every rank builds `state` (job.state_dict(): FSDP gathers its shards there); rank 0 alone writes.
+    """
     state = {"step": step, "job": job.state_dict(), "logs": run_dir.log_offsets(),
              "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}
+
+    target = run_dir.checkpoint_dir(None if final else step)
 
     def write(directory: Path) -> None:
         job.save_model(directory)
         torch.save(state, directory / STATE_FILE)
         readable = {"step": step, "final": final, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "resume": f"{job.resume_command} {directory}"}
+                    "resume": f"{job.resume_command} {target}"}  # where it lands, not the temporary
         (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
 
     return run_dir.save_files(write, None if final else step)

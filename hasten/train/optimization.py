@@ -13,7 +13,9 @@ A loop calls `autocast()` around its forward, `backward(loss)` per
 micro-batch and `step(loss)` once per optimizer step. Under torchrun `step`
 first sums the gradients over ranks (distributed.py): each rank's loss is
 its share of the global batch's, so the sum is the one-process gradient;
-`loss` must then be the global loss too (the loops sum it over ranks). `state_dict()` holds
+`loss` must then be the global loss too (the loops sum it over ranks); with FSDP
+(fsdp.py) backward has summed them already and the state is gathered whole.
+`state_dict()` holds
 everything a resumed run needs to continue bit-identically: AdamW's moments
 and step counts, the schedule's position and peaks (the guard may have
 lowered them), the GradScaler, the guard's counters.
@@ -37,7 +39,7 @@ from ..config import Config, ConfigError, SpeedConfig
 from ..speed.adamw import make_adamw
 from ..speed.nan_guard import NanGuard
 from ..speed.precision import Precision
-from . import distributed
+from . import distributed, fsdp
 
 
 def lr_factor(optimizer_step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float,
@@ -141,8 +143,9 @@ class Optimization:
     """AdamW + schedule + precision + clipping + NaN guard over `parameters`."""
 
     def __init__(self, parameters: list[torch.nn.Parameter], settings: OptimizerSettings, speed: SpeedConfig,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, sharded: bool = False):
         self.parameters = parameters
+        self.sharded = sharded  # FSDP (fsdp.py): DTensor parameters, gradients already summed in backward
         self.settings = settings
         device = parameters[0].device if parameters else torch.device("cpu")
         self.optimizer = make_adamw(parameters, settings.kernel, settings.lr, settings.betas, settings.weight_decay,
@@ -168,9 +171,12 @@ class Optimization:
     def step(self, loss: float) -> float:
         """Clip, guard, update, advance the schedule, drop the gradients; returns the gradient norm."""
         max_norm = self.settings.max_grad_norm
-        distributed.all_reduce_gradients(self.parameters)  # torchrun: the sum of every rank's share; else nothing
+        if not self.sharded:  # FSDP reduce-scattered them in backward
+            distributed.all_reduce_gradients(self.parameters)  # torchrun: the sum of every rank's share; else nothing
         self.precision.unscale(self.optimizer)  # fp16: true gradient sizes before clipping
-        norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf")))
+        # Over DTensor gradients the norm is the global one (a DTensor, reduced across shards).
+        total = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm > 0 else float("inf"))
+        norm = float(total.full_tensor() if self.sharded else total)
         # Under fp16 the GradScaler owns gradient overflow (it skips such steps and lowers its scale).
         checked_norm = norm if self.precision.scaler is None else 0.0
         if self.guard is None or self.guard.allow(loss, checked_norm):
@@ -186,12 +192,19 @@ class Optimization:
         return 0 if self.guard is None else self.guard.skipped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+        """Sharded (FSDP): AdamW's moments gathered whole, the one-process layout (a collective on every rank)."""
+        optimizer = self.optimizer.state_dict()
+        if self.sharded:
+            optimizer = fsdp.full_optimizer_state(optimizer)
+        return {"optimizer": optimizer, "schedule": self.schedule.state_dict(),
                 "precision": self.precision.state_dict(),
                 "guard": None if self.guard is None else self.guard.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if self.sharded:  # a full (one-process, DDP or FSDP) state: this rank's rows of each moment
+            optimizer = fsdp.shard_optimizer_state(optimizer, self.parameters)
+        self.optimizer.load_state_dict(optimizer)
         self.precision.load_state_dict(state["precision"])
         self.schedule.load_state_dict(state["schedule"])  # after the optimizer: it rewrites the groups' lr
         if self.guard is not None and state["guard"] is not None:

@@ -314,8 +314,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def save_model_files(model, tokenizer, directory: Path) -> None:
-    """An HF-format model directory: full weights, or adapters only for a peft model; plus the tokenizer."""
+def save_model_files(model, tokenizer, directory: Path, state: dict | None = None) -> None:
+    """An HF-format model directory: full weights, or adapters only for a peft model; plus the tokenizer.
+
+    state: the full weights to write when the model's own are sharded (FSDP, train/fsdp.py).
+    """
     if hasattr(model, "peft_config"):
         # Adapters only. "auto" would look the base model up on the hub to see whether
         # the vocabulary changed; hasten never trains the embeddings through LoRA.
@@ -323,6 +326,8 @@ def save_model_files(model, tokenizer, directory: Path) -> None:
         registry_name = getattr(model.get_base_model(), "_hasten_registry_name", None)
         if registry_name is not None:  # the base's cache path may not exist elsewhere; hasten resolves the name
             (Path(directory) / "hasten_base.json").write_text(json.dumps({"name": registry_name}) + "\n")
+    elif state is not None:
+        model.save_pretrained(directory, state_dict=state)
     else:
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -48,7 +48,7 @@ from ..sandbox.pool import close_shared, shared_stats
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
 from ..tasks import Task, make_task
-from . import distributed, loop
+from . import distributed, fsdp, loop
 from .evaluate import evaluate
 from .feeder import Feeder, make_feeder
 from .learner import Learner
@@ -305,7 +305,8 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     group = cfg.generation.num_generations
     started = time.perf_counter()
     if collected is None:
-        collected = collect(session, session.engine, feeder, step)
+        with fsdp.full_weights(session.policy.model, session.engine):  # FSDP: gathered for sampling; else nothing
+            collected = collect(session, session.engine, feeder, step)
     rounds, batch = collected.rounds, collected.batch
     scored = time.perf_counter()
 
@@ -378,7 +379,10 @@ class GRPOJob:
     def __init__(self, session: Session, log: Callable[[str], None]):
         cfg = self.cfg = session.cfg
         self.session = session
-        reference = Reference(session.policy) if cfg.algo.beta > 0 else None
+        reference = Reference(session.policy) if cfg.algo.beta > 0 else None  # a full copy, before any sharding
+        if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
+            fsdp.shard(session.policy.model)
+        self.full_state: dict | None = None  # FSDP: the weights state_dict() gathered for save_model
         self.learner = Learner(session.policy, cfg, reference, log)
         self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
@@ -411,8 +415,15 @@ class GRPOJob:
 
     def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
         cfg, session = self.cfg, self.session
-        if not cfg.eval.num_examples or not distributed.is_main():  # torchrun: rank 0 evaluates, the rest go on
+        if not cfg.eval.num_examples:
             return None
+        with fsdp.full_weights(session.policy.model, session.engine):  # FSDP: every rank gathers, rank 0 evaluates
+            if not distributed.is_main():  # torchrun: rank 0 evaluates, the rest go on
+                return None
+            return self._evaluate(step, run)
+
+    def _evaluate(self, step: int, run: RunDir) -> dict[str, Any]:
+        cfg, session = self.cfg, self.session
         started = time.perf_counter()
         metrics, samples = evaluate(
             session.task, session.engine, session.policy.tokenizer, session.rewards,
@@ -425,16 +436,21 @@ class GRPOJob:
         return metrics
 
     def save_model(self, directory) -> None:
-        save_model_files(self.session.policy.model, self.session.policy.tokenizer, directory)
+        save_model_files(self.session.policy.model, self.session.policy.tokenizer, directory, self.full_state)
+        self.full_state = None
 
     def state_dict(self) -> dict[str, Any]:
+        """Every rank calls it before rank 0 saves (loop.save): under FSDP the gathers happen here."""
+        if fsdp.is_sharded(self.session.policy.model):
+            self.full_state = fsdp.full_model_state(self.session.policy.model)  # for save_model, on rank 0
         state = {"optimization": self.learner.optimization.state_dict()}
         if self.pipeline is not None:  # first: the batch in flight draws from the feeder
             state["pipeline"] = self.pipeline.state_dict(self.session.policy.tokenizer)
         return {**state, "feeder": self.feeder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], directory) -> None:
-        load_trained_weights(self.session.policy.model, directory)
+        sharded = fsdp.is_sharded(self.session.policy.model)
+        load_trained_weights(self.session.policy.model, directory, fsdp.load_full_weights if sharded else None)
         self.session.engine.weights_changed()
         self.learner.optimization.load_state_dict(state["optimization"])
         self.feeder.load_state_dict(state["feeder"])
