@@ -151,7 +151,7 @@ class SpeedConfig:
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
-    fast_linear: bool = True  # learning pass: decoder matmuls through oneDNN, not MKL (train/fast_linear.py)
+    fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (train/fast_linear.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine
     speculative_tokens: int = 4  # k: tokens drafted per verify forward (rollout/speculative.py)
     draft_model: str = "layers:8"  # speculative=draft: a model name/path with the policy's vocabulary, or layers:N (self-draft)
@@ -184,6 +184,7 @@ class SpeedConfig:
     nan_guard_patience: int = 3  # after this many skipped updates in a row, take nan_guard_action
     nan_guard_action: str = "lower_lr"  # lower_lr | disable_mixed_precision | stop
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
+    adaptive_threads: bool = True  # before each phase use max(1, cores - busy other threads) intra-op threads (train.num_threads=0 only)
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
     generation_precision: str = "fp32"  # fp32 | bf16: lean engine's sampled rollouts in bf16 matmuls, TIS-corrected; changes learning
     async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
@@ -273,6 +274,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("output.report_to", lambda v: all(t in TRACKERS for t in v), f"a list of {' | '.join(TRACKERS)}"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("speed.fast_linear", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.min_pack_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("speed.reward_workers", lambda v: v >= 0, ">= 0"),
     ("speed.reward_cache_size", lambda v: v >= 1, ">= 1"),

@@ -82,7 +82,7 @@ CONSERVATIVE: dict[str, Value] = {
     "speed.keep_freed_memory": True,
     "speed.packed_learning": True,
     "speed.grouped_attention": True,
-    "speed.fast_linear": True,
+    "speed.fast_linear": "auto",
     "speed.reward_workers": 2,
     "speed.reward_cache": True,
     "speed.optimizer": "auto",

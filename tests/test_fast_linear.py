@@ -110,3 +110,20 @@ def test_learner_loss_and_gradients_are_the_same_with_fast_linear(short_model, t
     assert len(plain_grads) == len(fast_grads) > 0
     for a, b in zip(plain_grads, fast_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("intel, expected", [(True, False), (False, True)])
+def test_auto_routes_through_onednn_except_on_intel(monkeypatch, intel, expected):
+    # MKL takes its tuned path on Intel CPUs (faster than oneDNN there), a generic one elsewhere.
+    monkeypatch.setattr(fast_linear, "intel_cpu", lambda: intel)
+    assert fast_linear.resolve("auto") is expected
+    assert fast_linear.resolve(True) is True and fast_linear.resolve(False) is False
+
+
+def test_fast_linear_setting_accepts_true_false_auto_only():
+    from hasten.config import ConfigError, load_config
+
+    assert load_config().speed.fast_linear == "auto"
+    assert load_config(overrides=[("speed.fast_linear", False)]).speed.fast_linear is False
+    with pytest.raises(ConfigError, match="speed.fast_linear must be true, false or auto"):
+        load_config(overrides=[("speed.fast_linear", "fast")])

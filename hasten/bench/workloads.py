@@ -488,7 +488,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     """Learner.step without the optimizer: log-probs, loss and backward over the accumulation chunks."""
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
-    from ..train.fast_linear import onednn_linears
+    from ..train.fast_linear import onednn_linears, resolve
     from ..train.microbatch import micro_batches
     from ..train.packing import packed_logprobs
 
@@ -500,7 +500,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
                            cfg.speed.token_budget if packed else 0, packed)
     for rows in chunks:
         if packed:  # hasten's learning pass, with its speed flags as configured
-            with onednn_linears(model, cfg.speed.fast_linear):
+            with onednn_linears(model, resolve(cfg.speed.fast_linear)):
                 stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens,
                                         cfg.speed.grouped_attention)
         else:

@@ -35,7 +35,7 @@ from ..models import Policy, Reference
 from ..rollout import Rollout
 from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
 from . import distributed, fsdp
-from .fast_linear import onednn_linears
+from .fast_linear import onednn_linears, resolve as resolve_fast_linear
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import micro_batches
 from .optimization import Optimization, OptimizerSettings
@@ -50,7 +50,7 @@ class LogprobPass:
     min_pack_ratio: float  # below this fill, a batch runs the padded pass anyway
     logit_chunk_tokens: int
     grouped_attention: bool  # speed.grouped_attention, packed pass only
-    fast_linear: bool  # speed.fast_linear
+    fast_linear: bool  # speed.fast_linear, auto resolved (fast_linear.resolve)
 
     @classmethod
     def choose(cls, cfg: Config, model) -> LogprobPass:
@@ -60,7 +60,8 @@ class LogprobPass:
         plain_kernels = bool(getattr(model, "is_gradient_checkpointing", False))
         speed = cfg.speed
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
-                   speed.grouped_attention and not plain_kernels, speed.fast_linear and not plain_kernels)
+                   speed.grouped_attention and not plain_kernels,
+                   resolve_fast_linear(speed.fast_linear) and not plain_kernels)
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool) -> TokenStats:
         temperature = rollout.sampling.temperature

@@ -47,6 +47,7 @@ from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
+from ..speed.threads import ThreadGovernor
 from ..tasks import Task, make_task
 from . import distributed, fsdp, loop
 from .evaluate import evaluate
@@ -71,6 +72,7 @@ class Session:
     scorer: RewardScorer | None = None  # reward pool, cache and gate (speed.*); owns the pool threads
     reward_logs: RewardLogs | None = None  # trainer_state / log_metric / log_extra for reward functions
     completions: list[dict[str, Any]] = field(default_factory=list)  # the last step's samples (output.log_completions)
+    threads: ThreadGovernor | None = None  # speed.adaptive_threads (set by prepare)
 
 
 def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
@@ -117,8 +119,11 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     if cfg.speed.compile:
         compile_model(policy.model, cfg.speed.compile_mode, log)
     state = trainer_state if trainer_state is not None else RewardState(max_steps=cfg.train.steps * cfg.algo.num_iterations)
+    # speed.adaptive_threads: only where the thread count is torch's own choice, in one process.
+    governor = ThreadGovernor(cfg.speed.adaptive_threads and cfg.train.num_threads == 0
+                              and distributed.world_size() == 1 and device.type == "cpu")
     return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed),
-                   RewardLogs(state))
+                   RewardLogs(state), threads=governor)
 
 
 def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
@@ -304,7 +309,10 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     cfg = session.cfg
     group = cfg.generation.num_generations
     started = time.perf_counter()
+    threads = session.threads or ThreadGovernor(False)
+    phase_threads = {}
     if collected is None:
+        phase_threads["threads/generate"] = threads.adjust()
         with fsdp.full_weights(session.policy.model, session.engine):  # FSDP: gathered for sampling; else nothing
             collected = collect(session, session.engine, feeder, step)
     rounds, batch = collected.rounds, collected.batch
@@ -319,6 +327,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         loss_mask = None
         if cfg.algo.mask_truncated_completions:  # cut at max_new_tokens: no loss on them (TRL's option)
             loss_mask = batch.rollout.completion_mask * batch.rollout.ended_with_eos[:, None]  # (B*G, T)
+        phase_threads["threads/learn"] = threads.adjust()
         learned_metrics = learner.step(batch.rollout, advantages, loss_mask, off_policy=off_policy,
                                        importance_cap=importance_cap(cfg))
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
@@ -357,6 +366,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         "time/learn": finished - scored,
         "time/step": finished - started,
         "tokens_per_second": tokens / (finished - started),
+        **(phase_threads if threads.enabled else {}),  # speed.adaptive_threads' choice per phase
     }
     return record
 
