@@ -51,6 +51,10 @@ def test_governor_gives_up_the_busy_cores_and_takes_them_back(monkeypatch, resto
     assert governor.adjust() == 2 and torch.get_num_threads() == 2  # never above what the run started with
     monkeypatch.setattr(threads_module, "busy_neighbours", lambda: None)  # no /proc/stat: leave all threads
     assert governor.adjust() == 2
+    monkeypatch.setattr(threads_module, "busy_neighbours", lambda: 1)
+    governor.adjust()
+    governor.restore()  # the run is over: the process gets its threads back
+    assert torch.get_num_threads() == 2
 
 
 def test_disabled_governor_never_touches_threads(monkeypatch, restore_threads):

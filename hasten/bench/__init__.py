@@ -233,6 +233,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
     opts.peers = [peer for peer in opts.peers if peer not in peers_missing]
     load_before = os.getloadavg()[0]  # other jobs on a shared machine skew everything: say so in the output
     size, repeats = (512, 3) if opts.quick else (2048, 5)
+    threads = torch.get_num_threads()  # speed.adaptive_threads may lower them under --contention: restored below
     peak_start = matmul_peak(size, repeats)
     side, results = None, []
 
@@ -268,6 +269,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
                 result.settings["contention"] = {"neighbours": level, "load_average_before": neighbours.load_before,
                                                  "load_average_after": neighbours.load_after}
                 results.append(result)
+    torch.set_num_threads(threads)
     peak_end = matmul_peak(size, repeats)
     config = side.session.policy.model.config if side is not None else _model_config(opts)
     header = {

@@ -79,3 +79,8 @@ class ThreadGovernor:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         return threads
+
+    def restore(self) -> None:
+        """Give the process back the threads it started with (the run is over)."""
+        if self.enabled and torch.get_num_threads() != self.max_threads:
+            torch.set_num_threads(self.max_threads)

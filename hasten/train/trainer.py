@@ -480,6 +480,8 @@ class GRPOJob:
                 self.session.scorer.close()
             finally:
                 close_shared()  # the code task's sandbox workers
+                if self.session.threads is not None:
+                    self.session.threads.restore()  # speed.adaptive_threads may have lowered them
 
 
 def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None = None, *,
