@@ -17,7 +17,9 @@ GPU, the process's peak resident set (ru_maxrss) on the CPU.
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -54,17 +56,30 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def cpu_has_native_bf16() -> bool:
-    """The CPU has bf16 matmul instructions (AVX512-BF16 or AMX): without them bf16 is emulated and slower."""
+class CPUInfo(NamedTuple):
+    vendor: str  # "GenuineIntel", "AuthenticAMD", or "unknown"
+    model: str
+    flags: frozenset[str]
+
+
+@functools.cache
+def cpu_info() -> CPUInfo:
+    """The first CPU's vendor, model name and flags from /proc/cpuinfo (unknown / empty where unreadable)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return False
+    return CPUInfo(fields.get("vendor_id", "unknown"), fields.get("model name", "unknown"),
+                   frozenset(fields.get("flags", "").split()))
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU has bf16 matmul instructions (AVX512-BF16 or AMX): without them bf16 is emulated and slower."""
+    return bool(cpu_info().flags & {"avx512_bf16", "amx_bf16"})
 
 
 def configure_device(device: torch.device) -> None:

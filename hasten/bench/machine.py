@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import resource
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 # Variables that change how OpenMP threads wait and where they run (GNU libgomp and Intel's libiomp).
@@ -34,15 +33,9 @@ def machine_figures() -> dict[str, Any]:
     """The CPU, its vector extensions, oneDNN's ISA, the OpenMP wait variables, threads, peak RSS."""
     import torch
 
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from ..device import cpu_info
+
+    model, flags = cpu_info().model, cpu_info().flags
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     return {"cpu": model, "cpu_flags": [flag for flag in wanted if flag in flags],
             "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default (best the CPU has)"),

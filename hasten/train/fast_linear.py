@@ -51,14 +51,11 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-@functools.cache
 def intel_cpu() -> bool:
     """The CPU is Intel's: MKL takes its own tuned path there (elsewhere a generic one)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in cpuinfo)
-    except OSError:
-        return False
+    from ..device import cpu_info
+
+    return cpu_info().vendor == "GenuineIntel"
 
 
 def resolve(setting: bool | str) -> bool:
