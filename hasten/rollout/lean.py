@@ -295,6 +295,12 @@ class LeanEngine:
         """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use."""
         self.weight_versions = []
 
+    def ready_for(self, sampling: SamplingParams) -> None:
+        """Weights current and in the call's precision: bf16 for sampled calls under
+        speed.generation_precision=bf16, fp32 for greedy ones (evaluation) and otherwise."""
+        self.use_precision("bf16" if "bf16" in self.matmuls and not sampling.greedy else "fp32")
+        self.sync_weights()
+
     def use_precision(self, precision: str) -> None:
         """Run the next generate's matmuls in `precision` (fp32 | bf16): a switch rebuilds the weights once."""
         if self.linear is not self.matmuls[precision]:
@@ -347,8 +353,7 @@ class LeanEngine:
     ) -> Rollout:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        self.use_precision("bf16" if "bf16" in self.matmuls and not sampling.greedy else "fp32")
-        self.sync_weights()
+        self.ready_for(sampling)
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
         num_prompts, prompt_width = prompt_ids.shape
         num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens

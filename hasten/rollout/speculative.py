@@ -248,8 +248,7 @@ class SpeculativeEngine:
         engine, k = self.engine, self.k
         # speed.generation_precision=bf16: the verify forward runs LeanEngine's bf16 matmuls as its own sampled
         # generate would, so the rollout is exact for that bf16 policy and its log-probs are that policy's.
-        engine.use_precision("bf16" if "bf16" in engine.matmuls and not sampling.greedy else "fp32")
-        engine.sync_weights()
+        engine.ready_for(sampling)
         prompt_ids, prompt_mask = left_pad(prompts, engine.pad_token_id)  # (B, P)
         num_prompts, prompt_width = prompt_ids.shape
         num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens
