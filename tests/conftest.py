@@ -74,3 +74,51 @@ def learner_step(model, tokenizer, rollout, advantages, configure, **step_kwargs
     learner.optimization.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))
     return learner.step(rollout, advantages, **step_kwargs), grads
+
+
+def tiny_config(**speed):
+    """A default Config on the tiny model with these speed.* keys set."""
+    from hasten.config import Config, ModelConfig
+
+    cfg = Config()
+    cfg.model = ModelConfig(name="tiny")
+    for key, value in speed.items():
+        setattr(cfg.speed, key, value)
+    return cfg
+
+
+LETTERS = '''
+def letters(prompts, completions, **kwargs):
+    return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
+'''
+
+
+@pytest.fixture
+def letters_task(tmp_path):
+    """A 40-row JSONL task and a reward file (the share of lowercase letters) in tmp_path."""
+    import json
+
+    rows = [{"prompt": f"write letters {i}:"} for i in range(40)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "rewards.py").write_text(LETTERS)
+    return tmp_path
+
+
+def letters_config(data, name: str, **extra):
+    """A short tiny-model GRPO run on letters_task's files: 4 steps, 2 prompts x 4, one thread."""
+    from hasten.config import load_config
+
+    pairs = {"model.name": "tiny", "task.name": "jsonl", "task.path": str(data / "data.jsonl"),
+             "rewards.extra": [f"{data / 'rewards.py'}:letters"], "train.steps": 4, "train.prompts_per_step": 2,
+             "train.lr": 3e-3, "train.num_threads": 1, "generation.num_generations": 4,
+             "generation.max_new_tokens": 8, "eval.num_examples": 0, "output.dir": str(data / "runs"),
+             "output.name": name, "output.progress": "off", "output.plot": False, **extra}
+    return load_config(overrides=list(pairs.items()))
+
+
+def run_metrics(summary: dict) -> list[dict]:
+    """The records of a finished run's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

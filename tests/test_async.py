@@ -3,40 +3,21 @@ weights before step t's update; the learner ratios against the batch's sampling 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import letters_config, run_metrics
 from hasten.config import load_config
 from hasten.train.trainer import GRPOJob, train
 
-LETTERS = '''
-def letters(prompts, completions, **kwargs):
-    return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
-'''
-
-
 @pytest.fixture
-def data(tmp_path):
-    rows = [{"prompt": f"write letters {i}:"} for i in range(40)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "rewards.py").write_text(LETTERS)
-    return tmp_path
+def data(letters_task):
+    return letters_task
 
 
-def config(data: Path, name: str, **extra):
-    pairs = {"model.name": "tiny", "task.name": "jsonl", "task.path": str(data / "data.jsonl"),
-             "rewards.extra": [f"{data / 'rewards.py'}:letters"], "train.steps": 4, "train.prompts_per_step": 2,
-             "train.lr": 3e-3, "train.num_threads": 1, "generation.num_generations": 4,
-             "generation.max_new_tokens": 8, "eval.num_examples": 0, "output.dir": str(data / "runs"),
-             "output.name": name, "output.progress": "off", "output.plot": False, **extra}
-    return load_config(overrides=list(pairs.items()))
-
-
-def metrics(summary: dict) -> list[dict]:
-    return [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+config = letters_config
+metrics = run_metrics
 
 
 def frozen(self, loss: float) -> float:

@@ -3,25 +3,17 @@ the fp32 weights, and the learner's truncated importance-sampling correction aga
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import encode
-from hasten.config import load_config
+from conftest import encode, letters_config, run_metrics
 from hasten.errors import UserError
 from hasten.rollout import SamplingParams
 from hasten.rollout.lean import LeanEngine, Matmul
 from hasten.train.logprobs import completion_logprobs
-
-LETTERS = '''
-def letters(prompts, completions, **kwargs):
-    return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
-'''
-
 
 def engines(model, tokenizer):
     eos = [tokenizer.eos_token_id]
@@ -74,20 +66,12 @@ def test_sampled_rollouts_come_from_the_bf16_policy_close_to_fp32(model, tokeniz
 
 
 @pytest.fixture
-def data(tmp_path):
-    rows = [{"prompt": f"write letters {i}:"} for i in range(40)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "rewards.py").write_text(LETTERS)
-    return tmp_path
+def data(letters_task):
+    return letters_task
 
 
 def config(data: Path, name: str, **extra):
-    pairs = {"model.name": "tiny", "task.name": "jsonl", "task.path": str(data / "data.jsonl"),
-             "rewards.extra": [f"{data / 'rewards.py'}:letters"], "train.steps": 3, "train.prompts_per_step": 2,
-             "train.lr": 3e-3, "train.num_threads": 1, "generation.num_generations": 4,
-             "generation.max_new_tokens": 8, "eval.num_examples": 0, "output.dir": str(data / "runs"),
-             "output.name": name, "output.progress": "off", "output.plot": False, **extra}
-    return load_config(overrides=list(pairs.items()))
+    return letters_config(data, name, **{"train.steps": 3, **extra})
 
 
 def test_training_corrects_and_logs_the_bf16_sampler(data, monkeypatch):
@@ -96,14 +80,14 @@ def test_training_corrects_and_logs_the_bf16_sampler(data, monkeypatch):
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)  # the CI machine may lack it
     summary = train(config(data, "bf16", **{"speed.generation_precision": "bf16"}), log=lambda _: None)
-    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    records = run_metrics(summary)
     assert len(records) == 3
     for record in records:
         assert 0 < record["bf16_sampler/logp_abs_diff"] < 0.1
         assert record["bf16_sampler/ratio_max"] <= 2.0 + 1e-6  # the TIS cap (speed.vllm_importance_sampling_cap)
         assert torch.isfinite(torch.tensor(record["loss"]))
     plain = train(config(data, "fp32"), log=lambda _: None)
-    fp32_records = [json.loads(line) for line in (Path(plain["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    fp32_records = run_metrics(plain)
     assert not any(key.startswith("bf16_sampler/") for key in fp32_records[0])
 
 

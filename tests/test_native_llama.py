@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import eos_prone_model, rollout_of
-from hasten.config import Config, ConfigError, ModelConfig
+from conftest import eos_prone_model, rollout_of, tiny_config
+from hasten.config import ConfigError
 from hasten.models.llama import NativeLlamaForCausalLM, unsupported_reason
 from hasten.models.tokenizer import FastTokenizer
 from hasten.rollout import SamplingParams
@@ -159,12 +159,7 @@ def test_fast_tokenizer_matches_transformers(tokenizer, tmp_path):
     assert FastTokenizer(tmp_path / "copy")("hi", add_special_tokens=False) == fast("hi", add_special_tokens=False)
 
 
-def _config(**speed) -> Config:
-    cfg = Config()
-    cfg.model = ModelConfig(name="tiny")
-    for key, value in speed.items():
-        setattr(cfg.speed, key, value)
-    return cfg
+_config = tiny_config
 
 
 def test_speed_model_impl_picks_the_implementation():

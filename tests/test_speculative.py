@@ -20,8 +20,8 @@ import itertools
 import pytest
 import torch
 
-from conftest import encode, eos_prone_model
-from hasten.config import Config, ConfigError, ModelConfig, validate
+from conftest import encode, eos_prone_model, tiny_config
+from hasten.config import ConfigError, ModelConfig, validate
 from hasten.models.tiny import tiny_model
 from hasten.rollout import RowRange, SamplingParams
 from hasten.rollout import speculative
@@ -213,12 +213,7 @@ def test_seeded_and_independent_of_the_row_split(tokenizer, kind):
         assert (half.sampling_logprobs - whole.sampling_logprobs[rows, :length]).abs().max() < 1e-5
 
 
-def _config(**speed) -> Config:
-    cfg = Config()
-    cfg.model = ModelConfig(name="tiny")
-    for key, value in speed.items():
-        setattr(cfg.speed, key, value)
-    return cfg
+_config = tiny_config
 
 
 def test_make_engine_builds_the_speculative_engine(tokenizer, tmp_path):
