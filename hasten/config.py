@@ -174,6 +174,7 @@ class SpeedConfig:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
     dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
     precision: str = "fp32"  # fp32 | bf16 | fp16 autocast in the learning pass (fp16 adds a GradScaler); changes numerics
+    attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (speed/precision.py)
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
@@ -275,6 +276,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("speed.fast_linear", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
+    ("speed.attention_fp32", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.min_pack_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("speed.reward_workers", lambda v: v >= 0, ">= 0"),
     ("speed.reward_cache_size", lambda v: v >= 1, ">= 1"),

@@ -49,6 +49,32 @@ def test_fused_adamw_is_bit_identical_to_torch_over_several_steps():
         assert torch.equal(optimizer.state[a]["step"], reference.state[b]["step"])
 
 
+@pytest.mark.parametrize("first_grad_at", [0, 2])
+def test_reserved_state_gives_the_same_updates_as_lazy_state(first_grad_at):
+    # reserve_state allocates zeros up front (a stable heap); the updates and the
+    # saved state must be what the lazy path gives, also for a parameter whose
+    # first gradient comes late (its reserved step counter stays 0 until then).
+    lazy, reserved = parameters(), parameters()
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    plain, early = FusedAdamW(lazy, **settings), FusedAdamW(reserved, **settings)
+    early.reserve_state()
+    assert all(float(early.state[p]["step"]) == 0 and not early.state[p]["exp_avg"].any() for p in reserved)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(4):
+        for index, (a, b) in enumerate(zip(lazy, reserved)):
+            if index == 0 and step < first_grad_at:
+                a.grad = b.grad = None
+                continue
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        plain.step()
+        early.step()
+        for a, b in zip(lazy, reserved):
+            assert torch.equal(a, b)
+    for a, b in zip(lazy, reserved):
+        assert all(torch.equal(plain.state[a][key], early.state[b][key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+
+
 def test_fused_adamw_matches_the_for_loop_update():
     ours, theirs = parameters(), parameters()
     optimizer, reference = FusedAdamW(ours, lr=1e-3), torch.optim.AdamW(theirs, lr=1e-3, foreach=False)

@@ -3,6 +3,7 @@ the fp32 weights, and the learner's truncated importance-sampling correction aga
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,35 @@ def test_bf16_matmul_is_f_linear_in_bf16_with_fp32_output():
     expected = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
     assert torch.equal(out, expected)
     assert (out - F.linear(x, weight, bias)).abs().max() < 0.2  # bf16 rounding, not another function
+
+
+def test_bf16_weights_follow_updates_in_place_and_never_alias_the_model(model, tokenizer):
+    # The bf16 copies are rewritten in place at each sync (a stable heap), so they must
+    # still follow every update, and a bf16 model's own weights must never be overwritten.
+    model = copy.deepcopy(model)
+    engine = engines(model, tokenizer)[1]
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
+    engine.ready_for(sampled)
+    before = engine.layers[0].qkv
+    address = before.data_ptr()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    engine.weights_changed()
+    engine.ready_for(sampled)
+    layer = model.model.layers[0].self_attn
+    expected = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]).bfloat16()
+    assert engine.layers[0].qkv.data_ptr() == address  # rewritten in place
+    assert torch.equal(engine.layers[0].qkv, expected)
+    assert torch.equal(engine.head, model.lm_head.weight.bfloat16())
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
+    weight = bf16_model.model.layers[0].mlp.down_proj.weight
+    prepared = matmul.prepare(weight)
+    assert prepared.data_ptr() != weight.data_ptr()  # a copy even when the dtype already matches
+    original = weight.detach().clone()
+    matmul.prepare(weight + 1, prepared)  # an overwrite lands in the engine's copy only
+    assert torch.equal(weight, original)
 
 
 def test_greedy_calls_stay_fp32_and_identical(model, tokenizer):

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..speed.precision import attention
 from .families import FAMILIES, inv_freq, rope_parameters, unsupported_reason
 
 WEIGHTS_NAME = "model.safetensors"
@@ -132,8 +133,8 @@ class Rotary(nn.Module):
 def sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    **kwargs):
     """query (N, H, L, D), key/value (N, Hkv, L, D), mask (N, 1, L, L) bool -> (N, L, H, D), None."""
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+    out = attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                    enable_gqa=query.shape[1] != key.shape[1])  # fp32 under CPU autocast (speed.attention_fp32)
     return out.transpose(1, 2), None
 
 

@@ -64,12 +64,17 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
         tokens = penalized.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / sampling.temperature  # (N, V)
+    # x / 1.0 is x bit for bit: skip the two vocabulary-wide divisions at temperature 1.
+    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # (N, V)
     logprobs = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(filter_logits(penalized / sampling.temperature, sampling), dim=-1)
+    tempered = penalized / sampling.temperature if sampling.temperature != 1.0 else penalized
+    probs = torch.softmax(filter_logits(tempered, sampling), dim=-1)
     cdf = probs.cumsum(dim=-1)  # (N, V)
     targets = uniforms[:, None] * cdf[:, -1:]  # scale by the total so rounding cannot overshoot
     tokens = torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
-    # searchsorted may land on a zero-probability token whose cdf ties its neighbour; step back.
-    tokens = torch.where(probs.gather(-1, tokens[:, None]).squeeze(-1) > 0, tokens, probs.argmax(-1))
+    # searchsorted may land on a zero-probability token whose cdf ties its neighbour; step back
+    # (the vocabulary-wide argmax only when that happened).
+    positive = probs.gather(-1, tokens[:, None]).squeeze(-1) > 0  # (N,)
+    if not bool(positive.all()):
+        tokens = torch.where(positive, tokens, probs.argmax(-1))
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

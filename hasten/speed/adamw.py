@@ -72,6 +72,28 @@ class FusedAdamW:
         return _Handle(self._pre_hooks, key)
 
     @torch.no_grad()
+    def reserve_state(self) -> None:
+        """Allocate every trainable parameter's state now (zeros, step 0) instead of at its first update.
+
+        Allocated lazily, the state (2x the parameters) lands in the addresses the first
+        backward just freed, and the second step's activations must grow the heap: on
+        B1 that was 348k fresh page faults and +3.3 s on the second learning pass (9.6
+        against 6.3 s, fp32; 4.6 against 3.1 s in bf16). The update is the same: a zero
+        state with step 0 is what the lazy path creates.
+        """
+        for param in self.param_groups[0]["params"]:
+            if param.requires_grad and param not in self.state:
+                self.state[param] = self._zero_state(param)
+
+    @staticmethod
+    def _zero_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            "step": torch.zeros((), dtype=torch.float32, device=param.device),
+            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
+
+    @torch.no_grad()
     def step(self) -> None:
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
@@ -82,11 +104,7 @@ class FusedAdamW:
                     continue
                 state = self.state.get(param)
                 if state is None:  # lazily, as torch does: zeros, and a float32 step counter
-                    state = self.state[param] = {
-                        "step": torch.zeros((), dtype=torch.float32, device=param.device),
-                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    }
+                    state = self.state[param] = self._zero_state(param)
                 lists = batches.setdefault((param.device, param.dtype), [[], [], [], [], []])
                 for bucket, tensor in zip(lists, (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                                                   state["step"])):

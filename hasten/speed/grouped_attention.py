@@ -15,9 +15,11 @@ Here the same attention is computed on the allowed blocks only:
 - the prompts, one padded batch of R rows: causal self-attention;
 - the completions, one padded batch of C rows: each completion's queries
   against [its prompt's keys, its own keys (causal)].
-Both are one `scaled_dot_product_attention` call each, per layer; queries,
-keys and values are gathered into those batches and the outputs scattered
-back to the packed positions, all under autograd. Every query sees exactly
+Both are one `scaled_dot_product_attention` call each, per layer (fp32 under
+CPU autocast: speed/precision.py's `attention`); queries, keys and values are
+gathered into those batches and every packed position gathers its output
+back, all under autograd, with gathers whose backward is index_add_ (`_Rows`:
+autograd's own accumulating index_put is serial on the CPU). Every query sees exactly
 the keys the block mask allows, so the result equals the dense masked
 attention up to float rounding (tests/test_packing.py runs the packed pass
 both ways against the plain padded pass).
@@ -38,7 +40,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from .precision import attention
 
 NAME = "hasten_grouped"
 
@@ -54,6 +57,7 @@ class GroupedLayout:
     completion_valid: torch.Tensor  # (C, T) bool
     completion_row: torch.Tensor  # (C,) the packed row (group) of each completion
     completion_mask: torch.Tensor  # (C, 1, T, P + T) bool: own prompt, then own tokens causally
+    output_source: torch.Tensor  # (R*L,) row of [prompt outputs (R*P), completion outputs (C*T), zero] per position
 
     def to(self, device) -> GroupedLayout:
         return GroupedLayout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -82,8 +86,13 @@ def build_layout(segments: torch.Tensor) -> GroupedLayout:
     own = causal_own & completion_valid[:, None, :]  # (C, T, T)
     sees_prompt = prompt_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, P)
     completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, P + T)
+    num_prompt_slots, num_completion_slots = prompt_index.numel(), completion_index.numel()
+    output_source = torch.full((rows * width,), num_prompt_slots + num_completion_slots, dtype=torch.long)
+    output_source[prompt_index[prompt_valid]] = torch.arange(num_prompt_slots)[prompt_valid.flatten()]
+    output_source[completion_index[completion_valid]] = (
+        num_prompt_slots + torch.arange(num_completion_slots)[completion_valid.flatten()])
     return GroupedLayout(prompt_index, prompt_valid, prompt_mask[:, None], completion_index, completion_valid,
-                         completion_row, completion_mask[:, None])
+                         completion_row, completion_mask[:, None], output_source)
 
 
 def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +105,41 @@ def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return index, valid
 
 
+class _Rows(torch.autograd.Function):
+    """source[index] along dim 0 (index of any shape), with index_add_ as its backward.
+
+    Autograd's backward of source[index] is an accumulating index_put, which
+    torch 2.13 runs serially on the CPU: 30-130 ms per call at B1's sizes,
+    ~0.3 s of a 4 s bf16 learning pass (torch.profiler). index_add_ does the
+    same sum over 576-float rows, vectorized.
+    """
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = source.shape[0]
+        return source.index_select(0, index.reshape(-1)).view(*index.shape, *source.shape[1:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        rest = grad.shape[index.dim():]
+        out = grad.new_zeros((ctx.num_rows, *rest))
+        return out.index_add_(0, index.reshape(-1), grad.reshape(-1, *rest)), None
+
+
+def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """source[index] on dim 0, differentiable, with a fast CPU backward (_Rows)."""
+    return _Rows.apply(source, index)
+
+
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, hasten_layout: GroupedLayout | None = None,
                               **kwargs):
     """transformers' attention-function signature; query (B, H, L, D), key/value (B, Hkv, L, D)."""
     if hasten_layout is None:  # called outside a packed pass: the dense masked kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layout = hasten_layout
@@ -114,28 +151,29 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     gqa = heads != kv_heads
 
     def gather(flat, index):  # (n, l) positions -> (n, heads, l, D)
-        return flat[index].transpose(1, 2)
+        return take_rows(flat, index).transpose(1, 2)
 
     prompt_k, prompt_v = gather(flat_k, layout.prompt_index), gather(flat_v, layout.prompt_index)  # (R, Hkv, P, D)
-    prompt_out = F.scaled_dot_product_attention(
+    prompt_out = attention(
         gather(flat_q, layout.prompt_index), prompt_k, prompt_v, attn_mask=layout.prompt_mask,
         scale=scaling, enable_gqa=gqa,
     )  # (R, H, P, D)
-    out = prompt_out.new_zeros(batch * length, heads, dim)  # padding positions stay 0 (never read); autocast dtype
-    out = out.index_put((layout.prompt_index[layout.prompt_valid],),
-                        prompt_out.transpose(1, 2)[layout.prompt_valid])
+    pieces = [prompt_out.transpose(1, 2).reshape(-1, heads, dim)]  # (R*P, H, D)
     if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs
-        return out.view(batch, length, heads, dim), None
-    own_k = gather(flat_k, layout.completion_index)  # (C, Hkv, T, D)
-    own_v = gather(flat_v, layout.completion_index)
-    completion_out = F.scaled_dot_product_attention(
-        gather(flat_q, layout.completion_index),
-        torch.cat([prompt_k[layout.completion_row], own_k], dim=2),  # (C, Hkv, P + T, D)
-        torch.cat([prompt_v[layout.completion_row], own_v], dim=2),
-        attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
-    )  # (C, H, T, D)
-    out = out.index_put((layout.completion_index[layout.completion_valid],),
-                        completion_out.transpose(1, 2)[layout.completion_valid])
+        pieces.append(pieces[0].new_zeros(layout.completion_index.numel(), heads, dim))  # keeps the slots' rows
+    else:
+        own_k = gather(flat_k, layout.completion_index)  # (C, Hkv, T, D)
+        own_v = gather(flat_v, layout.completion_index)
+        completion_out = attention(
+            gather(flat_q, layout.completion_index),
+            torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, P + T, D)
+            torch.cat([take_rows(prompt_v, layout.completion_row), own_v], dim=2),
+            attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
+        )  # (C, H, T, D)
+        pieces.append(completion_out.transpose(1, 2).reshape(-1, heads, dim).to(pieces[0].dtype))  # (C*T, H, D)
+    pieces.append(pieces[0].new_zeros(1, heads, dim))  # what padding positions read (never used downstream)
+    # Every packed position reads its row of [prompt outputs, completion outputs, zeros]: one gather.
+    out = take_rows(torch.cat(pieces), layout.output_source)  # (B*L, H, D)
     return out.view(batch, length, heads, dim), None  # (B, L, H, D), as transformers' sdpa returns
 
 

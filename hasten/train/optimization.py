@@ -108,6 +108,7 @@ class OptimizerSettings:
     kernel: str = "auto"  # speed.optimizer: auto | fused | foreach | for_loop
     precision: str = "fp32"  # fp32 | bf16 | fp16
     tf32: bool = False
+    attention_fp32: bool | str = "auto"  # speed.attention_fp32 (speed/precision.py)
 
     @classmethod
     def for_training(cls, cfg: Config) -> OptimizerSettings:
@@ -116,7 +117,8 @@ class OptimizerSettings:
         return cls(lr=train.lr, total_steps=train.steps * cfg.algo.num_iterations, warmup_steps=train.warmup_steps,
                    lr_schedule=train.lr_schedule, warmup_from_zero=train.warmup_from_zero, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
                    betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
-                   kernel=cfg.speed.optimizer, precision=cfg.speed.precision, tf32=cfg.speed.tf32)
+                   kernel=cfg.speed.optimizer, precision=cfg.speed.precision, tf32=cfg.speed.tf32,
+                   attention_fp32=cfg.speed.attention_fp32)
 
     @classmethod
     def for_sft(cls, cfg: Config, total_steps: int, device: torch.device) -> OptimizerSettings:
@@ -153,7 +155,9 @@ class Optimization:
         self.schedule = Schedule(self.optimizer, lambda step: lr_factor(
             step, settings.warmup_steps, settings.total_steps, settings.lr_schedule, settings.min_lr_ratio,
             settings.warmup_from_zero))
-        self.precision = Precision(settings.precision, device, settings.tf32)
+        if not sharded and hasattr(self.optimizer, "reserve_state"):
+            self.optimizer.reserve_state()  # before the first forward: a stable heap (FusedAdamW.reserve_state)
+        self.precision = Precision(settings.precision, device, settings.tf32, settings.attention_fp32)
         self.guard = (NanGuard(speed, self.schedule.scale_peak, self.precision.disable, log)
                       if speed.nan_guard else None)
 
