@@ -122,6 +122,8 @@ def test_quick_b5_variant_trains_with_its_own_keys(capsys, tmp_path):
     settings = payload["workloads"]["B5"]["settings"]
     assert settings["hasten lr"]["train"]["lr"] == 3e-3 and settings["hasten lr"]["train"]["weight_decay"] == 0.1
     assert settings["hasten"]["train"]["lr"] == 1e-5  # the plain run keeps the config's
+    # TRL's schedule on hasten's side: warmup from lr 0, as transformers' schedules
+    assert settings["hasten"]["train"]["warmup_from_zero"] is True and settings["hasten lr"]["train"]["warmup_from_zero"]
 
 
 def test_variants_run_before_each_seeds_peer():

@@ -5,7 +5,8 @@
 
 The demo task (configs/demo.yaml: two-digit addition with a worked example)
 is trained by hasten and by TRL with the same rows in the same order, the
-same reward functions and the same lr, warmup, schedule, loss, group size,
+same reward functions and the same lr, warmup (hasten with
+train.warmup_from_zero=true: from lr 0, as transformers), schedule, loss, group size,
 completion length and temperature (peers.trl_settings; TRL in fp32 with
 gradient checkpointing off, its CPU best). Each run is its own process
 (`python -m hasten.bench.b5 hasten|trl`, spec on stdin): it pays its own
@@ -281,7 +282,9 @@ def run_b5(opts) -> Result:
     from .workloads import peer_model_dir, trl_spec
 
     b5: B5Options = opts.b5
-    overrides = [("model.name", opts.model)] + (QUICK_OVERRIDES if opts.quick else [])
+    # The same lr at every step on both sides: transformers' warmup starts at lr 0, hasten's
+    # default at lr/warmup_steps (one step ahead); B5 runs hasten with TRL's schedule.
+    overrides = [("model.name", opts.model), ("train.warmup_from_zero", True)] + (QUICK_OVERRIDES if opts.quick else [])
     cfg = load_config(b5.config, overrides)
     directory = Path(b5.directory or tempfile.mkdtemp(prefix="hasten-b5-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -349,8 +352,8 @@ def run_b5(opts) -> Result:
         "startup and scoring not counted (startup_s: launch to the first step)",
         f"inf = +{100 * TARGET_GAIN:.0f} points not reached in {b5.minutes:g} min; "
         "every checkpoint of both sides scored by hasten's evaluator on one base-model session (weights loaded in place)",
-        "TRL's warmup starts at lr 0 (transformers' schedules); hasten's at lr/warmup_steps unless "
-        "train.warmup_from_zero=true",
+        "hasten runs with train.warmup_from_zero=true: its warmup starts at lr 0 as transformers' does, so both "
+        "sides use the same lr at every step; the two sides' samples come from different random streams",
     ]
     return result
 
