@@ -27,7 +27,7 @@ def test_bf16_matmul_is_f_linear_in_bf16_with_fp32_output():
     x, weight, bias = torch.randn(5, 64), torch.randn(32, 64), torch.randn(32)
     matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
     prepared = matmul.prepare(weight)
-    assert prepared.dtype == torch.bfloat16 and not matmul.packed
+    assert prepared.dtype == torch.bfloat16  # oneDNN-packed where torch can (matmul.packed), else plain
     out = matmul(x, prepared, bias)
     assert out.dtype == torch.float32
     expected = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
@@ -43,7 +43,6 @@ def test_bf16_weights_follow_updates_in_place_and_never_alias_the_model(model, t
     sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
     engine.ready_for(sampled)
     before = engine.layers[0].qkv
-    address = before.data_ptr()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.01)
@@ -51,17 +50,20 @@ def test_bf16_weights_follow_updates_in_place_and_never_alias_the_model(model, t
     engine.ready_for(sampled)
     layer = model.model.layers[0].self_attn
     expected = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]).bfloat16()
-    assert engine.layers[0].qkv.data_ptr() == address  # rewritten in place
-    assert torch.equal(engine.layers[0].qkv, expected)
-    assert torch.equal(engine.head, model.lm_head.weight.bfloat16())
+    assert engine.layers[0].qkv is before  # rewritten in place
+    x = torch.randn(3, expected.shape[1])
+    assert torch.equal(engine.linear(x, engine.layers[0].qkv), F.linear(x.bfloat16(), expected).float())
+    head = model.lm_head.weight.bfloat16()
+    assert torch.equal(engine.linear(x, engine.head), F.linear(x.bfloat16(), head).float())
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
     weight = bf16_model.model.layers[0].mlp.down_proj.weight
-    prepared = matmul.prepare(weight)
-    assert prepared.data_ptr() != weight.data_ptr()  # a copy even when the dtype already matches
     original = weight.detach().clone()
-    matmul.prepare(weight + 1, prepared)  # an overwrite lands in the engine's copy only
+    prepared = matmul.prepare(weight)
+    matmul.prepare(weight + 1, prepared)  # an overwrite lands in the engine's copy only, never the model
     assert torch.equal(weight, original)
+    x = torch.randn(3, weight.shape[1])
+    assert torch.equal(matmul(x, prepared), F.linear(x.bfloat16(), weight + 1).float())
 
 
 def test_greedy_calls_stay_fp32_and_identical(model, tokenizer):
