@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import statistics
+import time
 
 import pytest
 
@@ -57,6 +58,7 @@ def test_quick_b1_b2_b3_table_and_json_shape(capsys):
 
     hasten = rows_of(payload, "B1")["hasten"]
     assert hasten["unit"] == "s/step" and {"generate", "learn", "first_step", "reward_mean"} <= hasten.keys()
+    assert isinstance(hasten["page_faults"], int) and hasten["page_faults"] >= 0
     assert 0 <= hasten["reward_mean"] <= 1.25  # format 0.25 + correct 1.0
     assert payload["workloads"]["B1"]["settings"]["hasten"]["task"]["worked_example"] is False
 
@@ -156,6 +158,28 @@ def test_b1_against_trl(capsys):
     for label in ("trl gc=off", "trl gc=on"):
         assert rows[label]["baseline"] == "hasten"
         assert payload["workloads"]["B1"]["settings"][label]["num_generations"] == 4
+        assert rows[label]["page_faults"] >= 0  # read from the worker's /proc/PID/stat
+
+
+def test_minor_faults_counts_this_process_and_another():
+    import subprocess
+    import sys
+
+    from hasten.bench.machine import minor_faults
+
+    before = minor_faults()
+    buffer = b"x" * (64 << 20)  # 64 MiB written: fresh pages, each touched
+    assert minor_faults() - before >= 1000
+    del buffer
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b'x' * (32 << 20); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while minor_faults(child.pid) < 8000 and time.monotonic() < deadline:  # 32 MiB = 8192 pages
+            time.sleep(0.05)
+        assert minor_faults(child.pid) >= 8000
+    finally:
+        child.communicate("")
 
 
 @pytest.mark.parametrize("argv, message", [

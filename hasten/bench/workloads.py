@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .machine import minor_faults
 from .report import ModelSize, Result, Row, generation_flops, learning_flops, model_size
 
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "b1.yaml"
@@ -227,10 +228,17 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                     step += 1
                     opts.log(f"B1: round {round_index + 1}/{rounds}{label(level)}")
                     with Neighbours(level) as neighbours:
+                        faults = minor_faults()
                         records[level].append(grpo_step(session, learner, sampler, step))
+                        records[level][-1]["page_faults"] = minor_faults() - faults
                         for name in list(workers):
                             try:
-                                peer_steps[name, level].append(workers[name].step())
+                                faults = _worker_faults(workers[name])
+                                message = workers[name].step()
+                                if faults is not None:
+                                    after = _worker_faults(workers[name])
+                                    message["page_faults"] = None if after is None else after - faults
+                                peer_steps[name, level].append(message)
                             except PeerError as error:
                                 result.notes.append(str(error))
                                 workers.pop(name).close()
@@ -255,6 +263,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
                    for part in ("generate", "reward", "learn")},
                 "first_step": level_records[0]["time/step"],
+                "page_faults": int(statistics.median(r["page_faults"] for r in level_records[measured])),
                 "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
                 "completion_length": statistics.mean(r["completion_length"] for r in level_records),
                 **load,
@@ -271,6 +280,8 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                        for m in messages[measured]],
                 extra={
                     "first_step": messages[0]["seconds"],
+                    **({"page_faults": int(statistics.median(m["page_faults"] for m in messages[measured]))}
+                       if all(m.get("page_faults") is not None for m in messages) else {}),
                     "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
                     "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
                                                          for m in messages),
@@ -562,3 +573,11 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                                flops=[flops] * rounds))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
+
+
+def _worker_faults(worker) -> int | None:
+    """A peer process's minor page faults so far, or None where /proc cannot say (not Linux, gone)."""
+    try:
+        return minor_faults(worker.process.pid)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
