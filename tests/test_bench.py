@@ -128,6 +128,31 @@ def test_quick_b5_variant_trains_with_its_own_keys(capsys, tmp_path):
     assert settings["hasten"]["train"]["warmup_from_zero"] is True and settings["hasten lr"]["train"]["warmup_from_zero"]
 
 
+def test_b5_counts_the_checkpoints_a_run_writes():
+    from hasten.bench.b5 import B5Options, checkpoints_per_run
+
+    assert checkpoints_per_run(B5Options(minutes=8, mark_minutes=0), 30) == 30  # one per step
+    assert checkpoints_per_run(B5Options(minutes=8, mark_minutes=1), 30) == 9  # 8 marks and the last
+    assert checkpoints_per_run(B5Options(minutes=8, mark_minutes=1), 5) == 5  # never more than the steps
+
+
+def test_b5_refuses_a_disk_its_checkpoints_cannot_fit(capsys, monkeypatch, tmp_path):
+    import collections
+    import shutil
+
+    real = shutil.disk_usage
+    usage = collections.namedtuple("usage", "total used free")
+    # 32 MiB free: less than the fixed 64 MiB margin, whatever the tiny model's checkpoints weigh
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 32 << 20))
+    directory = tmp_path / "b5"
+    assert main(["--quick", "--workloads", "B5", "--peers", "none", "--b5-dir", str(directory),
+                 "--b5-keep-checkpoints"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and "--b5-dir" in err[-1] and "GiB are free" in err[-1]
+    assert not any(directory.iterdir())  # refused before any run trained or wrote a checkpoint
+    monkeypatch.setattr(shutil, "disk_usage", real)
+
+
 def test_variants_run_before_each_seeds_peer():
     from pathlib import Path
 

@@ -243,6 +243,31 @@ class Scorer:
 # ------------------------------------------------------------------ the workload
 
 
+def checkpoints_per_run(b5: B5Options, steps: int) -> int:
+    """The most checkpoints one run writes: one per mark passed (or per step with marks of 0) and the last."""
+    if b5.mark_minutes <= 0:
+        return steps
+    return min(steps, math.ceil(b5.minutes / b5.mark_minutes) + 1)
+
+
+def check_disk(b5: B5Options, directory: Path, steps: int, checkpoint_bytes: int, runs: int) -> None:
+    """Refuse before training when the checkpoints B5 will hold at once cannot fit in --b5-dir.
+
+    Weights are deleted once a run is scored, so one run's checkpoints are on disk at a time
+    (all runs' with --b5-keep-checkpoints). A full disk mid-run would kill a worker and lose the run.
+    """
+    from ..errors import UserError
+
+    count = checkpoints_per_run(b5, steps) * (runs if b5.keep_checkpoints else 1)
+    needed = int(count * checkpoint_bytes * 1.05) + (64 << 20)  # 5% + tokenizer/config files
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise UserError(
+            f"bench error: --b5-dir {directory}: B5 would hold up to {count} checkpoints of "
+            f"{checkpoint_bytes / 2**20:.0f} MiB ({needed / 2**30:.1f} GiB) there, but only {free / 2**30:.1f} GiB "
+            f"are free; raise --b5-mark-minutes, lower train.steps, or point --b5-dir at a larger disk")
+
+
 def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]:
     """Per seed: hasten (its config as is), hasten under each profile, then TRL: A B per seed."""
     plans = []
@@ -298,13 +323,23 @@ def run_b5(opts) -> Result:
     if base is None:  # B5 is time to accuracy: a task without a verdict per answer cannot be measured
         scorer.close()
         raise UserError(f"bench error: --b5-config {b5.config}: task '{cfg.task.name}' reports no held-out accuracy")
+    plans = add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds)
+    model = scorer.session.policy.model
+    try:  # the checkpoints are saved in fp32 whatever the run computes in
+        check_disk(b5, directory, cfg.train.steps, sum(4 * p.numel() for p in model.parameters()),
+                   len(plans))
+    except Exception:
+        scorer.close()
+        if b5.directory is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
     if "trl" not in opts.peers:
         result.notes.append("trl not measured (--peers, or the `trl` package does not import: pip install "
                             "'hasten[bench]')")
     curves: dict[str, dict[int, list[list[float]]]] = {}
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     try:
-        for plan in add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds):
+        for plan in plans:
             opts.log(f"B5: {plan.label} seed {plan.seed}: training")
             seeded = overrides + [("train.seed", plan.seed)] + plan.overrides
             try:
