@@ -26,6 +26,9 @@ one session of the base model, each checkpoint's weights loaded into it in
 place, so tokenizer, prompts and engine are the same for every score. The
 base model (step 0) is scored once and shared by every curve. Scoring is not
 timed. Weight files are deleted once scored (--b5-keep-checkpoints keeps them).
+Before anything trains, check_disk refuses (exit 2) a --b5-dir whose free
+space cannot hold the checkpoints held at once: a full disk mid-run kills a
+worker and loses its run.
 
 Reported per run (side, seed, profile): the curve (training minutes, step,
 accuracy), minutes to +20 points over the base accuracy (the first
