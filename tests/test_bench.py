@@ -140,7 +140,6 @@ def test_b5_refuses_a_disk_its_checkpoints_cannot_fit(capsys, monkeypatch, tmp_p
     import collections
     import shutil
 
-    real = shutil.disk_usage
     usage = collections.namedtuple("usage", "total used free")
     # 32 MiB free: less than the fixed 64 MiB margin, whatever the tiny model's checkpoints weigh
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 32 << 20))
@@ -150,7 +149,6 @@ def test_b5_refuses_a_disk_its_checkpoints_cannot_fit(capsys, monkeypatch, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 1 and "--b5-dir" in err[-1] and "GiB are free" in err[-1]
     assert not any(directory.iterdir())  # refused before any run trained or wrote a checkpoint
-    monkeypatch.setattr(shutil, "disk_usage", real)
 
 
 def test_variants_run_before_each_seeds_peer():

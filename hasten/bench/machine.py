@@ -47,7 +47,7 @@ def machine_figures() -> dict[str, Any]:
 def minor_faults(pid: int | None = None) -> int:
     """Minor page faults so far of this process (pid None) or of another one (/proc/PID/stat, field 10).
 
-    A fresh page cost ~15 us of system time on the 2026-11-23 VM, so a step whose
+    A fresh page cost 7-17 us of system time on the 2026-11-23 VM, so a step whose
     allocations outgrow the heap pays seconds (B1 rows print faults per step).
     """
     if pid is None:

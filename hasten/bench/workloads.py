@@ -233,11 +233,10 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         records[level][-1]["page_faults"] = minor_faults() - faults
                         for name in list(workers):
                             try:
-                                faults = _worker_faults(workers[name])
+                                before = _worker_faults(workers[name])
                                 message = workers[name].step()
-                                if faults is not None:
-                                    after = _worker_faults(workers[name])
-                                    message["page_faults"] = None if after is None else after - faults
+                                after = _worker_faults(workers[name])
+                                message["page_faults"] = None if None in (before, after) else after - before
                                 peer_steps[name, level].append(message)
                             except PeerError as error:
                                 result.notes.append(str(error))
