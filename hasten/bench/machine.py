@@ -44,17 +44,13 @@ def machine_figures() -> dict[str, Any]:
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
-def minor_faults(pid: int | None = None) -> int:
-    """Minor page faults so far of this process (pid None) or of another one (/proc/PID/stat, field 10).
+def minor_faults() -> int:
+    """Minor page faults of this process so far (each B1 side counts its own around a step).
 
     A fresh page cost 7-17 us of system time on the 2026-11-23 VM, so a step whose
     allocations outgrow the heap pays seconds (B1 rows print faults per step).
     """
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
-    return int(fields[7])  # field 10 overall: state is field 3, the first after the name
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def model_shapes(config) -> dict[str, tuple[int, int]]:

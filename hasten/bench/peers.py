@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .machine import minor_faults
+
 PREFIX = "@@hasten-bench "
 
 
@@ -251,11 +253,12 @@ def _trl_worker() -> None:
             _emit({"event": "ready", "step": state.global_step + 1})
             if sys.stdin.readline().strip() != "go":
                 os._exit(0)  # the parent is done with this worker
-            self.started = time.perf_counter()
+            self.started, self.faults = time.perf_counter(), minor_faults()
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.started
-            _emit({"event": "step", "step": state.global_step, "seconds": seconds, **rewards.take()})
+            _emit({"event": "step", "step": state.global_step, "seconds": seconds,
+                   "page_faults": minor_faults() - self.faults, **rewards.take()})
 
     output_dir = tempfile.mkdtemp(prefix="hasten-bench-trl-")
     try:

@@ -233,11 +233,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         records[level][-1]["page_faults"] = minor_faults() - faults
                         for name in list(workers):
                             try:
-                                before = _worker_faults(workers[name])
-                                message = workers[name].step()
-                                after = _worker_faults(workers[name])
-                                message["page_faults"] = None if None in (before, after) else after - before
-                                peer_steps[name, level].append(message)
+                                peer_steps[name, level].append(workers[name].step())
                             except PeerError as error:
                                 result.notes.append(str(error))
                                 workers.pop(name).close()
@@ -279,8 +275,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                        for m in messages[measured]],
                 extra={
                     "first_step": messages[0]["seconds"],
-                    **({"page_faults": int(statistics.median(m["page_faults"] for m in messages[measured]))}
-                       if all(m.get("page_faults") is not None for m in messages) else {}),
+                    "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
                     "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
                     "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
                                                          for m in messages),
@@ -573,10 +568,3 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
 
-
-def _worker_faults(worker) -> int | None:
-    """A peer process's minor page faults so far, or None where /proc cannot say (not Linux, gone)."""
-    try:
-        return minor_faults(worker.process.pid)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
