@@ -78,6 +78,14 @@ def test_run_directory_is_complete(data):
         assert key in records[0], key
     evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 1, 2]
+    # Peak memory so far, per step: never falling, and at least the process's resident set when read.
+    peaks = [r["memory/peak_mib"] for r in records]
+    assert peaks == sorted(peaks), peaks
+    resident_mib = int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+    assert resident_mib * 0.5 < peaks[-1], (peaks, resident_mib)  # in MiB, not KiB or bytes
+    import resource
+
+    assert peaks[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peaks  # the run's own, so far
 
 
 @pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "dapo", "gspo"])

@@ -37,7 +37,7 @@ import torch
 from ..algo import group_advantages, zero_variance_fraction
 from ..algo.advantages import nanstd
 from ..config import Config, ConfigError
-from ..device import configure_device, resolve_device
+from ..device import configure_device, peak_memory_mib, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
 from ..rewards.batch import ScoredBatch, reward_inputs
@@ -366,6 +366,9 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         "time/learn": finished - scored,
         "time/step": finished - started,
         "tokens_per_second": tokens / (finished - started),
+        # The process's peak RSS on a CPU (peak allocated memory on a GPU) so far: a run whose memory
+        # keeps growing shows it here, step by step, before the machine runs out (docs/speedups.md).
+        "memory/peak_mib": peak_memory_mib(next(session.policy.model.parameters()).device),
         **(phase_threads if threads.enabled else {}),  # speed.adaptive_threads' choice per phase
     }
     return record
