@@ -47,7 +47,7 @@ def letters(prompts, completions, **kwargs):
     return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
 '''
 
-VOLATILE = ("time/", "tokens_per_second", "seconds", "games_per_second")
+VOLATILE = ("time/", "memory/", "tokens_per_second", "seconds", "games_per_second")
 
 
 @pytest.fixture
