@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from pathlib import Path
 
 import pytest
@@ -78,14 +79,12 @@ def test_run_directory_is_complete(data):
         assert key in records[0], key
     evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 1, 2]
-    # Peak memory so far, per step: never falling, and at least the process's resident set when read.
+    # Peak memory so far, per step: never falling, in MiB (not KiB or bytes), and this process's own peak.
     peaks = [r["memory/peak_mib"] for r in records]
     assert peaks == sorted(peaks), peaks
-    resident_mib = int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
-    assert resident_mib * 0.5 < peaks[-1], (peaks, resident_mib)  # in MiB, not KiB or bytes
-    import resource
-
-    assert peaks[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peaks  # the run's own, so far
+    resident_mib = int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+    assert resident_mib * 0.5 < peaks[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, (
+        peaks, resident_mib)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "dapo", "gspo"])

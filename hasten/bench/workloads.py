@@ -567,4 +567,3 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                                flops=[flops] * rounds))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
-
