@@ -192,8 +192,11 @@ def _b5_options(args) -> Any:
                      Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print the table (unless --json-only) and the JSON line. Returns the exit code."""
+def main(argv: list[str] | None = None, process: bool = False) -> int:
+    """Run the benchmark; print the table (unless --json-only) and the JSON line. Returns the exit code.
+
+    process: this is the `hasten bench` command's own process, which may re-execute itself on the
+    allocator the B1 config's speed.allocator asks for (speed/allocator.py); hasten's side runs here."""
     if argv and "--ablate" in argv:  # a different measurement with its own options (ablate.py)
         from .ablate import main as ablate_main
 
@@ -208,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_request.code or 0)
     try:
         opts = _options(args)
+        if process:
+            from ..config import load_config
+            from ..speed.allocator import ensure
+
+            ensure(load_config(opts.config, []).speed.allocator, ["bench", *(argv or [])])
         results, header, peak = run(opts)
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)
@@ -225,6 +233,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
     import torch
     import transformers
 
+    from ..speed.allocator import loaded as loaded_allocator
     from .machine import matmul_at_shapes
     from .report import matmul_peak
     from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
@@ -278,7 +287,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
         "peers": opts.peers, "peers_missing": peers_missing, "contention": opts.contention,
         "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
-        **machine_figures(),
+        **machine_figures(), "allocator": loaded_allocator(),
         "matmul_gflops_at_model_shapes": matmul_at_shapes(config, opts.quick),
     }
     return results, header, max(peak_start, peak_end)

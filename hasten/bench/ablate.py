@@ -8,7 +8,8 @@ profiles. Each variant is `balanced` plus that one key set to its baseline
 value, trained for N steps on the B1 workload in a fresh process (as
 `hasten compare` does, so process-wide switches such as
 speed.keep_freed_memory cannot leak between variants). A key that does
-nothing on this machine (tf32 without CUDA) is listed, not run.
+nothing on this machine (tf32 without CUDA, speed.allocator without
+tcmalloc installed) is listed, not run.
 
 The ratio column is variant seconds / balanced seconds, paired by round: how
 much slower the step gets without that feature, i.e. its own contribution
@@ -37,7 +38,10 @@ def features(cuda: bool) -> tuple[dict[str, object], list[str]]:
 
     balanced, baseline = resolve("balanced", Config()), resolve("baseline", Config())
     differing = {key: baseline[key] for key in balanced if key in baseline and balanced[key] != baseline[key]}
-    inert = [key for key in differing if key in CUDA_ONLY and not cuda]
+    from ..speed.allocator import find_tcmalloc
+
+    inert = [key for key in differing if (key in CUDA_ONLY and not cuda)
+             or (key == "speed.allocator" and find_tcmalloc() is None)]  # auto is glibc without tcmalloc
     return {key: value for key, value in differing.items() if key not in inert}, inert
 
 

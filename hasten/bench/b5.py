@@ -196,13 +196,15 @@ def trl_worker(spec: dict[str, Any]) -> None:
 
 def run_worker(side: str, spec: dict[str, Any], directory: Path) -> dict[str, Any]:
     """Run one side's worker to the end; its run.json. Its output goes to directory/log.txt."""
+    from ..speed.allocator import resolve as resolve_allocator
     from .peers import PeerError, peer_env
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "run.json").unlink(missing_ok=True)  # a reused --b5-dir: an old record must not pass for this run
     with open(directory / "log.txt", "w") as log:
         process = subprocess.run([sys.executable, "-m", "hasten.bench.b5", side], input=json.dumps(spec),
-                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=peer_env())
+                                 stdout=log, stderr=subprocess.STDOUT, text=True,
+                                 env=peer_env("glibc" if side == "trl" else resolve_allocator("auto")))
     record = directory / "run.json"
     if process.returncode != 0 or not record.is_file():
         tail = [line for line in (directory / "log.txt").read_text().splitlines() if line.strip()][-2:]

@@ -45,6 +45,7 @@ from ..rewards.runner import RewardScores
 from ..rollout import Engine, KVCacheEngine, RowRange, SamplingParams
 from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
+from ..speed.allocator import check_in_process as check_allocator, loaded as loaded_allocator
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
 from ..speed.threads import ThreadGovernor
@@ -105,6 +106,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     configure_device(device)
     check_trackers(cfg)
     configure_threads(cfg.train.num_threads)
+    check_allocator(cfg.speed.allocator)  # tcmalloc / glibc asked for and not this process's: an error
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     random.seed(cfg.train.seed)
@@ -471,7 +473,7 @@ class GRPOJob:
             self.pipeline.load_state_dict(state.get("pipeline", {}), self.session.policy.tokenizer, Collected)
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        return {"allocator": loaded_allocator()}
 
     def close(self) -> None:
         try:
