@@ -39,7 +39,9 @@ def test_environment_adds_and_strips_only_tcmalloc(monkeypatch):
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     base = {"PATH": "/bin", "LD_PRELOAD": "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"}
     assert allocator.environment("glibc", base)["LD_PRELOAD"] == "/opt/libfoo.so"
-    assert allocator.environment("tcmalloc", base)["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libfoo.so"
+    on_tcmalloc = allocator.environment("tcmalloc", base)
+    assert on_tcmalloc["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libfoo.so"
+    assert int(on_tcmalloc["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40  # no stack trace per 1 GB tensor
     assert "LD_PRELOAD" not in allocator.environment("glibc", {"LD_PRELOAD": "libtcmalloc.so.4"})
     assert base["LD_PRELOAD"] == "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"  # a copy, not in place
 
