@@ -59,6 +59,8 @@ def test_quick_b1_b2_b3_table_and_json_shape(capsys):
     hasten = rows_of(payload, "B1")["hasten"]
     assert hasten["unit"] == "s/step" and {"generate", "learn", "first_step", "reward_mean"} <= hasten.keys()
     assert isinstance(hasten["page_faults"], int) and hasten["page_faults"] >= 0
+    # hasten's side runs in the bench process: its peak so far, at most the process's peak at the end
+    assert 0 < hasten["peak_rss_mib"] <= payload["peak_rss_mib"] + 1
     assert 0 <= hasten["reward_mean"] <= 1.25  # format 0.25 + correct 1.0
     assert payload["workloads"]["B1"]["settings"]["hasten"]["task"]["worked_example"] is False
 
@@ -182,6 +184,7 @@ def test_b1_against_trl(capsys):
         assert rows[label]["baseline"] == "hasten"
         assert payload["workloads"]["B1"]["settings"][label]["num_generations"] == 4
         assert rows[label]["page_faults"] >= 0  # read from the worker's /proc/PID/stat
+        assert rows[label]["peak_rss_mib"] > 100  # the TRL worker's own peak: it holds the model
 
 
 def test_minor_faults_counts_this_process():

@@ -41,7 +41,12 @@ def machine_figures() -> dict[str, Any]:
             "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default (best the CPU has)"),
             "mkldnn": torch.backends.mkldnn.is_available(),
             "omp_env": {name: os.environ.get(name) for name in WAIT_VARIABLES if os.environ.get(name) is not None},
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (each B1 side reports its own after each step)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def minor_faults() -> int:

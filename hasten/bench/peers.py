@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .machine import minor_faults
+from .machine import minor_faults, peak_rss_mib
 
 PREFIX = "@@hasten-bench "
 
@@ -261,7 +261,7 @@ def _trl_worker() -> None:
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.started
             _emit({"event": "step", "step": state.global_step, "seconds": seconds,
-                   "page_faults": minor_faults() - self.faults, **rewards.take()})
+                   "page_faults": minor_faults() - self.faults, "peak_rss_mib": peak_rss_mib(), **rewards.take()})
 
     output_dir = tempfile.mkdtemp(prefix="hasten-bench-trl-")
     try:

@@ -259,6 +259,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                    for part in ("generate", "reward", "learn")},
                 "first_step": level_records[0]["time/step"],
                 "page_faults": int(statistics.median(r["page_faults"] for r in level_records[measured])),
+                "peak_rss_mib": round(level_records[-1]["memory/peak_mib"]),  # the bench process, so far
                 "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
                 "completion_length": statistics.mean(r["completion_length"] for r in level_records),
                 **load,
@@ -276,6 +277,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 extra={
                     "first_step": messages[0]["seconds"],
                     "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
+                    "peak_rss_mib": round(messages[-1]["peak_rss_mib"]),  # that TRL process, so far
                     "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
                     "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
                                                          for m in messages),
