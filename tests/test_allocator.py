@@ -35,6 +35,13 @@ def test_resolve_auto_and_missing_library(monkeypatch):
     assert allocator.resolve("auto") == "tcmalloc"
 
 
+def test_not_linux_means_no_tcmalloc(monkeypatch):
+    """No LD_PRELOAD switch off Linux: auto keeps the system malloc instead of re-executing in vain."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert allocator.find_tcmalloc() is None
+    assert allocator.resolve("auto") == "glibc"
+
+
 def test_environment_adds_and_strips_only_tcmalloc(monkeypatch):
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     base = {"PATH": "/bin", "LD_PRELOAD": "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"}

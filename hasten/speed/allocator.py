@@ -42,7 +42,12 @@ INSTALL_HINT = "install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) or 
 
 
 def find_tcmalloc() -> str | None:
-    """The tcmalloc shared library's name as the loader finds it (ldconfig's cache), or None."""
+    """The tcmalloc shared library's name as the loader finds it (ldconfig's cache), or None.
+
+    Linux only: the switch is LD_PRELOAD, and loaded() reads /proc/self/maps (macOS's
+    DYLD_INSERT_LIBRARIES is not supported, so `auto` stays on the system malloc there)."""
+    if not sys.platform.startswith("linux"):
+        return None
     return ctypes.util.find_library(LIBRARY)
 
 
