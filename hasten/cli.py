@@ -106,17 +106,17 @@ def _resume_config(args, extra):
     return resume_config(args.resume, given + (["--reward"] if args.reward else []), parse_overrides(extra))
 
 
-# The command line this process was started with (main() called with no argv): `hasten train` may
-# re-execute it on another allocator (speed/allocator.py). None when main() is called from Python.
-_PROCESS_ARGV: list[str] | None = None
+# main() was called with no argv: this is the `hasten` process itself, which `hasten train` and
+# `hasten bench` may re-execute on another allocator (speed/allocator.py). False when called from Python.
+_PROCESS_ENTRY = False
 
 
 def _cmd_train(args, extra) -> int:
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
-    if _PROCESS_ARGV is not None:  # before torch is imported: may re-execute this process (never returns)
+    if _PROCESS_ENTRY:  # before torch is imported: may re-execute this process (never returns)
         from .speed.allocator import ensure
 
-        ensure(cfg.speed.allocator, _PROCESS_ARGV)
+        ensure(cfg.speed.allocator)
     from .train.trainer import train
 
     summary = train(cfg, log=lambda text: print(text, file=sys.stderr), resume=args.resume)
@@ -209,13 +209,13 @@ COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _PROCESS_ARGV
-    if argv is None:
-        argv = _PROCESS_ARGV = sys.argv[1:]
+    global _PROCESS_ENTRY
+    _PROCESS_ENTRY = argv is None
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the bench has its own parser; pass everything through
         from .bench import main as bench_main
 
-        return bench_main(argv[1:], process=_PROCESS_ARGV is not None)
+        return bench_main(argv[1:], process=_PROCESS_ENTRY)
     if argv[:1] in (["rft"], ["sft"]):  # hasten/rft/cli.py parses these
         from .rft.cli import main as rft_main
 

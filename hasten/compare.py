@@ -110,7 +110,12 @@ def run_child(spec: RunSpec, round_index: int, workdir: Path, log: Callable[[str
                                   ["output.progress", "off"], ["output.plot", False]]
     payload = json.dumps({"config": spec.config, "profile": spec.profile, "overrides": overrides})
     root = str(Path(__file__).resolve().parents[1])  # the child imports this same hasten, installed or not
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+    # Each run starts on the malloc its own config asks for (speed.allocator: baseline glibc, the others auto).
+    from .config import load_config
+    from .speed.allocator import environment as allocator_environment, resolve as resolve_allocator
+
+    wanted = resolve_allocator(load_config(spec.config, typed(spec.overrides), profile=spec.profile).speed.allocator)
+    env = dict(allocator_environment(wanted), PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     started = time.perf_counter()
     process = subprocess.run([sys.executable, "-c", CHILD, payload], capture_output=True, text=True, env=env)

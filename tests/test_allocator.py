@@ -47,19 +47,35 @@ def test_environment_adds_and_strips_only_tcmalloc(monkeypatch):
     base = {"PATH": "/bin", "LD_PRELOAD": "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"}
     assert allocator.environment("glibc", base)["LD_PRELOAD"] == "/opt/libfoo.so"
     on_tcmalloc = allocator.environment("tcmalloc", base)
-    assert on_tcmalloc["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libfoo.so"
+    assert on_tcmalloc["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4 /opt/libfoo.so"  # the user's, first
+    assert allocator.environment("tcmalloc", {"LD_PRELOAD": "/opt/libfoo.so"})["LD_PRELOAD"] == \
+        "libtcmalloc_minimal.so.4 /opt/libfoo.so"
     assert int(on_tcmalloc["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40  # no stack trace per 1 GB tensor
     assert "LD_PRELOAD" not in allocator.environment("glibc", {"LD_PRELOAD": "libtcmalloc.so.4"})
     assert base["LD_PRELOAD"] == "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"  # a copy, not in place
 
 
 def test_in_process_cannot_switch(monkeypatch):
-    """The Python API cannot re-execute: auto reports what runs, a named other allocator is an error."""
+    """The Python API cannot re-execute: it reports what runs, and says so in one line where that is not
+    what was asked (speed and memory differ, results do not)."""
     monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
-    assert allocator.check_in_process("auto") == "glibc"
-    assert allocator.check_in_process("glibc") == "glibc"
-    with pytest.raises(ConfigError, match="runs on glibc and cannot switch.*LD_PRELOAD=libtcmalloc_minimal"):
-        allocator.check_in_process("tcmalloc")
+    lines = []
+    assert allocator.check_in_process("auto", lines.append) == "glibc"
+    assert allocator.check_in_process("glibc", lines.append) == "glibc"
+    assert lines == []
+    assert allocator.check_in_process("tcmalloc", lines.append) == "glibc"
+    assert len(lines) == 1 and "speed.allocator=tcmalloc: this process runs on glibc and cannot switch" in lines[0]
+    with pytest.raises(ConfigError, match="speed.allocator='jemalloc'"):
+        allocator.check_in_process("jemalloc", lines.append)
+
+
+def test_a_preloaded_tcmalloc_counts_even_where_ldconfig_does_not_know_it(monkeypatch):
+    """A tcmalloc the user preloaded by path (conda, a build of their own) is used, never stripped."""
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/conda/lib/libtcmalloc.so.4")
+    assert allocator.find_tcmalloc() == "/opt/conda/lib/libtcmalloc.so.4"
+    assert allocator.resolve("auto") == "tcmalloc"
+    assert allocator.environment("tcmalloc")["LD_PRELOAD"] == "/opt/conda/lib/libtcmalloc.so.4"
 
 
 def test_no_second_reexec(monkeypatch):
@@ -67,9 +83,62 @@ def test_no_second_reexec(monkeypatch):
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
     monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("re-executed a second time"))
-    monkeypatch.setenv(allocator.MARKER, "tcmalloc")
-    with pytest.raises(ConfigError, match="did not give this process tcmalloc"):
-        allocator.ensure("auto", ["train"])
+    monkeypatch.setenv(allocator.MARKER, f"tcmalloc:{os.getpid()}")  # this very process, re-executed
+    with pytest.raises(ConfigError, match="still runs on glibc; set speed.allocator=glibc"):
+        allocator.ensure("auto")
+
+
+def test_the_marker_is_never_passed_on(monkeypatch):
+    """A re-executed `hasten bench` or `hasten train` starts workers and `hasten train` children; they must
+    not take the parent's re-execution for their own (that made B4's child exit 2)."""
+    monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
+    monkeypatch.setenv(allocator.MARKER, "glibc")
+    assert allocator.ensure("glibc") == "glibc"
+    assert allocator.MARKER not in os.environ  # what this process starts next inherits no marker
+    assert allocator.MARKER not in allocator.environment("glibc", {allocator.MARKER: "tcmalloc"})
+
+
+def test_ensure_reexecutes_the_original_command_line(monkeypatch):
+    """sys.orig_argv: interpreter flags (torchrun's -u) and the console script or -m form are kept."""
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "-u", "-m", "hasten.cli", "train", "--steps", "2"])
+    monkeypatch.delenv(allocator.MARKER, raising=False)
+    calls = []
+
+    def fake_execve(path, args, env):
+        calls.append((path, args, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execve", fake_execve)
+    with pytest.raises(SystemExit):
+        allocator.ensure("auto")
+    (path, args, env), = calls
+    assert path == sys.executable and args == [sys.executable, "-u", "-m", "hasten.cli", "train", "--steps", "2"]
+    assert env["LD_PRELOAD"].startswith("libtcmalloc_minimal.so.4") and env[allocator.MARKER] == f"tcmalloc:{os.getpid()}"
+
+
+def test_compare_starts_each_run_on_its_profiles_allocator(monkeypatch, tmp_path):
+    """`hasten compare` and `bench --ablate` runs cannot switch in their own process: the parent starts each
+    on the malloc its config asks for (baseline glibc, the others auto)."""
+    from hasten import compare
+
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4")
+    monkeypatch.setenv(allocator.MARKER, "tcmalloc")  # as in a re-executed parent that never popped it
+    seen = {}
+
+    def fake_run(command, env, **kwargs):
+        seen[json.loads(command[-1])["profile"]] = env
+        return subprocess.CompletedProcess(command, 1, "", "stopped by the test")
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    for profile in ("baseline", "conservative"):
+        with pytest.raises(compare.CompareError):
+            compare.run_child(compare.RunSpec(profile, None, profile), 0, tmp_path, lambda text: None)
+    assert "libtcmalloc" not in seen["baseline"].get("LD_PRELOAD", "")
+    assert seen["conservative"]["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
+    assert allocator.MARKER not in seen["baseline"] and allocator.MARKER not in seen["conservative"]
 
 
 def test_bad_value_exits_2(tmp_path, capsys):
@@ -81,11 +150,16 @@ def test_bad_value_exits_2(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def _train(tmp_path: Path, name: str, setting: str, env: dict[str, str]) -> tuple[dict, list[dict]]:
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _train(tmp_path: Path, name: str, setting: str, env: dict[str, str], *extra: str) -> tuple[dict, list[dict]]:
+    env = {**env, "PYTHONPATH": ROOT}  # this checkout's hasten, installed or not
     process = subprocess.run(
         [sys.executable, "-m", "hasten.cli", "train", "--model", "tiny", "--steps", "3", f"--speed.allocator={setting}",
+         "--train.num_threads=1",  # one thread: neighbours cannot change the reduction order between the runs
          f"--output.dir={tmp_path}", f"--output.name={name}", "--output.progress=off", "--output.plot=false",
-         "--eval.num_examples=8"],
+         "--eval.num_examples=8", *extra],
         env=env, capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-2000:]
     run = tmp_path / name
@@ -106,3 +180,12 @@ def test_cli_reexecutes_and_results_do_not_change(tmp_path):
     assert len(metrics_tcmalloc) == len(metrics_glibc) == 3
     assert metrics_tcmalloc == metrics_glibc
     assert on_tcmalloc["eval_after"]["accuracy"] == on_glibc["eval_after"]["accuracy"]
+
+
+@needs_tcmalloc
+def test_a_child_of_a_reexecuted_process_trains(tmp_path):
+    """`hasten train` started from a process that was itself re-executed (its environment as B4's and
+    compare's children get it) re-executes on its own and trains."""
+    inherited = {**allocator.environment("glibc"), allocator.MARKER: "tcmalloc:1"}  # a parent's marker, leaked
+    summary, metrics = _train(tmp_path, "c", "auto", inherited)
+    assert summary["allocator"] == "tcmalloc" and len(metrics) == 3

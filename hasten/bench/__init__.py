@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
             from ..config import load_config
             from ..speed.allocator import ensure
 
-            ensure(load_config(opts.config, []).speed.allocator, ["bench", *(argv or [])])
+            ensure(load_config(opts.config, []).speed.allocator)
         results, header, peak = run(opts)
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)

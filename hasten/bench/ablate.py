@@ -29,6 +29,7 @@ from ..compare import RunSpec, format_table, run_all, summarize
 from ..errors import UserError
 
 CUDA_ONLY = {"speed.tf32", "speed.precision", "speed.compile"}  # inert or harmful on this CPU; see docs/speedups.md
+INERT_WHY = {"speed.allocator": "tcmalloc is not installed: auto is glibc"}
 
 
 def features(cuda: bool) -> tuple[dict[str, object], list[str]]:
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
         row["slowdown"] = 1 / row.pop("speedup")
     notes = {f"-{key.split('.', 1)[1]}": f"{key}={value!r} (its baseline value)" for key, value in switched.items()}
     payload = {"reference": "balanced", "steps": args.steps, "rounds": args.rounds, "model": args.model,
-               "config": config, "not_run": {key: "CUDA only" for key in inert}, "cpus": os.cpu_count(),
+               "config": config, "not_run": {key: INERT_WHY.get(key, "CUDA only") for key in inert}, "cpus": os.cpu_count(),
                "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
                "rows": rows}
     if not args.json_only:
@@ -96,6 +97,6 @@ def main(argv: list[str]) -> int:
                            footer="slowdown: median over rounds of this row's step seconds / balanced's "
                                   "(above 1 = the feature helps here)"))
         if inert:
-            print(f"not run here (CUDA only): {', '.join(inert)}")
+            print("not run here: " + ", ".join(f"{key} ({INERT_WHY.get(key, 'CUDA only')})" for key in inert))
     print(json.dumps(payload), flush=True)
     return 0

@@ -194,9 +194,9 @@ def trl_worker(spec: dict[str, Any]) -> None:
     marks.clock.write(startup_seconds=startup, settings={"model": spec["model_dir"], **spec["config"]})
 
 
-def run_worker(side: str, spec: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """Run one side's worker to the end; its run.json. Its output goes to directory/log.txt."""
-    from ..speed.allocator import resolve as resolve_allocator
+def run_worker(side: str, spec: dict[str, Any], directory: Path, allocator: str = "glibc") -> dict[str, Any]:
+    """Run one side's worker to the end, on `allocator` (tcmalloc | glibc); its run.json. Its output goes to
+    directory/log.txt."""
     from .peers import PeerError, peer_env
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def run_worker(side: str, spec: dict[str, Any], directory: Path) -> dict[str, An
     with open(directory / "log.txt", "w") as log:
         process = subprocess.run([sys.executable, "-m", "hasten.bench.b5", side], input=json.dumps(spec),
                                  stdout=log, stderr=subprocess.STDOUT, text=True,
-                                 env=peer_env("glibc" if side == "trl" else resolve_allocator("auto")))
+                                 env=peer_env(allocator))
     record = directory / "run.json"
     if process.returncode != 0 or not record.is_file():
         tail = [line for line in (directory / "log.txt").read_text().splitlines() if line.strip()][-2:]
@@ -305,6 +305,8 @@ def minutes_to_target(curve: list[list[float]], target: float) -> float:
 def run_b5(opts) -> Result:
     from ..config import load_config
     from ..errors import UserError
+    from ..compare import typed
+    from ..speed.allocator import resolve as resolve_allocator
     from ..tasks import make_task
     from ..tasks.sampler import PromptSampler
     from ..train.trainer import build_rewards
@@ -348,9 +350,12 @@ def run_b5(opts) -> Result:
             opts.log(f"B5: {plan.label} seed {plan.seed}: training")
             seeded = overrides + [("train.seed", plan.seed)] + plan.overrides
             try:
+                allocator = "glibc"  # TRL's documented setup
                 if plan.side == "hasten":
                     spec = {"config": str(b5.config), "overrides": [list(pair) for pair in seeded],
                             "profile": plan.profile}
+                    run_cfg = load_config(b5.config, typed(seeded), profile=plan.profile)  # variants' keys are text
+                    allocator = resolve_allocator(run_cfg.speed.allocator)
                 else:
                     run_cfg = load_config(b5.config, seeded)
                     task = make_task(run_cfg.task, run_cfg)
@@ -360,7 +365,7 @@ def run_b5(opts) -> Result:
                                     peer_model_dir(run_cfg.model.name, directory), False, run_cfg.train.steps,
                                     opts.trl_bf16)
                 spec.update(minutes=b5.minutes, mark_minutes=b5.mark_minutes, directory=str(plan.directory))
-                record = run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory)
+                record = run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory, allocator)
             except PeerError as error:
                 result.notes.append(str(error))
                 continue

@@ -15,12 +15,14 @@ freed memory in size classes, so those sizes find their pages again:
 flat at 6732 MiB against glibc's 7375 (docs/speedups.md has the table).
 
 How: an allocator is chosen when the process starts (LD_PRELOAD), so the
-`hasten train` and `hasten bench` commands re-execute themselves once, with
-LD_PRELOAD naming libtcmalloc_minimal, before they import torch. Code that
-calls hasten from Python (the API, tests) cannot switch: there `auto` means
-"whatever this process runs on", and asking for tcmalloc where it is not
-loaded is an error that says how to launch. What ran is reported
-(`allocator` in the run's summary, the bench's machine line).
+`hasten train` and `hasten bench` commands re-execute themselves once (their
+own command line, sys.orig_argv), with LD_PRELOAD naming libtcmalloc_minimal,
+before they import torch; `hasten compare`, `bench --ablate` and B5 start
+each run's process with the LD_PRELOAD its config asks for. Code that calls
+hasten from Python (the API, tests, `hasten eval`) cannot switch: there
+`auto` means "whatever this process runs on", and a named allocator it does
+not run on gets one line saying so. What ran is reported (`allocator` in the
+run's summary, the bench's header).
 
 Results do not change: an allocator places memory, it does not compute.
 tests/test_allocator.py trains the same steps both ways and compares.
@@ -31,24 +33,31 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import ConfigError
 
 CHOICES = ("auto", "tcmalloc", "glibc")
 LIBRARY = "tcmalloc_minimal"  # Debian/Ubuntu: apt install libtcmalloc-minimal4; Fedora: gperftools-libs
-MARKER = "HASTEN_ALLOCATOR_REEXEC"  # set on the re-executed process: never re-execute twice
+MARKER = "HASTEN_ALLOCATOR_REEXEC"  # "allocator:pid" on the re-executed process (same pid): never twice
 INSTALL_HINT = "install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) or set speed.allocator=glibc"
 
 
+def _preloaded_tcmalloc(env: dict[str, str] | None = None) -> str | None:
+    """A tcmalloc already named in LD_PRELOAD (a user's, conda's: often a path ldconfig does not know)."""
+    value = (os.environ if env is None else env).get("LD_PRELOAD", "")
+    return next((part for part in value.replace(":", " ").split() if "libtcmalloc" in part), None)
+
+
 def find_tcmalloc() -> str | None:
-    """The tcmalloc shared library's name as the loader finds it (ldconfig's cache), or None.
+    """The tcmalloc library to preload: one LD_PRELOAD already names, else the loader's (ldconfig), else None.
 
     Linux only: the switch is LD_PRELOAD, and loaded() reads /proc/self/maps (macOS's
     DYLD_INSERT_LIBRARIES is not supported, so `auto` stays on the system malloc there)."""
     if not sys.platform.startswith("linux"):
         return None
-    return ctypes.util.find_library(LIBRARY)
+    return _preloaded_tcmalloc() or ctypes.util.find_library(LIBRARY)
 
 
 def loaded() -> str:
@@ -67,34 +76,35 @@ def resolve(setting: str) -> str:
     if setting == "auto":
         return "tcmalloc" if find_tcmalloc() else "glibc"
     if setting == "tcmalloc" and not find_tcmalloc():
-        raise ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {INSTALL_HINT}")
+        where = INSTALL_HINT if sys.platform.startswith("linux") else "it is switched by LD_PRELOAD, on Linux only"
+        raise ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {where}")
     return setting
 
 
-def check_in_process(setting: str) -> str:
-    """For a process that cannot re-execute (the Python API, tests): the allocator it runs on, or an
-    error where `setting` names one it does not run on."""
+def check_in_process(setting: str, log: Callable[[str], None] = print) -> str:
+    """For a process that cannot re-execute (the Python API, `hasten eval`, a compare or bench worker): the
+    allocator it runs on. Where `setting` names another, one line says so: speed and memory differ from
+    what was asked, results do not (an allocator places memory, it does not compute)."""
     if setting not in CHOICES:
         raise ConfigError(f"speed.allocator={setting!r}: expected one of {', '.join(CHOICES)}")
     current = loaded()
     if setting != "auto" and setting != current:
-        raise ConfigError(f"speed.allocator={setting}: this process runs on {current} and cannot switch; "
-                          f"launch it with the `hasten` command, or start python with "
-                          + (f"LD_PRELOAD=lib{LIBRARY}.so.4" if setting == "tcmalloc" else "LD_PRELOAD unset")
-                          + ", or set speed.allocator=auto")
+        how = (f"LD_PRELOAD={find_tcmalloc() or f'lib{LIBRARY}.so.4'}" if setting == "tcmalloc"
+               else "LD_PRELOAD without libtcmalloc")
+        log(f"speed.allocator={setting}: this process runs on {current} and cannot switch (an allocator is "
+            f"chosen at start: the `hasten train` command re-executes itself, Python needs {how})")
     return current
 
 
-def _preload_without_tcmalloc(value: str) -> str:
-    return " ".join(part for part in value.replace(":", " ").split() if "libtcmalloc" not in part)
-
-
 def environment(wanted: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """A copy of `env` (default os.environ) whose LD_PRELOAD gives `wanted` to a new process."""
+    """A copy of `env` (default os.environ) whose LD_PRELOAD gives `wanted` to a new process (and without
+    the re-execution marker: a child's own `ensure` must not take its parent's re-execution for its own)."""
     env = dict(os.environ if env is None else env)
-    rest = _preload_without_tcmalloc(env.get("LD_PRELOAD", ""))
+    env.pop(MARKER, None)
+    preload = env.get("LD_PRELOAD", "").replace(":", " ").split()
+    rest = " ".join(part for part in preload if "libtcmalloc" not in part)
     if wanted == "tcmalloc":
-        library = find_tcmalloc()
+        library = _preloaded_tcmalloc(env) or find_tcmalloc()
         if library is None:
             raise ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {INSTALL_HINT}")
         rest = f"{library} {rest}".strip()
@@ -108,19 +118,23 @@ def environment(wanted: str, env: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
-def ensure(setting: str, argv: list[str]) -> str:
-    """Make this CLI process run on the allocator `setting` asks for: return it when it already does,
-    else re-execute `python -m hasten.cli *argv` with LD_PRELOAD set (never returns)."""
+def ensure(setting: str) -> str:
+    """Make this CLI process run on the allocator `setting` asks for: return it when it already does, else
+    re-execute the process's own command line (sys.orig_argv: interpreter flags, console script or -m)
+    with LD_PRELOAD set; that never returns."""
+    # exec keeps the pid: the marker is ours only if it names this pid (a leaked one names a parent's)
+    reexecuted = os.environ.pop(MARKER, "").rpartition(":")[2] == str(os.getpid())
     wanted = resolve(setting)
     current = loaded()
     if wanted == current:
         return current
-    if os.environ.get(MARKER):  # re-executed already and still not on it: the preload failed
-        raise ConfigError(f"speed.allocator={setting}: LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r} "
-                          f"did not give this process {wanted}; set speed.allocator=glibc")
+    if reexecuted:  # re-executed already and still not on it
+        advice = "set speed.allocator=glibc" if wanted == "tcmalloc" else f"is tcmalloc linked into {sys.executable}?"
+        raise ConfigError(f"speed.allocator={setting}: re-executed with LD_PRELOAD="
+                          f"{os.environ.get('LD_PRELOAD', '')!r}, this process still runs on {current}; {advice}")
     env = environment(wanted)
-    env[MARKER] = wanted
+    env[MARKER] = f"{wanted}:{os.getpid()}"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "hasten.cli", *argv], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     raise AssertionError("unreachable")  # pragma: no cover

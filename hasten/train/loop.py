@@ -167,7 +167,8 @@ def find_checkpoint(path: str | Path) -> tuple[RunDir, Path]:
     return run_dir, checkpoint
 
 
-RESUME_OVERRIDES = ("output.progress", "output.plot")  # how a resumed run shows itself; nothing it learns from
+# How a resumed run shows itself, and where its memory comes from; nothing it learns from.
+RESUME_OVERRIDES = ("output.progress", "output.plot", "speed.allocator")
 
 
 def resume_config(path: str | Path, given: list[str], overrides: list[tuple[str, Any]]) -> Config:

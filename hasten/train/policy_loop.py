@@ -49,6 +49,7 @@ from ..algo import LOSSES, LossInputs, LossSettings, group_advantages, zero_vari
 from ..config import Config, ConfigError
 from ..games.fruit_catcher import Draws, Rules, start_states
 from ..games.policy import POLICY_FILE, CatcherPolicy, Episodes, play, save_policy
+from ..speed.allocator import check_in_process as check_allocator, loaded as loaded_allocator
 from . import loop
 from .tracking import check_trackers, make_trackers
 from .optimization import Optimization, OptimizerSettings
@@ -205,6 +206,7 @@ def prepare_game(cfg: Config, log: Callable[[str], None] = print) -> GameSession
         raise ConfigError(f"config error: algo.beta must be 0 for {cfg.task.name} (got {cfg.algo.beta}): "
                           "game policies train without a reference model")
     configure_threads(cfg.train.num_threads)
+    check_allocator(cfg.speed.allocator, log)  # asked for another than this process runs on: one line says so
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     rules = Rules.from_config(cfg.game)
@@ -246,7 +248,7 @@ class GameJob:
         self.session.optimization.load_state_dict(state["optimization"])
 
     def summary(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"seconds": time.perf_counter() - self.started}
+        extra: dict[str, Any] = {"seconds": time.perf_counter() - self.started, "allocator": loaded_allocator()}
         if self.random_policy:
             extra["random_policy"] = self.random_policy
         return extra

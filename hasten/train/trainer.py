@@ -106,7 +106,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     configure_device(device)
     check_trackers(cfg)
     configure_threads(cfg.train.num_threads)
-    check_allocator(cfg.speed.allocator)  # tcmalloc / glibc asked for and not this process's: an error
+    check_allocator(cfg.speed.allocator, log)  # asked for another than this process runs on: one line says so
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     random.seed(cfg.train.seed)
