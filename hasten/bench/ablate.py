@@ -29,7 +29,17 @@ from ..compare import RunSpec, format_table, run_all, summarize
 from ..errors import UserError
 
 CUDA_ONLY = {"speed.tf32", "speed.precision", "speed.compile"}  # inert or harmful on this CPU; see docs/speedups.md
-INERT_WHY = {"speed.allocator": "tcmalloc is not installed: auto is glibc"}
+
+
+def inert_reason(key: str, cuda: bool) -> str | None:
+    """Why switching `key` off would measure nothing on this machine, or None."""
+    from ..speed.allocator import find_tcmalloc
+
+    if key in CUDA_ONLY and not cuda:
+        return "CUDA only"
+    if key == "speed.allocator" and find_tcmalloc() is None:
+        return "tcmalloc is not installed: auto is glibc"
+    return None
 
 
 def features(cuda: bool) -> tuple[dict[str, object], list[str]]:
@@ -39,10 +49,7 @@ def features(cuda: bool) -> tuple[dict[str, object], list[str]]:
 
     balanced, baseline = resolve("balanced", Config()), resolve("baseline", Config())
     differing = {key: baseline[key] for key in balanced if key in baseline and balanced[key] != baseline[key]}
-    from ..speed.allocator import find_tcmalloc
-
-    inert = [key for key in differing if (key in CUDA_ONLY and not cuda)
-             or (key == "speed.allocator" and find_tcmalloc() is None)]  # auto is glibc without tcmalloc
+    inert = [key for key in differing if inert_reason(key, cuda)]
     return {key: value for key, value in differing.items() if key not in inert}, inert
 
 
@@ -70,7 +77,8 @@ def main(argv: list[str]) -> int:
     config = args.config or str(CONFIG_PATH)
     if not os.path.isfile(config):
         raise UserError(f"bench error: config file '{config}' does not exist")
-    switched, inert = features(torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    switched, inert = features(cuda)
     if args.quick:
         switched = dict(list(switched.items())[:2])
     base = [["train.steps", args.steps], ["eval.num_examples", 0], ["model.name", args.model]]
@@ -88,7 +96,7 @@ def main(argv: list[str]) -> int:
         row["slowdown"] = 1 / row.pop("speedup")
     notes = {f"-{key.split('.', 1)[1]}": f"{key}={value!r} (its baseline value)" for key, value in switched.items()}
     payload = {"reference": "balanced", "steps": args.steps, "rounds": args.rounds, "model": args.model,
-               "config": config, "not_run": {key: INERT_WHY.get(key, "CUDA only") for key in inert}, "cpus": os.cpu_count(),
+               "config": config, "not_run": {key: inert_reason(key, cuda) for key in inert}, "cpus": os.cpu_count(),
                "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
                "rows": rows}
     if not args.json_only:
@@ -97,6 +105,6 @@ def main(argv: list[str]) -> int:
                            footer="slowdown: median over rounds of this row's step seconds / balanced's "
                                   "(above 1 = the feature helps here)"))
         if inert:
-            print("not run here: " + ", ".join(f"{key} ({INERT_WHY.get(key, 'CUDA only')})" for key in inert))
+            print("not run here: " + ", ".join(f"{key} ({inert_reason(key, cuda)})" for key in inert))
     print(json.dumps(payload), flush=True)
     return 0

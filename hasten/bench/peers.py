@@ -4,7 +4,8 @@
   in its own process, one per setting (`python -m hasten.bench.peers trl`),
   so it pays its own imports and keeps glibc's default allocator:
   hasten's speed.keep_freed_memory and speed.allocator (tcmalloc, by
-  LD_PRELOAD) are process-wide and would otherwise speed TRL up as well. The process is gated: at the start of every optimizer step
+  LD_PRELOAD) are process-wide and would otherwise speed TRL up as well.
+  The process is gated: at the start of every optimizer step
   (a TrainerCallback's on_step_begin) it reports "ready" and waits for "go"
   on stdin, so the parent alternates hasten and TRL steps A B A B and never
   runs two at once. A TRL step is timed from on_step_begin to on_step_end:

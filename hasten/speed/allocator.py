@@ -36,18 +36,33 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import CHOICES as CONFIG_CHOICES, ConfigError
 
-CHOICES = ("auto", "tcmalloc", "glibc")
+CHOICES = CONFIG_CHOICES["speed.allocator"]  # auto | tcmalloc | glibc
 LIBRARY = "tcmalloc_minimal"  # Debian/Ubuntu: apt install libtcmalloc-minimal4; Fedora: gperftools-libs
 MARKER = "HASTEN_ALLOCATOR_REEXEC"  # "allocator:pid" on the re-executed process (same pid): never twice
 INSTALL_HINT = "install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) or set speed.allocator=glibc"
 
 
+def _preload(env: dict[str, str] | None = None) -> list[str]:
+    """LD_PRELOAD's entries (the loader splits on spaces and colons)."""
+    return (os.environ if env is None else env).get("LD_PRELOAD", "").replace(":", " ").split()
+
+
 def _preloaded_tcmalloc(env: dict[str, str] | None = None) -> str | None:
     """A tcmalloc already named in LD_PRELOAD (a user's, conda's: often a path ldconfig does not know)."""
-    value = (os.environ if env is None else env).get("LD_PRELOAD", "")
-    return next((part for part in value.replace(":", " ").split() if "libtcmalloc" in part), None)
+    return next((part for part in _preload(env) if "libtcmalloc" in part), None)
+
+
+def _checked(setting: str) -> str:
+    if setting not in CHOICES:
+        raise ConfigError(f"speed.allocator={setting!r}: expected one of {', '.join(CHOICES)}")
+    return setting
+
+
+def _not_found() -> ConfigError:
+    where = INSTALL_HINT if sys.platform.startswith("linux") else "it is switched by LD_PRELOAD, on Linux only"
+    return ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {where}")
 
 
 def find_tcmalloc() -> str | None:
@@ -71,13 +86,10 @@ def loaded() -> str:
 
 def resolve(setting: str) -> str:
     """The allocator `setting` asks for in a fresh process: tcmalloc or glibc."""
-    if setting not in CHOICES:
-        raise ConfigError(f"speed.allocator={setting!r}: expected one of {', '.join(CHOICES)}")
-    if setting == "auto":
+    if _checked(setting) == "auto":
         return "tcmalloc" if find_tcmalloc() else "glibc"
     if setting == "tcmalloc" and not find_tcmalloc():
-        where = INSTALL_HINT if sys.platform.startswith("linux") else "it is switched by LD_PRELOAD, on Linux only"
-        raise ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {where}")
+        raise _not_found()
     return setting
 
 
@@ -85,10 +97,8 @@ def check_in_process(setting: str, log: Callable[[str], None] = print) -> str:
     """For a process that cannot re-execute (the Python API, `hasten eval`, a compare or bench worker): the
     allocator it runs on. Where `setting` names another, one line says so: speed and memory differ from
     what was asked, results do not (an allocator places memory, it does not compute)."""
-    if setting not in CHOICES:
-        raise ConfigError(f"speed.allocator={setting!r}: expected one of {', '.join(CHOICES)}")
     current = loaded()
-    if setting != "auto" and setting != current:
+    if _checked(setting) != "auto" and setting != current:
         how = (f"LD_PRELOAD={find_tcmalloc() or f'lib{LIBRARY}.so.4'}" if setting == "tcmalloc"
                else "LD_PRELOAD without libtcmalloc")
         log(f"speed.allocator={setting}: this process runs on {current} and cannot switch (an allocator is "
@@ -101,12 +111,11 @@ def environment(wanted: str, env: dict[str, str] | None = None) -> dict[str, str
     the re-execution marker: a child's own `ensure` must not take its parent's re-execution for its own)."""
     env = dict(os.environ if env is None else env)
     env.pop(MARKER, None)
-    preload = env.get("LD_PRELOAD", "").replace(":", " ").split()
-    rest = " ".join(part for part in preload if "libtcmalloc" not in part)
+    rest = " ".join(part for part in _preload(env) if "libtcmalloc" not in part)
     if wanted == "tcmalloc":
         library = _preloaded_tcmalloc(env) or find_tcmalloc()
         if library is None:
-            raise ConfigError(f"speed.allocator=tcmalloc: lib{LIBRARY}.so not found; {INSTALL_HINT}")
+            raise _not_found()
         rest = f"{library} {rest}".strip()
         # gperftools documents a stderr report of every allocation above 1 GB (a 1B+ model's embedding,
         # its AdamW state); Debian's 2.10 build printed none for 8 GB here. Either way: never.

@@ -54,6 +54,7 @@ import torch
 
 from ..config import Config
 from ..errors import Interrupted
+from ..speed.allocator import loaded as loaded_allocator
 from ..tasks.sampler import as_random_state
 from . import distributed
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, RunDir
@@ -349,7 +350,7 @@ def restore(job: Job, run_dir: RunDir, checkpoint: Path) -> int:
 
 
 def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fields) -> dict[str, Any]:
-    summary = {"run_dir": str(run_dir.path), "steps": step, **fields, **job.summary()}
+    summary = {"run_dir": str(run_dir.path), "steps": step, **fields, "allocator": loaded_allocator(), **job.summary()}
     if evals:
         summary["eval_before"], summary["eval_after"] = evals[min(evals)], evals[max(evals)]
     run_dir.write_summary(summary)

@@ -45,7 +45,7 @@ from ..rewards.runner import RewardScores
 from ..rollout import Engine, KVCacheEngine, RowRange, SamplingParams
 from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
-from ..speed.allocator import check_in_process as check_allocator, loaded as loaded_allocator
+from ..speed.allocator import check_in_process as check_allocator
 from ..speed.compile import compile_model
 from ..speed.dynamic_sampling import refill
 from ..speed.threads import ThreadGovernor
@@ -473,7 +473,7 @@ class GRPOJob:
             self.pipeline.load_state_dict(state.get("pipeline", {}), self.session.policy.tokenizer, Collected)
 
     def summary(self) -> dict[str, Any]:
-        return {"allocator": loaded_allocator()}
+        return {}
 
     def close(self) -> None:
         try:
