@@ -106,8 +106,8 @@ def _resume_config(args, extra):
     return resume_config(args.resume, given + (["--reward"] if args.reward else []), parse_overrides(extra))
 
 
-# main() was called with no argv: this is the `hasten` process itself, which `hasten train` and
-# `hasten bench` may re-execute on another allocator (speed/allocator.py). False when called from Python.
+# main() was called with no argv: this is the `hasten` process itself, which `hasten train`, `bench`,
+# `sft` and `rft` may re-execute on another allocator (speed/allocator.py). False when called from Python.
 _PROCESS_ENTRY = False
 
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["rft"], ["sft"]):  # hasten/rft/cli.py parses these
         from .rft.cli import main as rft_main
 
-        return rft_main(argv)
+        return rft_main(argv, process=_PROCESS_ENTRY)
     if argv[:1] == ["vllm-serve"]:  # generation for a trainer elsewhere (rollout/vllm_server.py)
         from .errors import USER_ERRORS
         from .rollout.vllm_server import main as serve_main

@@ -189,3 +189,36 @@ def test_a_child_of_a_reexecuted_process_trains(tmp_path):
     inherited = {**allocator.environment("glibc"), allocator.MARKER: "tcmalloc:1"}  # a parent's marker, leaked
     summary, metrics = _train(tmp_path, "c", "auto", inherited)
     assert summary["allocator"] == "tcmalloc" and len(metrics) == 3
+
+
+def _sft(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> dict:
+    """`hasten sft` as its own process (the CLI entry, so it may re-execute) on the tiny model; its report."""
+    from hasten.rft.data import RFTRecord, write_records
+    from hasten.rft.profiles import load_rft_config
+    from hasten.tasks import make_task
+
+    task = make_task(load_rft_config("sft", None, [("task.num_train", 4)]).task)
+    records = [RFTRecord(r["question"], r["answer"], f"<answer>{r['answer']:g}</answer>") for r in task.train_rows]
+    data = write_records(tmp_path / f"{name}.json", records)
+    process = subprocess.run(
+        [sys.executable, "-m", "hasten.cli", "sft", "--model", "tiny", "--data", str(data), "--json",
+         "--task.num_train=4", "--sft.epochs=1", "--sft.batch_size=2", "--eval.num_examples=0",
+         "--train.num_threads=1", f"--output.dir={tmp_path}", f"--output.name={name}", "--output.progress=off",
+         *extra],
+        env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-2000:]
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+@needs_tcmalloc
+def test_sft_reexecutes_per_profile_and_losses_do_not_change(tmp_path):
+    """`hasten sft` picks its malloc as `hasten train` does: the default (auto) re-executes onto tcmalloc, the
+    plain profile (the reference) onto glibc, and the same settings give the same losses on either."""
+    on_tcmalloc = _sft(tmp_path, "t", allocator.environment("glibc"))
+    on_glibc = _sft(tmp_path, "g", allocator.environment("tcmalloc"), "--speed.allocator=glibc")
+    plain = _sft(tmp_path, "p", allocator.environment("tcmalloc"), "--profile", "plain")
+    assert on_tcmalloc["settings"]["allocator"] == "tcmalloc"
+    assert on_glibc["settings"]["allocator"] == "glibc" and plain["settings"]["allocator"] == "glibc"
+    assert (on_tcmalloc["first_loss"], on_tcmalloc["final_loss"]) == (on_glibc["first_loss"], on_glibc["final_loss"])
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["allocator"] == "tcmalloc"

@@ -22,6 +22,10 @@ from pathlib import Path
 
 EXIT_USER_ERROR = 2
 
+# main() was given process=True: this is the `hasten` process itself, which sft, datagen and test may
+# re-execute on the allocator their config asks for (speed/allocator.py). False when called from Python.
+_PROCESS_ENTRY = False
+
 # flag -> config key; values stay text and are typed by the config (one-line errors).
 FLAG_KEYS = {
     "model": "model.name", "task": "task.name", "data": "rft.data", "oversample": "rft.oversample",
@@ -86,11 +90,21 @@ def _log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _ensure_allocator(cfg) -> None:
+    """Before torch is imported: the CLI process may re-execute itself on speed.allocator's malloc (never
+    returns then), as `hasten train` does; a call from Python runs on what it has (the run logs it)."""
+    if _PROCESS_ENTRY:
+        from ..speed.allocator import ensure
+
+        ensure(cfg.speed.allocator)
+
+
 def cmd_datagen(args, extra) -> int:
     from .datagen import run_datagen
     from .profiles import load_rft_config
 
     cfg = load_rft_config("datagen", args.config, _pairs(args, extra))
+    _ensure_allocator(cfg)
     report = run_datagen(cfg, log=_log).to_dict()
     lines = [f"questions with >= 1 correct sample: {report['solved']}/{report['questions']} "
              f"({report['solved_fraction']:.3f}) at {cfg.rft.oversample} samples, temperature {cfg.rft.temperature}",
@@ -114,6 +128,7 @@ def cmd_sft(args, extra) -> int:
         cfg = resume_config(args.resume, given, parse_overrides(extra))
     else:
         cfg = load_rft_config("sft", args.config, _pairs(args, extra), profile=args.profile)
+    _ensure_allocator(cfg)
     report = run_sft(cfg, log=_log, profile=args.profile, resume=args.resume).to_dict()
     from ..train.distributed import is_main
 
@@ -137,6 +152,7 @@ def cmd_test(args, extra) -> int:
     from .profiles import load_rft_config
 
     cfg = load_rft_config("test", args.config, _pairs(args, extra))
+    _ensure_allocator(cfg)
     metrics = run_test(cfg, log=_log)
     lines = [f"{key:>14}: {value:.4g}" if isinstance(value, float) else f"{key:>14}: {value}"
              for key, value in metrics.items()]
@@ -165,8 +181,11 @@ def cmd_compare(args, extra) -> int:
 COMMANDS = {"datagen": cmd_datagen, "sft": cmd_sft, "test": cmd_test, "compare": cmd_compare}
 
 
-def main(argv: list[str]) -> int:
-    """argv after `hasten`: ["rft", COMMAND, ...] or ["sft", ...]."""
+def main(argv: list[str], process: bool = False) -> int:
+    """argv after `hasten`: ["rft", COMMAND, ...] or ["sft", ...]. process: this is the `hasten` process
+    itself (hasten/cli.py main() with no argv), which may re-execute on another allocator."""
+    global _PROCESS_ENTRY
+    _PROCESS_ENTRY = process
     parser = _parser()
     if argv[:1] == ["sft"]:
         argv = ["sft", *argv[1:]]

@@ -44,6 +44,7 @@ PROFILES: dict[str, Profile] = {
     "plain": Profile("padded batches, full logits, checkpointing on, for-loop AdamW, fp32", {
         "sft.packing": False, "sft.gradient_checkpointing": True, "sft.gradient_accumulation_steps": 1,
         "sft.adamw": "plain", "sft.precision": "fp32", "sft.compile": "off", "sft.num_workers": 0,
+        "speed.allocator": "glibc",
     }),
     # Lowest memory: packed, checkpointed, 8 micro-batches per step (16 / 8 = 2 examples each).
     "conservative": Profile("packed, checkpointing on, 8 micro-batches per step, fused AdamW", {

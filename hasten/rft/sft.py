@@ -55,6 +55,7 @@ from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
+from ..speed.allocator import loaded as loaded_allocator
 from ..speed.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
 from ..train import distributed, fsdp, loop
@@ -265,7 +266,7 @@ class SFTJob:
         return {"packing": sft.packing, "gradient_checkpointing": sft.gradient_checkpointing,
                 "gradient_accumulation_steps": sft.gradient_accumulation_steps, "adamw": sft.adamw,
                 "precision": self.optimization.precision.mode, "compile": bool(self.forward and self.forward.active),
-                "num_workers": sft.num_workers, "device": self.device.type}
+                "num_workers": sft.num_workers, "device": self.device.type, "allocator": loaded_allocator()}
 
     def summary(self) -> dict[str, Any]:
         return {}

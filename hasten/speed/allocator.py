@@ -15,8 +15,8 @@ freed memory in size classes, so those sizes find their pages again:
 flat at 6732 MiB against glibc's 7375 (docs/speedups.md has the table).
 
 How: an allocator is chosen when the process starts (LD_PRELOAD), so the
-`hasten train` and `hasten bench` commands re-execute themselves once (their
-own command line, sys.orig_argv), with LD_PRELOAD naming libtcmalloc_minimal,
+`hasten train`, `bench`, `sft` and `rft` commands re-execute themselves once
+(their own command line, sys.orig_argv), with LD_PRELOAD naming libtcmalloc_minimal,
 before they import torch; `hasten compare`, `bench --ablate` and B5 start
 each run's process with the LD_PRELOAD its config asks for. Code that calls
 hasten from Python (the API, tests, `hasten eval`) cannot switch: there
