@@ -450,6 +450,18 @@ def test_quick_b5_hasten_side(capsys, tmp_path):
     assert payload["workloads"]["B5"]["settings"]["hasten"]["train"]["steps"] == 2
 
 
+def test_b5_only_profiles_skips_the_config_run(capsys, tmp_path):
+    """--b5-only-profiles: the hasten runs are the variants (and profiles) alone; without any it is refused."""
+    _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "none", "--b5-dir", str(tmp_path / "b5"),
+                           "--b5-only-profiles", "--b5-variant", "lr:train.lr=2e-5")
+    rows = check_b5(payload, {"hasten lr"}, [0])
+    assert payload["workloads"]["B5"]["settings"]["hasten lr"]["train"]["lr"] == 2e-5
+    assert not (tmp_path / "b5" / "hasten-seed0").exists()
+    code = main(["--workloads", "B5", "--quick", "--peers", "none", "--b5-only-profiles", "--json-only"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1 and "--b5-only-profiles" in error[0]
+
+
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (hasten[bench])")
 def test_quick_b5_against_trl_with_a_profile(capsys, tmp_path):

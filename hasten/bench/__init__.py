@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                          "every step)")
     b5.add_argument("--b5-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
     b5.add_argument("--b5-keep-checkpoints", action="store_true", help="keep the weight files once scored")
+    b5.add_argument("--b5-only-profiles", action="store_true",
+                    help="hasten runs only for --profiles and --b5-variant, not for the config as it is")
     parser.add_argument("--ablate", action="store_true",
                         help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
@@ -188,8 +190,11 @@ def _b5_options(args) -> Any:
                 or any(not sep or not key.strip() for key, sep, _ in pairs):
             raise BenchError(f"bench error: --b5-variant '{text}' is not LABEL:KEY=VALUE[,KEY=VALUE...]")
         variants.append((label.strip(), [(key.strip(), value.strip()) for key, _, value in pairs]))
+    if args.b5_only_profiles and not (profiles or variants):
+        raise BenchError("bench error: --b5-only-profiles needs --profiles or --b5-variant (else no hasten run)")
     return B5Options(config, seeds, profiles, args.b5_minutes, mark,
-                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants)
+                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants,
+                     config_run=not args.b5_only_profiles)
 
 
 def main(argv: list[str] | None = None, process: bool = False) -> int:
