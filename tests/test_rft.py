@@ -218,6 +218,19 @@ def test_profiles_learn_the_same_parameters(model, tokenizer):
         assert torch.allclose(p, q, atol=1e-5)
 
 
+def test_in_process_sft_says_when_it_runs_on_another_allocator(model, monkeypatch):
+    """SFT from Python (the API, these tests) cannot re-execute: asked for a malloc this process does not
+    run on, it trains anyway and says so in one line, as GRPO's prepare() does."""
+    from hasten.speed import allocator
+
+    monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
+    lines = []
+    cfg = load_rft_config("sft", None, [("sft.batch_size", 5), ("sft.epochs", 1), ("speed.allocator", "tcmalloc")])
+    settings, losses = train_examples(copy.deepcopy(model), examples_for_loss(), cfg, 0, log=lines.append)
+    assert len(losses) == 1 and settings["allocator"] in ("glibc", "tcmalloc")  # what really runs
+    assert sum("speed.allocator=tcmalloc: this process runs on glibc" in line for line in lines) == 1
+
+
 def test_precision_and_compile_fallbacks(monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) is None
     assert resolve_precision("bf16", torch.device("cpu")) == torch.bfloat16  # opt-in on CPU

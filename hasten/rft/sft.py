@@ -55,7 +55,7 @@ from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
-from ..speed.allocator import loaded as loaded_allocator
+from ..speed.allocator import check_in_process as check_allocator, loaded as loaded_allocator
 from ..speed.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
 from ..train import distributed, fsdp, loop
@@ -187,6 +187,7 @@ class SFTJob:
 
     def __init__(self, model, examples: list[Example], cfg: Config, pad_token_id: int, log: Callable[[str], None],
                  tokenizer=None, evaluate: Callable[[], dict[str, float]] | None = None):
+        check_allocator(cfg.speed.allocator, log)  # asked for another than this process runs on: one line says so
         sft = self.sft = cfg.sft
         self.model, self.examples, self.pad_token_id, self.tokenizer = model, examples, pad_token_id, tokenizer
         self.evaluator = evaluate
