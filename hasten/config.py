@@ -147,7 +147,7 @@ class SpeedConfig:
     vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
     model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
-    allocator: str = "auto"  # auto (tcmalloc where installed) | tcmalloc | glibc: the process's malloc (speed/allocator.py)
+    allocator: str = "auto"  # auto (tcmalloc, else mimalloc, else glibc) | tcmalloc | mimalloc | glibc: the malloc (speed/allocator.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
@@ -222,7 +222,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.reward_pool": ("thread", "process"),
     "speed.curriculum": ("off", "length", "complexity", "success_rate"),
     "speed.precision": ("fp32", "bf16", "fp16"),
-    "speed.allocator": ("auto", "tcmalloc", "glibc"),
+    "speed.allocator": ("auto", "tcmalloc", "mimalloc", "glibc"),
     "speed.generation_precision": ("fp32", "bf16"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),

@@ -1,7 +1,9 @@
-"""speed.allocator: the CLI re-executes itself on tcmalloc where installed; results do not change.
+"""speed.allocator: the CLI re-executes itself on tcmalloc where installed, else on mimalloc (the
+cmeel-mimalloc wheel); results do not change.
 
-The end-to-end tests need libtcmalloc_minimal on the machine (Debian: libtcmalloc-minimal4) and
-are skipped without it; the choice, error and environment logic is tested everywhere.
+The end-to-end tests need the library they switch to: libtcmalloc_minimal (Debian: libtcmalloc-minimal4)
+or a loadable libmimalloc (a default dependency on Linux x86-64), and are skipped without it; the choice,
+error and environment logic is tested everywhere.
 """
 
 from __future__ import annotations
@@ -18,32 +20,75 @@ from hasten.cli import main
 from hasten.config import ConfigError
 from hasten.speed import allocator
 
-HAVE_TCMALLOC = allocator.find_tcmalloc() is not None
+HAVE_TCMALLOC = allocator.find("tcmalloc") is not None
 needs_tcmalloc = pytest.mark.skipif(not HAVE_TCMALLOC, reason="libtcmalloc_minimal is not installed")
+HAVE_MIMALLOC = allocator.find("mimalloc") is not None
+needs_mimalloc = pytest.mark.skipif(not HAVE_MIMALLOC, reason="no loadable libmimalloc (pip install cmeel-mimalloc)")
+AUTO = allocator.resolve("auto")
+
+
+def _libraries(monkeypatch, **found: str | None) -> None:
+    """find() answers `found` (name -> library or None) instead of looking at this machine."""
+    monkeypatch.setattr(allocator, "find", lambda name: found.get(name))
 VOLATILE = ("time/", "memory/", "tokens_per_second")
 
 
 def test_resolve_auto_and_missing_library(monkeypatch):
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    _libraries(monkeypatch)
+    monkeypatch.setattr(allocator, "_candidates", lambda name: [])
     assert allocator.resolve("auto") == "glibc"
     assert allocator.resolve("glibc") == "glibc"
     with pytest.raises(ConfigError, match=r"speed.allocator=tcmalloc: libtcmalloc_minimal.so not found.*apt install"):
         allocator.resolve("tcmalloc")
     with pytest.raises(ConfigError, match="speed.allocator='jemalloc'"):
         allocator.resolve("jemalloc")
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
-    assert allocator.resolve("auto") == "tcmalloc"
+    with pytest.raises(ConfigError, match=r"speed.allocator=mimalloc: libmimalloc.so not found.*pip install cmeel-mim"):
+        allocator.resolve("mimalloc")
+    _libraries(monkeypatch, mimalloc="/venv/cmeel.prefix/lib/libmimalloc.so")
+    assert allocator.resolve("auto") == "mimalloc"  # no tcmalloc (a fresh machine): the wheel's mimalloc
+    _libraries(monkeypatch, tcmalloc="libtcmalloc_minimal.so.4", mimalloc="/venv/cmeel.prefix/lib/libmimalloc.so")
+    assert allocator.resolve("auto") == "tcmalloc"  # measured longest, so first where both are there
 
 
-def test_not_linux_means_no_tcmalloc(monkeypatch):
+def test_a_mimalloc_that_does_not_load_is_passed_over_by_auto_and_named_by_the_error(monkeypatch, tmp_path):
+    """The wheel's library needs libatomic.so.1: where a new process cannot preload it (here: a file that is
+    no ELF at all), auto stays on glibc and speed.allocator=mimalloc is a one-line error quoting the loader."""
+    broken = tmp_path / "libmimalloc.so"
+    broken.write_text("not a shared object")
+    monkeypatch.setattr(allocator, "_wheel_mimalloc", lambda: str(broken))
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert allocator.preload_error(str(broken))  # the loader's complaint
+    assert allocator.find("mimalloc") is None and allocator.resolve("auto") == "glibc"
+    with pytest.raises(ConfigError) as error:
+        allocator.resolve("mimalloc")
+    message = str(error.value)
+    assert "\n" not in message and str(broken) in message and "libatomic1" in message and "ld.so" in message
+
+
+@needs_mimalloc
+def test_the_wheels_mimalloc_loads_and_is_seen(monkeypatch):
+    """What find() returns is what a new process runs on once preloaded (loaded() reads its maps)."""
+    library = allocator.find("mimalloc")
+    assert allocator.preload_error(library) is None
+    env = allocator.environment("mimalloc", {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"})
+    assert env["LD_PRELOAD"] == library and env["MIMALLOC_PURGE_DELAY"] == "-1"
+    seen = subprocess.run([sys.executable, "-c", "from hasten.speed.allocator import loaded; print(loaded())"],
+                          env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert seen.stdout.strip() == "mimalloc", seen.stderr[-2000:]
+
+
+def test_not_linux_means_no_preloaded_allocator(monkeypatch):
     """No LD_PRELOAD switch off Linux: auto keeps the system malloc instead of re-executing in vain."""
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert allocator.find_tcmalloc() is None
+    assert allocator.find("tcmalloc") is None and allocator.find("mimalloc") is None
     assert allocator.resolve("auto") == "glibc"
+    with pytest.raises(ConfigError, match="speed.allocator=mimalloc: it is switched by LD_PRELOAD, on Linux only"):
+        allocator.resolve("mimalloc")
 
 
-def test_environment_adds_and_strips_only_tcmalloc(monkeypatch):
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+def test_environment_adds_and_strips_only_allocators(monkeypatch):
+    _libraries(monkeypatch, tcmalloc="libtcmalloc_minimal.so.4", mimalloc="/venv/lib/libmimalloc.so")
     base = {"PATH": "/bin", "LD_PRELOAD": "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"}
     assert allocator.environment("glibc", base)["LD_PRELOAD"] == "/opt/libfoo.so"
     on_tcmalloc = allocator.environment("tcmalloc", base)
@@ -53,6 +98,12 @@ def test_environment_adds_and_strips_only_tcmalloc(monkeypatch):
     assert int(on_tcmalloc["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40  # no stack trace per 1 GB tensor
     assert "LD_PRELOAD" not in allocator.environment("glibc", {"LD_PRELOAD": "libtcmalloc.so.4"})
     assert base["LD_PRELOAD"] == "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"  # a copy, not in place
+    on_mimalloc = allocator.environment("mimalloc", base)  # one allocator at a time: tcmalloc goes
+    assert on_mimalloc["LD_PRELOAD"] == "/venv/lib/libmimalloc.so /opt/libfoo.so"
+    assert on_mimalloc["MIMALLOC_PURGE_DELAY"] == "-1"  # freed pages stay (docs/speedups.md)
+    assert allocator.environment("mimalloc", {"MIMALLOC_PURGE_DELAY": "10"})["MIMALLOC_PURGE_DELAY"] == "10"
+    assert allocator.environment("tcmalloc", on_mimalloc)["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libfoo.so"
+    assert "LD_PRELOAD" not in allocator.environment("glibc", {"LD_PRELOAD": "/x/libmimalloc.so.3"})
 
 
 def test_in_process_cannot_switch(monkeypatch):
@@ -73,14 +124,14 @@ def test_a_preloaded_tcmalloc_counts_even_where_ldconfig_does_not_know_it(monkey
     """A tcmalloc the user preloaded by path (conda, a build of their own) is used, never stripped."""
     monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
     monkeypatch.setenv("LD_PRELOAD", "/opt/conda/lib/libtcmalloc.so.4")
-    assert allocator.find_tcmalloc() == "/opt/conda/lib/libtcmalloc.so.4"
+    assert allocator.find("tcmalloc") == "/opt/conda/lib/libtcmalloc.so.4"
     assert allocator.resolve("auto") == "tcmalloc"
     assert allocator.environment("tcmalloc")["LD_PRELOAD"] == "/opt/conda/lib/libtcmalloc.so.4"
 
 
 def test_no_second_reexec(monkeypatch):
     """Re-executed once and still not on tcmalloc (a preload that failed): an error, not a loop."""
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    _libraries(monkeypatch, tcmalloc="libtcmalloc_minimal.so.4")
     monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
     monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("re-executed a second time"))
     monkeypatch.setenv(allocator.MARKER, f"tcmalloc:{os.getpid()}")  # this very process, re-executed
@@ -100,7 +151,7 @@ def test_the_marker_is_never_passed_on(monkeypatch):
 
 def test_ensure_reexecutes_the_original_command_line(monkeypatch):
     """sys.orig_argv: interpreter flags (torchrun's -u) and the console script or -m form are kept."""
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    _libraries(monkeypatch, tcmalloc="libtcmalloc_minimal.so.4")
     monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
     monkeypatch.setattr(sys, "orig_argv", ["python3", "-u", "-m", "hasten.cli", "train", "--steps", "2"])
     monkeypatch.delenv(allocator.MARKER, raising=False)
@@ -123,7 +174,7 @@ def test_compare_starts_each_run_on_its_profiles_allocator(monkeypatch, tmp_path
     on the malloc its config asks for (baseline glibc, the others auto)."""
     from hasten import compare
 
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    _libraries(monkeypatch, tcmalloc="libtcmalloc_minimal.so.4")
     monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4")
     monkeypatch.setenv(allocator.MARKER, "tcmalloc")  # as in a re-executed parent that never popped it
     seen = {}
@@ -182,13 +233,25 @@ def test_cli_reexecutes_and_results_do_not_change(tmp_path):
     assert on_tcmalloc["eval_after"]["accuracy"] == on_glibc["eval_after"]["accuracy"]
 
 
-@needs_tcmalloc
+@needs_mimalloc
+def test_cli_reexecutes_onto_mimalloc_and_results_do_not_change(tmp_path):
+    """The same on mimalloc, the fresh machine's `auto`: started on glibc (or on tcmalloc), `hasten train`
+    re-executes onto the wheel's mimalloc and logs what glibc logs."""
+    on_mimalloc, metrics_mimalloc = _train(tmp_path, "m", "mimalloc", allocator.environment("glibc"))
+    on_glibc, metrics_glibc = _train(tmp_path, "g", "glibc", allocator.environment("mimalloc"))
+    assert on_mimalloc["allocator"] == "mimalloc" and on_glibc["allocator"] == "glibc"
+    assert len(metrics_mimalloc) == len(metrics_glibc) == 3
+    assert metrics_mimalloc == metrics_glibc
+    assert on_mimalloc["eval_after"]["accuracy"] == on_glibc["eval_after"]["accuracy"]
+
+
+@pytest.mark.skipif(AUTO == "glibc", reason="neither tcmalloc nor mimalloc loads here: auto is glibc")
 def test_a_child_of_a_reexecuted_process_trains(tmp_path):
     """`hasten train` started from a process that was itself re-executed (its environment as B4's and
     compare's children get it) re-executes on its own and trains."""
     inherited = {**allocator.environment("glibc"), allocator.MARKER: "tcmalloc:1"}  # a parent's marker, leaked
     summary, metrics = _train(tmp_path, "c", "auto", inherited)
-    assert summary["allocator"] == "tcmalloc" and len(metrics) == 3
+    assert summary["allocator"] == AUTO and len(metrics) == 3
 
 
 def _sft(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> dict:

@@ -326,8 +326,9 @@ def test_ablation_switches_off_each_balanced_feature_alone():
     assert switched == {key: baseline[key] for key in switched}  # each variant takes baseline's value
     assert {"speed.engine", "speed.packed_learning", "speed.reward_workers", "speed.dynamic_sampling",
             "speed.optimizer", "speed.prefetch", "speed.keep_freed_memory", "speed.reward_cache"} <= set(switched)
-    from hasten.speed.allocator import find_tcmalloc
+    from hasten.speed.allocator import resolve as resolve_allocator
 
-    # listed, not run: tf32 without CUDA; the allocator where tcmalloc is not installed (auto = glibc there)
-    assert sorted(inert) == sorted(["speed.tf32"] + (["speed.allocator"] if find_tcmalloc() is None else []))
+    # listed, not run: tf32 without CUDA; the allocator where neither tcmalloc nor mimalloc loads (auto = glibc)
+    inert_here = ["speed.allocator"] if resolve_allocator("auto") == "glibc" else []
+    assert sorted(inert) == sorted(["speed.tf32", *inert_here])
     assert all(balanced[key] != value for key, value in switched.items())

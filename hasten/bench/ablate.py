@@ -8,8 +8,8 @@ profiles. Each variant is `balanced` plus that one key set to its baseline
 value, trained for N steps on the B1 workload in a fresh process (as
 `hasten compare` does, so process-wide switches such as
 speed.keep_freed_memory cannot leak between variants). A key that does
-nothing on this machine (tf32 without CUDA, speed.allocator without
-tcmalloc installed) is listed, not run.
+nothing on this machine (tf32 without CUDA, speed.allocator where
+neither tcmalloc nor mimalloc loads) is listed, not run.
 
 The ratio column is variant seconds / balanced seconds, paired by round: how
 much slower the step gets without that feature, i.e. its own contribution
@@ -33,12 +33,12 @@ CUDA_ONLY = {"speed.tf32", "speed.precision", "speed.compile"}  # inert or harmf
 
 def inert_reason(key: str, cuda: bool) -> str | None:
     """Why switching `key` off would measure nothing on this machine, or None."""
-    from ..speed.allocator import find_tcmalloc
+    from ..speed.allocator import resolve
 
     if key in CUDA_ONLY and not cuda:
         return "CUDA only"
-    if key == "speed.allocator" and find_tcmalloc() is None:
-        return "tcmalloc is not installed: auto is glibc"
+    if key == "speed.allocator" and resolve("auto") == "glibc":
+        return "neither tcmalloc nor mimalloc loads here: auto is glibc"
     return None
 
 

@@ -196,7 +196,7 @@ def trl_worker(spec: dict[str, Any]) -> None:
 
 
 def run_worker(side: str, spec: dict[str, Any], directory: Path, allocator: str = "glibc") -> dict[str, Any]:
-    """Run one side's worker to the end, on `allocator` (tcmalloc | glibc); its run.json. Its output goes to
+    """Run one side's worker to the end, on `allocator` (tcmalloc | mimalloc | glibc); its run.json. Its output goes to
     directory/log.txt."""
     from .peers import PeerError, peer_env
 

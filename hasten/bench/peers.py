@@ -3,8 +3,8 @@
 - TRL's GRPOTrainer (B1 one GRPO step, B4 import + construction). It runs
   in its own process, one per setting (`python -m hasten.bench.peers trl`),
   so it pays its own imports and keeps glibc's default allocator:
-  hasten's speed.keep_freed_memory and speed.allocator (tcmalloc, by
-  LD_PRELOAD) are process-wide and would otherwise speed TRL up as well.
+  hasten's speed.keep_freed_memory and speed.allocator (tcmalloc or
+  mimalloc, by LD_PRELOAD) are process-wide and would otherwise speed TRL up as well.
   The process is gated: at the start of every optimizer step
   (a TrainerCallback's on_step_begin) it reports "ready" and waits for "go"
   on stdin, so the parent alternates hasten and TRL steps A B A B and never
@@ -115,7 +115,8 @@ def reward_spec(rewards) -> list[list[Any]]:
 
 def peer_env(allocator: str = "glibc") -> dict[str, str]:
     """The environment of peer processes: offline (no hub lookups on the clock), hasten importable, and
-    LD_PRELOAD giving them `allocator` (glibc: a bench re-executed on tcmalloc does not pass it on to TRL)."""
+    LD_PRELOAD giving them `allocator` (glibc: a bench re-executed on tcmalloc or mimalloc does not pass it
+    on to TRL)."""
     from ..speed.allocator import environment
 
     env = environment(allocator)
