@@ -509,7 +509,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
         if packed:  # hasten's learning pass, with its speed flags as configured
             with onednn_linears(model, resolve(cfg.speed.fast_linear)):
                 stats = packed_logprobs(model, rollout, rows, temperature, True, cfg.speed.logit_chunk_tokens,
-                                        cfg.speed.grouped_attention)
+                                        cfg.speed.grouped_attention, cfg.speed.shared_prefix)
         else:
             group = rows // rollout.num_generations  # prompt of each sample
             stats = completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],

@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.llama import rms_norm, rope_table, rotate
+from ..speed.shared_prefix import common_prefix
 from .engine import left_pad
 from .decode import DecodeState
 from .types import Rollout, RowRange, SamplingParams
@@ -243,6 +244,31 @@ class GroupCache:
         attended = F.scaled_dot_product_attention(query, key, value, self.prompt_attend, enable_gqa=True)
         return attended.transpose(1, 2).flatten(2)
 
+    def share_prefix(self, length: int) -> None:
+        """speed.shared_prefix: the first `length` columns of every prompt are one common prefix, prefilled
+        once (attend_prefix) before each prompt's rest (attend_rest); the decode steps are unchanged."""
+        self.shared = []  # per layer, the prefix's (1, kv, length, head_dim) key and value
+        rest = self.prompt_attend[:, :, length:]  # (B, 1, P - length, P): the rest's queries, every key
+        self.rest_attend = rest.clone()
+        self.rest_attend[..., :length] = True  # the prefix is all real, and before every query of the rest
+
+    def attend_prefix(self, layer, query, key, value):
+        """Prefill of the shared prefix, one sequence: query (1, heads, C, head_dim) -> (1, C, heads * head_dim)."""
+        self.shared.append((key, value))
+        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        return attended.transpose(1, 2).flatten(2)
+
+    def attend_rest(self, layer, query, key, value):
+        """Prefill of each prompt after the prefix: query (B, heads, P - C, head_dim) against the prefix's
+        keys and its own -> (B, P - C, heads * head_dim); the cache keeps [prefix, own] per prompt."""
+        shared_key, shared_value = self.shared[layer]
+        prompts = key.shape[0]
+        key = torch.cat([shared_key.expand(prompts, -1, -1, -1), key], dim=2)  # (B, kv, P, head_dim)
+        value = torch.cat([shared_value.expand(prompts, -1, -1, -1), value], dim=2)
+        self.prompt.append((key, value))  # fresh from cat: dense
+        attended = F.scaled_dot_product_attention(query, key, value, self.rest_attend, enable_gqa=True)
+        return attended.transpose(1, 2).flatten(2)
+
     def attend_step(self, layer, query, key, value):
         """Decode: query (N, heads, 1, head_dim), key/value (N, kv, 1, head_dim) -> (N, 1, heads * head_dim)."""
         own_keys, own_values = self.own[layer]
@@ -288,8 +314,10 @@ class LeanEngine:
     """Batched sampling from a Llama-family model (or a LoRA policy on one) through a lean forward
     and a preallocated cache."""
 
-    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32"):
+    def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32",
+                 shared_prefix: bool = False):
         check_supported(model)
+        self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
         if sample_precision not in ("fp32", "bf16"):
             raise ValueError(f"sample_precision must be fp32 or bf16, got {sample_precision!r}")
         self.model = model  # the policy: its parameters' versions say when to re-merge and repack
@@ -386,12 +414,28 @@ class LeanEngine:
         embedding = self.base.model.embed_tokens.weight
         device = embedding.device
         cos, signed_sin = self._rope_table(prompt_width + steps, device)  # (positions, head_dim)
-        cache = GroupCache(self, prompt_mask.to(device), num_generations, steps)
+        shared = common_prefix(prompts) if self.shared_prefix else 0
+        # With a shared prefix the cache's columns are [prefix, each prompt's rest left-padded]; the
+        # decode steps read keys through the mask and never need the pad's place.
+        layout_ids, layout_mask = prompt_ids, prompt_mask
+        if shared:
+            rest_ids, rest_mask = left_pad([prompt[shared:] for prompt in prompts], self.pad_token_id)  # (B, P - C)
+            layout_ids = torch.cat([torch.tensor(prompts[0][:shared]).expand(num_prompts, -1), rest_ids], dim=1)
+            layout_mask = torch.cat([torch.ones(num_prompts, shared, dtype=rest_mask.dtype), rest_mask], dim=1)
+        cache = GroupCache(self, layout_mask.to(device), num_generations, steps)
 
-        # Prefill each prompt once; only the last position's logits are needed.
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0).to(device)  # (B, P)
-        hidden = self._layers(F.embedding(prompt_ids.to(device), embedding),  # (B, P, H)
-                              cos[positions][:, None], signed_sin[positions][:, None], cache.attend_prompt)
+        # Prefill each prompt once (a shared prefix once for all); only the last position's logits are needed.
+        positions = (layout_mask.cumsum(-1) - 1).clamp(min=0).to(device)  # (B, P)
+        if shared:
+            cache.share_prefix(shared)
+            self._layers(F.embedding(layout_ids[:1, :shared].to(device), embedding),  # (1, C, H)
+                         cos[:shared][None, None], signed_sin[:shared][None, None], cache.attend_prefix)
+            rest = positions[:, shared:]
+            hidden = self._layers(F.embedding(layout_ids[:, shared:].to(device), embedding),  # (B, P - C, H)
+                                  cos[rest][:, None], signed_sin[rest][:, None], cache.attend_rest)
+        else:
+            hidden = self._layers(F.embedding(prompt_ids.to(device), embedding),  # (B, P, H)
+                                  cos[positions][:, None], signed_sin[positions][:, None], cache.attend_prompt)
         logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 

@@ -15,6 +15,9 @@ Here the same attention is computed on the allowed blocks only:
 - the prompts, one padded batch of R rows: causal self-attention;
 - the completions, one padded batch of C rows: each completion's queries
   against [its prompt's keys, its own keys (causal)].
+With speed.shared_prefix the prompts' common prefix sits once, at the start
+of row 0 (segment -2), and every row's prompt keys are that prefix's keys
+followed by its own prompt's: the gathers read across rows.
 Both are one `scaled_dot_product_attention` call each, per layer (fp32 under
 CPU autocast: speed/precision.py's `attention`); queries, keys and values are
 gathered into those batches and every packed position gathers its output
@@ -46,53 +49,69 @@ from .precision import attention
 NAME = "hasten_grouped"
 
 
+SHARED_SEGMENT = -2  # the prompts' common prefix (speed.shared_prefix): in the first row only, seen by every row
+
+
 @dataclass
 class GroupedLayout:
     """Where each block's tokens sit in the packed rows (flat index = row * width + column)."""
 
-    prompt_index: torch.Tensor  # (R, P) flat positions of each row's prompt, padded with 0
-    prompt_valid: torch.Tensor  # (R, P) bool
-    prompt_mask: torch.Tensor  # (R, 1, P, P) bool: causal over the valid prompt keys
+    prompt_index: torch.Tensor  # (R, Pq) flat positions of each row's prompt queries, padded with 0
+    prompt_valid: torch.Tensor  # (R, Pq) bool
+    key_index: torch.Tensor  # (R, Pk) flat positions of the prompt keys each row sees: shared prefix, own prompt
+    key_valid: torch.Tensor  # (R, Pk) bool
+    prompt_mask: torch.Tensor  # (R, 1, Pq, Pk) bool: causal over the valid prompt keys
     completion_index: torch.Tensor  # (C, T) flat positions of each completion's input tokens, padded
     completion_valid: torch.Tensor  # (C, T) bool
     completion_row: torch.Tensor  # (C,) the packed row (group) of each completion
-    completion_mask: torch.Tensor  # (C, 1, T, P + T) bool: own prompt, then own tokens causally
-    output_source: torch.Tensor  # (R*L,) row of [prompt outputs (R*P), completion outputs (C*T), zero] per position
+    completion_mask: torch.Tensor  # (C, 1, T, Pk + T) bool: its row's prompt keys, then own tokens causally
+    output_source: torch.Tensor  # (R*L,) row of [prompt outputs (R*Pq), completion outputs (C*T), zero] per position
 
     def to(self, device) -> GroupedLayout:
         return GroupedLayout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
 def build_layout(segments: torch.Tensor) -> GroupedLayout:
-    """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding."""
+    """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding, and
+    SHARED_SEGMENT (-2) = the prompts' common prefix, at the start of row 0 (speed/shared_prefix.py).
+
+    A row's prompt keys are the shared prefix's (row 0's) and then its own prompt's; its prompt queries
+    are its own prompt tokens (row 0: the prefix's too), so the prefix is computed once."""
     rows, width = segments.shape
-    prompts, completions, completion_rows = [], [], []
+    shared = (segments[0] == SHARED_SEGMENT).nonzero().flatten()  # flat positions of the prefix (row 0)
+    queries, keys, offsets, completions, completion_rows = [], [], [], [], []
     for row in range(rows):
         base = row * width
-        prompts.append(base + (segments[row] == 0).nonzero().flatten())
+        own = base + (segments[row] == 0).nonzero().flatten()
+        keys.append(torch.cat([shared, own]))
+        queries.append(keys[-1] if row == 0 else own)
+        offsets.append(0 if row == 0 else shared.numel())  # key slot of the row's first query
         for segment in segments[row].unique().tolist():
             if segment > 0:  # a completion of one token has no input positions, hence no segment
                 completions.append(base + (segments[row] == segment).nonzero().flatten())
                 completion_rows.append(row)
-    prompt_index, prompt_valid = _pad(prompts)  # (R, P)
+    prompt_index, prompt_valid = _pad(queries)  # (R, Pq)
+    key_index, key_valid = _pad(keys)  # (R, Pk)
     completion_index, completion_valid = _pad(completions)  # (C, T)
     completion_row = torch.tensor(completion_rows, dtype=torch.long)  # (C,)
 
-    prompt_length, completion_length = prompt_index.shape[1], completion_index.shape[1]
-    causal_prompt = torch.ones(prompt_length, prompt_length, dtype=torch.bool).tril()
-    prompt_mask = causal_prompt & prompt_valid[:, None, :]  # (R, P, P)
-    prompt_mask |= torch.eye(prompt_length, dtype=torch.bool)  # padded queries see themselves: never NaN
+    query_length, key_length = prompt_index.shape[1], key_index.shape[1]
+    completion_length = completion_index.shape[1]
+    query_slot = torch.arange(query_length)[None, :, None] + torch.tensor(offsets)[:, None, None]  # (R, Pq, 1)
+    key_slot = torch.arange(key_length)[None, None, :]  # (1, 1, Pk)
+    prompt_mask = (key_slot <= query_slot) & key_valid[:, None, :]  # (R, Pq, Pk)
+    prompt_mask |= ~prompt_valid[:, :, None] & (key_slot == 0)  # padded queries see one real key: never NaN
     causal_own = torch.ones(completion_length, completion_length, dtype=torch.bool).tril()
     own = causal_own & completion_valid[:, None, :]  # (C, T, T)
-    sees_prompt = prompt_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, P)
-    completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, P + T)
+    sees_prompt = key_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, Pk)
+    completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, Pk + T)
     num_prompt_slots, num_completion_slots = prompt_index.numel(), completion_index.numel()
     output_source = torch.full((rows * width,), num_prompt_slots + num_completion_slots, dtype=torch.long)
     output_source[prompt_index[prompt_valid]] = torch.arange(num_prompt_slots)[prompt_valid.flatten()]
     output_source[completion_index[completion_valid]] = (
         num_prompt_slots + torch.arange(num_completion_slots)[completion_valid.flatten()])
-    return GroupedLayout(prompt_index, prompt_valid, prompt_mask[:, None], completion_index, completion_valid,
-                         completion_row, completion_mask[:, None], output_source)
+    return GroupedLayout(prompt_index, prompt_valid, key_index, key_valid, prompt_mask[:, None], completion_index,
+                         completion_valid, completion_row, completion_mask[:, None], output_source)
 
 
 def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +172,12 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     def gather(flat, index):  # (n, l) positions -> (n, heads, l, D)
         return take_rows(flat, index).transpose(1, 2)
 
-    prompt_k, prompt_v = gather(flat_k, layout.prompt_index), gather(flat_v, layout.prompt_index)  # (R, Hkv, P, D)
+    prompt_k, prompt_v = gather(flat_k, layout.key_index), gather(flat_v, layout.key_index)  # (R, Hkv, Pk, D)
     prompt_out = attention(
         gather(flat_q, layout.prompt_index), prompt_k, prompt_v, attn_mask=layout.prompt_mask,
         scale=scaling, enable_gqa=gqa,
-    )  # (R, H, P, D)
-    pieces = [prompt_out.transpose(1, 2).reshape(-1, heads, dim)]  # (R*P, H, D)
+    )  # (R, H, Pq, D)
+    pieces = [prompt_out.transpose(1, 2).reshape(-1, heads, dim)]  # (R*Pq, H, D)
     if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs
         pieces.append(pieces[0].new_zeros(layout.completion_index.numel(), heads, dim))  # keeps the slots' rows
     else:
@@ -166,7 +185,7 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
         own_v = gather(flat_v, layout.completion_index)
         completion_out = attention(
             gather(flat_q, layout.completion_index),
-            torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, P + T, D)
+            torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, Pk + T, D)
             torch.cat([take_rows(prompt_v, layout.completion_row), own_v], dim=2),
             attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
         )  # (C, H, T, D)

@@ -50,6 +50,7 @@ class LogprobPass:
     min_pack_ratio: float  # below this fill, a batch runs the padded pass anyway
     logit_chunk_tokens: int
     grouped_attention: bool  # speed.grouped_attention, packed pass only
+    shared_prefix: bool  # speed.shared_prefix: the prompts' common prefix once (grouped packed pass only)
     fast_linear: bool  # speed.fast_linear, auto resolved (fast_linear.resolve)
 
     @classmethod
@@ -60,7 +61,7 @@ class LogprobPass:
         plain_kernels = bool(getattr(model, "is_gradient_checkpointing", False))
         speed = cfg.speed
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
-                   speed.grouped_attention and not plain_kernels,
+                   speed.grouped_attention and not plain_kernels, speed.shared_prefix,
                    resolve_fast_linear(speed.fast_linear) and not plain_kernels)
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool) -> TokenStats:
@@ -68,7 +69,7 @@ class LogprobPass:
         with onednn_linears(model, self.fast_linear):
             if self.packed and pack_ratio(rollout, rows) >= self.min_pack_ratio:
                 return packed_logprobs(model, rollout, rows, temperature, with_entropy, self.logit_chunk_tokens,
-                                       self.grouped_attention)
+                                       self.grouped_attention, self.shared_prefix)
             group = rows // rollout.num_generations  # prompt index of each sample
             return completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
                                        rollout.completion_ids[rows], rollout.completion_mask[rows],

@@ -35,7 +35,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..rollout import Rollout
-from ..speed.grouped_attention import build_layout, grouped_attention, supported
+from ..speed.grouped_attention import SHARED_SEGMENT, build_layout, grouped_attention, supported
+from ..speed.shared_prefix import common_prefix
 from .logprobs import TokenStats
 
 PAD_SEGMENT = -1
@@ -51,21 +52,30 @@ class PackedBatch:
     targets: torch.Tensor  # (M,) the completion token predicted there
     sample: torch.Tensor  # (M,) chunk-local sample index of each target
     column: torch.Tensor  # (M,) its column in the completion tensors
-    segments: torch.Tensor  # (R, L) 0 = prompt, j > 0 = completion j, -1 = padding
+    segments: torch.Tensor  # (R, L) 0 = prompt, j > 0 = completion j, -1 = padding, -2 = shared prefix (row 0)
+    shared: int = 0  # tokens of the prompts' common prefix held once, in row 0 (speed.shared_prefix)
 
 
 def block_mask(segments: torch.Tensor) -> torch.Tensor:
-    """segments: (R, L), 0 = shared prompt, j > 0 = completion j, -1 = padding -> (R, 1, L, L)."""
+    """segments: (R, L), 0 = shared prompt, j > 0 = completion j, -1 = padding -> (R, 1, L, L).
+
+    A shared prefix (-2, row 0) is part of row 0's prompt here; the other rows cannot see it through a
+    per-row mask, so a pack with one runs grouped attention only (packed_logprobs)."""
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L)
     query, key = segments[:, :, None], segments[:, None, :]  # (R, L, 1), (R, 1, L)
-    allowed = causal & ((key == 0) | (key == query)) & (query != PAD_SEGMENT) & (key != PAD_SEGMENT)
+    prompt_key = (key == 0) | (key == SHARED_SEGMENT)
+    allowed = causal & (prompt_key | (key == query)) & (query != PAD_SEGMENT) & (key != PAD_SEGMENT)
     allowed |= torch.eye(length, dtype=torch.bool)  # padding rows attend to themselves, never NaN
     return allowed[:, None]
 
 
-def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
-    """Pack the samples `rows` (indices into the rollout) into one row per prompt."""
+def pack(rollout: Rollout, rows: torch.Tensor, share_prefix: bool = False) -> PackedBatch:
+    """Pack the samples `rows` (indices into the rollout) into one row per prompt.
+
+    share_prefix (speed.shared_prefix, grouped attention only): the prompts' common prefix is held once,
+    at the start of row 0 (segment -2); the other rows start with the rest of their prompt, at the
+    positions those tokens have after the prefix."""
     # Packing is host-side bookkeeping over small integer tensors: it reads CPU copies of a rollout
     # that may live on the GPU (no copies on a CPU run); packed_logprobs moves the result to the model.
     prompt_ids, prompt_mask = rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu()
@@ -74,13 +84,18 @@ def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
     groups: dict[int, list[int]] = {}
     for local, sample in enumerate(rows.tolist()):
         groups.setdefault(sample // rollout.num_generations, []).append(local)
+    prompts = {index: prompt_ids[index][prompt_mask[index].bool()] for index in groups}
+    shared = common_prefix(list(prompts.values())) if share_prefix else 0
     sequences, positions, segments = [], [], []
     sources: list[tuple[int, int, int, int, int]] = []  # (row, position, target, sample, column)
     for row, (prompt_index, members) in enumerate(groups.items()):
-        prompt = prompt_ids[prompt_index][prompt_mask[prompt_index].bool()]
+        prompt = prompts[prompt_index]
         prompt_length = prompt.numel()
-        pieces, position_pieces, segment_pieces = [prompt], [torch.arange(prompt_length)], [torch.zeros(prompt_length)]
-        offset = prompt_length
+        start = 0 if row == 0 else shared  # rows after the first leave the shared prefix to row 0
+        segment_ids = torch.zeros(prompt_length - start)
+        segment_ids[: shared - start] = SHARED_SEGMENT  # row 0's first `shared` tokens (none elsewhere)
+        pieces, position_pieces, segment_pieces = [prompt[start:]], [torch.arange(start, prompt_length)], [segment_ids]
+        offset = prompt_length - start  # the row's column after its prompt tokens
         for segment, local in enumerate(members, start=1):
             sample = int(rows[local])
             length = int(lengths[sample])
@@ -90,7 +105,7 @@ def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
             position_pieces.append(torch.arange(prompt_length, prompt_length + inputs.numel()))
             segment_pieces.append(torch.full((inputs.numel(),), float(segment)))
             for column in range(length):
-                position = prompt_length - 1 if column == 0 else offset + column - 1
+                position = prompt_length - start - 1 if column == 0 else offset + column - 1
                 sources.append((row, position, int(completion[column]), local, column))
             offset += inputs.numel()
         sequences.append(torch.cat(pieces))
@@ -105,7 +120,7 @@ def pack(rollout: Rollout, rows: torch.Tensor) -> PackedBatch:
         position_ids[row, : pos.numel()] = pos
         segment_ids[row, : seg.numel()] = seg
     source = torch.tensor(sources, dtype=torch.long).reshape(-1, 5)  # (M, 5)
-    return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1), segment_ids)
+    return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1), segment_ids, shared)
 
 
 def backbone_and_head(model):
@@ -174,17 +189,20 @@ def packed_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
     grouped: bool = False,
+    shared_prefix: bool = False,
 ) -> TokenStats:
     """Same result as logprobs.completion_logprobs on the same samples, from a packed pass.
 
     grouped (speed.grouped_attention): attention on the allowed blocks only
     (grouped_attention.py) instead of the dense kernel under the block mask.
+    shared_prefix (speed.shared_prefix, with grouped attention only): the prompts' common prefix once.
     """
-    packed = pack(rollout, rows)
     backbone, head = backbone_and_head(model)
+    grouped = grouped and supported(backbone)
+    packed = pack(rollout, rows, share_prefix=shared_prefix and grouped)
     device = head.weight.device
     extra, attention = {}, contextlib.nullcontext()
-    if grouped and supported(backbone):
+    if grouped:
         extra["hasten_layout"] = build_layout(packed.segments).to(device)
         attention = grouped_attention(backbone)
     with attention:

@@ -186,8 +186,9 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
                 raise ConfigError(f"config error: speed.engine=lean cannot run this model ({reason})") from None
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
-            return speculative(cfg, policy, LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
-                                                       cfg.speed.generation_precision), log)
+            engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
+                                cfg.speed.generation_precision, cfg.speed.shared_prefix)
+            return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the "
                           f"lean engine, which cannot run this model")
