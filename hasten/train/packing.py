@@ -29,13 +29,14 @@ Mistral, ...); for anything else set speed.packed_learning=false.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..rollout import Rollout
-from ..speed.grouped_attention import SHARED_SEGMENT, build_layout, grouped_attention, supported
+from ..speed.grouped_attention import SHARED_SEGMENT, GroupedLayout, build_layout, grouped_attention, supported
 from ..speed.shared_prefix import common_prefix
 from .logprobs import TokenStats
 
@@ -123,6 +124,27 @@ def pack(rollout: Rollout, rows: torch.Tensor, share_prefix: bool = False) -> Pa
     return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1), segment_ids, shared)
 
 
+def without_padding(packed: PackedBatch, layout: GroupedLayout) -> tuple[PackedBatch, GroupedLayout]:
+    """Grouped attention finds every block by index, so the rows need not be rows: the real tokens of all
+    of them become one row of exactly that many tokens. The padding that evened the rows out (the longest
+    group sets the width, and with a shared prefix row 0 is longer by it) is not computed at all."""
+    rows, width = packed.segments.shape
+    real = (packed.segments != PAD_SEGMENT).flatten()  # (R*L,)
+    tokens = int(real.sum())
+    compact = torch.zeros(rows * width, dtype=torch.long)  # padded flat position -> its place in the one row
+    compact[real] = torch.arange(tokens)  # a padding slot maps to 0: the layout masks what it reads there
+    layout = dataclasses.replace(
+        layout, prompt_index=compact[layout.prompt_index], key_index=compact[layout.key_index],
+        completion_index=compact[layout.completion_index], output_source=layout.output_source[real])
+    source = compact[packed.source_row * width + packed.source_position]  # (M,)
+    packed = dataclasses.replace(
+        packed, input_ids=packed.input_ids.flatten()[real][None], position_ids=packed.position_ids.flatten()[real][None],
+        # a placeholder of the right shape (grouped attention ignores it): every model path takes a 4D mask as is
+        attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, tokens, tokens),
+        source_row=torch.zeros_like(source), source_position=source)
+    return packed, layout
+
+
 def backbone_and_head(model):
     """(decoder stack, lm_head) of a causal LM, looking through a peft wrapper."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -203,7 +225,8 @@ def packed_logprobs(
     device = head.weight.device
     extra, attention = {}, contextlib.nullcontext()
     if grouped:
-        extra["hasten_layout"] = build_layout(packed.segments).to(device)
+        packed, layout = without_padding(packed, build_layout(packed.segments))
+        extra["hasten_layout"] = layout.to(device)
         attention = grouped_attention(backbone)
     with attention:
         hidden = backbone(
@@ -211,7 +234,7 @@ def packed_logprobs(
             attention_mask=packed.attention_mask.to(device),
             position_ids=packed.position_ids.to(device),
             **extra,
-        ).last_hidden_state  # (R, L, H)
+        ).last_hidden_state  # (R, L, H); grouped: (1, tokens, H)
     hidden = hidden[packed.source_row.to(device), packed.source_position.to(device)]  # (M, H)
     targets = packed.targets.to(device)
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
