@@ -13,7 +13,11 @@ the prompt for every completion, so each completion sees exactly the
 positions and keys it saw when it was sampled. The result equals the plain
 pass up to float rounding (tests/test_packing.py, 1e-4 in fp32).
 
-Two more savings come with it:
+More savings come with it:
+- with grouped attention (speed.grouped_attention) the rows are not padded
+  to the longest: all their real tokens run as one row (without_padding),
+  and the prompts' common prefix is held once (speed.shared_prefix,
+  speed/shared_prefix.py);
 - a completion's last token is only ever a target, never an input, so it is
   left out of the row;
 - logits are computed only at positions that predict a completion token, in
