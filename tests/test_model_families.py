@@ -108,6 +108,24 @@ def test_packed_pass_and_gradients_equal_transformers(family, tokenizer, grouped
         assert torch.allclose(parameter.grad, hf_grads[name].grad, atol=1e-5, rtol=1e-4), (kind, name)
 
 
+def test_grouped_pass_with_a_shared_prefix_on_either_implementation(family, tokenizer):
+    """The unpadded grouped pass with the prompts' common prefix held once (speed.shared_prefix), run on
+    transformers' own class of the family (its mask handling takes the one-row placeholder mask) and on the
+    native copy: the plain pass's log-probs."""
+    from test_shared_prefix import PREFIXED
+
+    kind, hf, native = family
+    prompts = [tokenizer(text)["input_ids"] for text in PREFIXED]
+    rollout = make_engine(hf, tokenizer).generate(prompts, 3, SamplingParams(max_new_tokens=10), seed=0)
+    rows = torch.arange(rollout.num_samples)
+    mask = rollout.completion_mask.bool()
+    with torch.no_grad():
+        expected = plain(hf, rollout, rows)
+        for model in (hf, native):
+            got = packed_logprobs(model, rollout, rows, 1.0, False, 0, grouped=True, shared_prefix=True)
+            assert (expected.logps - got.logps)[mask].abs().max() < 1e-4, (kind, type(model).__name__)
+
+
 def test_lean_engine_samples_what_the_kv_cache_engine_samples_on_transformers(family, tokenizer):
     kind, hf, native = family
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]

@@ -30,6 +30,10 @@ sampling 6.5, the rest ~10. Choices, in order of effect:
   (lm_head runs as its module only when hooks are on it): F.rms_norm in
   fp32, RoPE from a cos/sin table made from the model's inv_freq with
   HF's arithmetic (models/llama.py's functions), SDPA for the prefill.
+- speed.shared_prefix: the prompts' common prefix (chat header, system prompt,
+  worked example) is prefilled once, as one sequence, and each prompt's rest
+  against its K/V (GroupCache.attend_prefix / attend_rest); the decode steps
+  are unchanged. A 64-question evaluation of the demo: 10.2 -> 6.2 s.
 - Each prompt is prefilled once; its K/V stay in one copy per prompt, and a
   decode step attends to them through a (prompt, sample) grid (`GroupCache`),
   so the prompt part is read once per group: attention is memory-bound, 29 ->
@@ -417,10 +421,9 @@ class LeanEngine:
         shared = common_prefix(prompts) if self.shared_prefix else 0
         # With a shared prefix the cache's columns are [prefix, each prompt's rest left-padded]; the
         # decode steps read keys through the mask and never need the pad's place.
-        layout_ids, layout_mask = prompt_ids, prompt_mask
+        layout_mask = prompt_mask
         if shared:
             rest_ids, rest_mask = left_pad([prompt[shared:] for prompt in prompts], self.pad_token_id)  # (B, P - C)
-            layout_ids = torch.cat([torch.tensor(prompts[0][:shared]).expand(num_prompts, -1), rest_ids], dim=1)
             layout_mask = torch.cat([torch.ones(num_prompts, shared, dtype=rest_mask.dtype), rest_mask], dim=1)
         cache = GroupCache(self, layout_mask.to(device), num_generations, steps)
 
@@ -428,10 +431,11 @@ class LeanEngine:
         positions = (layout_mask.cumsum(-1) - 1).clamp(min=0).to(device)  # (B, P)
         if shared:
             cache.share_prefix(shared)
-            self._layers(F.embedding(layout_ids[:1, :shared].to(device), embedding),  # (1, C, H)
+            prefix = torch.tensor(prompts[0][:shared], dtype=torch.long, device=device)[None]  # (1, C)
+            self._layers(F.embedding(prefix, embedding),  # (1, C, H)
                          cos[:shared][None, None], signed_sin[:shared][None, None], cache.attend_prefix)
             rest = positions[:, shared:]
-            hidden = self._layers(F.embedding(layout_ids[:, shared:].to(device), embedding),  # (B, P - C, H)
+            hidden = self._layers(F.embedding(rest_ids.to(device), embedding),  # (B, P - C, H)
                                   cos[rest][:, None], signed_sin[rest][:, None], cache.attend_rest)
         else:
             hidden = self._layers(F.embedding(prompt_ids.to(device), embedding),  # (B, P, H)
