@@ -51,7 +51,6 @@ PAD_SEGMENT = -1
 class PackedBatch:
     input_ids: torch.Tensor  # (R, L) one row per group present in the chunk
     position_ids: torch.Tensor  # (R, L)
-    attention_mask: torch.Tensor  # (R, 1, L, L) bool, True = may attend
     source_row: torch.Tensor  # (M,) row of the position that predicts each completion token
     source_position: torch.Tensor  # (M,) its column
     targets: torch.Tensor  # (M,) the completion token predicted there
@@ -125,7 +124,7 @@ def pack(rollout: Rollout, rows: torch.Tensor, share_prefix: bool = False) -> Pa
         position_ids[row, : pos.numel()] = pos
         segment_ids[row, : seg.numel()] = seg
     source = torch.tensor(sources, dtype=torch.long).reshape(-1, 5)  # (M, 5)
-    return PackedBatch(input_ids, position_ids, block_mask(segment_ids), *source.unbind(dim=1), segment_ids, shared)
+    return PackedBatch(input_ids, position_ids, *source.unbind(dim=1), segment_ids, shared)
 
 
 def without_padding(packed: PackedBatch, layout: GroupedLayout) -> tuple[PackedBatch, GroupedLayout]:
@@ -143,8 +142,6 @@ def without_padding(packed: PackedBatch, layout: GroupedLayout) -> tuple[PackedB
     source = compact[packed.source_row * width + packed.source_position]  # (M,)
     packed = dataclasses.replace(
         packed, input_ids=packed.input_ids.flatten()[real][None], position_ids=packed.position_ids.flatten()[real][None],
-        # a placeholder of the right shape (grouped attention ignores it): every model path takes a 4D mask as is
-        attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, tokens, tokens),
         source_row=torch.zeros_like(source), source_position=source)
     return packed, layout
 
@@ -232,10 +229,16 @@ def packed_logprobs(
         packed, layout = without_padding(packed, build_layout(packed.segments))
         extra["hasten_layout"] = layout.to(device)
         attention = grouped_attention(backbone)
+        # grouped attention ignores the mask: a placeholder of the right shape, which every model path
+        # takes as is (a 4D mask), so no (L, L) block mask is built for nothing
+        tokens = packed.input_ids.shape[1]
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, tokens, tokens)
+    else:
+        mask = block_mask(packed.segments).to(device)  # (R, 1, L, L)
     with attention:
         hidden = backbone(
             input_ids=packed.input_ids.to(device),
-            attention_mask=packed.attention_mask.to(device),
+            attention_mask=mask,
             position_ids=packed.position_ids.to(device),
             **extra,
         ).last_hidden_state  # (R, L, H); grouped: (1, tokens, H)
