@@ -234,3 +234,48 @@ print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if
     with torch.no_grad():  # transformers' own forward varied by up to 4e-3 between two calls in one process here
         expected, actual = hf_model(ids).logits, native(ids).logits
     assert torch.allclose(expected, actual, atol=1e-2) and torch.equal(expected.argmax(-1), actual.argmax(-1))
+
+
+def _file_mapped(tensor: torch.Tensor, path) -> bool:
+    """True when the tensor's first byte lies in a mapping of `path` (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(end, 16) for end in fields[0].split("-"))
+            if low <= address < high:
+                return len(fields) == 6 and fields[5].strip() == str(path)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("native", [True, False])
+def test_full_fine_tune_weights_are_not_the_files_pages(tmp_path, tokenizer, native):
+    """safetensors maps the weights file copy-on-write and both loaders keep those pages as the
+    parameters; load_policy copies them for a full fine-tune (the first optimizer step would otherwise
+    fault on every 4 KiB page), and a LoRA base stays on the file, which nothing writes."""
+    from hasten.config import ModelConfig
+    from hasten.models import load_policy
+    from hasten.models.tiny import tiny_model
+
+    tiny_model(len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    weights = (tmp_path / "model.safetensors").resolve()
+    raw = NativeLlamaForCausalLM.from_pretrained(tmp_path)  # the loader alone: the check sees the mapping
+    assert any(_file_mapped(p, weights) for p in raw.parameters())
+    del raw
+
+    policy = load_policy(ModelConfig(name=str(tmp_path)), log=lambda text: None, native=native)
+    assert not any(_file_mapped(p, weights) for p in policy.model.parameters())
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    reloaded = dict(load_policy(ModelConfig(name=str(tmp_path)), log=lambda text: None,
+                                native=native).model.named_parameters())
+    assert all(torch.equal(before[name], reloaded[name]) for name in before)  # the same values
+    head = policy.model.get_output_embeddings().weight
+    if policy.model.config.tie_word_embeddings:
+        assert head is policy.model.get_input_embeddings().weight  # still tied
+
+    lora = load_policy(ModelConfig(name=str(tmp_path), lora=True, lora_r=4), log=lambda text: None,
+                       native=native)
+    base = [p for name, p in lora.model.named_parameters() if "lora_" not in name]
+    assert any(_file_mapped(p, weights) for p in base)
