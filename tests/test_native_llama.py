@@ -263,17 +263,16 @@ def test_full_fine_tune_weights_are_not_the_files_pages(tmp_path, tokenizer, nat
     weights = (tmp_path / "model.safetensors").resolve()
     raw = NativeLlamaForCausalLM.from_pretrained(tmp_path)  # the loader alone: the check sees the mapping
     assert any(_file_mapped(p, weights) for p in raw.parameters())
+    expected = {name: p.detach().clone() for name, p in raw.named_parameters()}
     del raw
 
     policy = load_policy(ModelConfig(name=str(tmp_path)), log=lambda text: None, native=native)
     assert not any(_file_mapped(p, weights) for p in policy.model.parameters())
-    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
-    reloaded = dict(load_policy(ModelConfig(name=str(tmp_path)), log=lambda text: None,
-                                native=native).model.named_parameters())
-    assert all(torch.equal(before[name], reloaded[name]) for name in before)  # the same values
-    head = policy.model.get_output_embeddings().weight
-    if policy.model.config.tie_word_embeddings:
-        assert head is policy.model.get_input_embeddings().weight  # still tied
+    loaded = dict(policy.model.named_parameters())
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)  # the file's values
+    assert policy.model.config.tie_word_embeddings  # the tiny model ties its head: still one tensor
+    assert policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight
 
     lora = load_policy(ModelConfig(name=str(tmp_path), lora=True, lora_r=4), log=lambda text: None,
                        native=native)
