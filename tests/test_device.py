@@ -81,6 +81,27 @@ def test_profiles_decide_from_the_models_device(monkeypatch):
     assert resolve("balanced", on_gpu)["speed.precision"] == "fp32"
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_balanced_samples_in_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, native_bf16):
+    import hasten.device
+
+    monkeypatch.setattr(hasten.device, "cpu_has_native_bf16", lambda: native_bf16)
+    on_cpu = load_config(overrides=[("model.device", "cpu")])
+    expected = "bf16" if native_bf16 else "fp32"
+    assert resolve("balanced", on_cpu)["speed.generation_precision"] == expected
+    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == expected
+    for name in ("baseline", "conservative"):
+        assert resolve(name, on_cpu)["speed.generation_precision"] == "fp32"
+    hf_engine = load_config(overrides=[("model.device", "cpu"), ("speed.engine", "hf")])
+    assert resolve("balanced", hf_engine)["speed.generation_precision"] == "fp32"  # the lean engine's option
+    explicit = load_config(overrides=[("model.device", "cpu"), ("speed.generation_precision", "fp32")],
+                           profile="balanced")
+    assert explicit.speed.generation_precision == "fp32"  # an explicit value wins over the profile
+    fake_gpus(monkeypatch)
+    on_gpu = load_config(overrides=[("model.device", "cuda")])
+    assert resolve("balanced", on_gpu)["speed.generation_precision"] == "fp32"  # not measured on a GPU
+
+
 def test_peak_memory_on_the_cpu_is_the_resident_set():
     assert peak_memory_mib(torch.device("cpu")) > 10
 

@@ -190,8 +190,9 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
                                 cfg.speed.generation_precision, cfg.speed.shared_prefix)
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
-        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the "
-                          f"lean engine, which cannot run this model")
+        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
+                          f"--profile balanced on this CPU, or by you) needs the lean engine, which cannot run this "
+                          f"model; add --speed.generation_precision=fp32")
     if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
                           "which cannot run this model (see above)")
