@@ -255,7 +255,7 @@ def test_full_fine_tune_weights_are_not_the_files_pages(tmp_path, tokenizer, nat
     parameters; load_policy copies them for a full fine-tune (the first optimizer step would otherwise
     fault on every 4 KiB page), and a LoRA base stays on the file, which nothing writes."""
     from hasten.config import ModelConfig
-    from hasten.models import load_policy
+    from hasten.models import load_policy, own_memory
     from hasten.models.tiny import tiny_model
 
     tiny_model(len(tokenizer)).save_pretrained(tmp_path)
@@ -273,6 +273,10 @@ def test_full_fine_tune_weights_are_not_the_files_pages(tmp_path, tokenizer, nat
     assert all(torch.equal(loaded[name], expected[name]) for name in expected)  # the file's values
     assert policy.model.config.tie_word_embeddings  # the tiny model ties its head: still one tensor
     assert policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight
+
+    owned = {name: p.data_ptr() for name, p in policy.model.named_parameters()}
+    own_memory(policy.model)  # memory torch owns already is not copied again
+    assert {name: p.data_ptr() for name, p in policy.model.named_parameters()} == owned
 
     lora = load_policy(ModelConfig(name=str(tmp_path), lora=True, lora_r=4), log=lambda text: None,
                        native=native)

@@ -228,7 +228,7 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
 
 @torch.no_grad()
 def own_memory(model) -> None:
-    """Give every CPU parameter memory of its own instead of the weights file's pages.
+    """Give every CPU parameter that lies in memory torch does not own (the weights file's pages) a copy.
 
     safetensors maps the file copy-on-write (MAP_PRIVATE), and both loaders keep
     the mapped tensors as the parameters when the dtype already matches
@@ -237,11 +237,13 @@ def own_memory(model) -> None:
     copy-on-write fault per 4 KiB: on SmolLM2 131k faults that took the demo's
     first AdamW step from 0.08 to 2.4 s (its first learning pass 7.4-8.3 s
     against 5.5-5.9 s with this copy, 2026-11-24, Intel Xeon VM). One bulk copy
-    here costs ~0.2 s. Assigning `.data` keeps the Parameter objects, so tied
-    weights stay tied; it runs before any engine or optimizer holds a reference.
+    here costs ~0.2 s. Only storages torch did not allocate (not resizable: the
+    mapping) are copied, so a dtype-converted or in-memory model is not copied twice.
+    Assigning `.data` keeps the Parameter objects, so tied weights stay tied; it
+    runs before any engine or optimizer holds a reference.
     """
     for parameter in model.parameters():
-        if parameter.device.type == "cpu":
+        if parameter.device.type == "cpu" and not parameter.untyped_storage().resizable():
             parameter.data = parameter.data.clone()
 
 

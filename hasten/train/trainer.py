@@ -191,7 +191,7 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
-                          f"--profile balanced on this CPU, or by you) needs the lean engine, which cannot run this "
+                          f"--profile balanced/aggressive on this CPU, or by you) needs the lean engine, which cannot run this "
                           f"model; add --speed.generation_precision=fp32")
     if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
