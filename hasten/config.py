@@ -152,6 +152,7 @@ class SpeedConfig:
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
     shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (speed/shared_prefix.py)
+    skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (speed/zero_advantage.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
     fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (train/fast_linear.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine

@@ -55,6 +55,14 @@ class LossInputs:
     max_completion_length: int  # dr_grpo's constant normaliser
     num_chunks: int = 1  # chunks the batch is split into (bnpo averages chunks)
     importance_weights: torch.Tensor | None = None  # (N, T) detached per-token weights (vLLM's TIS), None = 1
+    # The chunk's whole loss mask when some of its samples were left out of the pass (they cannot have a
+    # gradient: speed/zero_advantage.py); bnpo and the clip metrics count its tokens. None = completion_mask.
+    chunk_mask: torch.Tensor | None = None
+
+    @property
+    def chunk_tokens(self) -> torch.Tensor:
+        mask = self.completion_mask if self.chunk_mask is None else self.chunk_mask
+        return mask.sum().clamp(min=1)
 
 
 Metrics = dict[str, float]
@@ -76,7 +84,7 @@ def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Ten
     losses = -torch.min(ratio * advantages, clipped * advantages)  # (N, T)
     if inputs.importance_weights is not None:  # before the KL term, as TRL applies it
         losses = losses * inputs.importance_weights
-    tokens = mask.sum().clamp(min=1)
+    tokens = inputs.chunk_tokens
     with torch.no_grad():
         low = ((ratio < 1 - settings.epsilon) & (advantages < 0)).float()
         high = ((ratio > 1 + settings.upper) & (advantages > 0)).float()
@@ -100,8 +108,7 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
 
 def bnpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
     losses, metrics = _token_losses(inputs, settings)
-    tokens = inputs.completion_mask.sum().clamp(min=1)
-    return losses.sum() / tokens / inputs.num_chunks, metrics
+    return losses.sum() / inputs.chunk_tokens / inputs.num_chunks, metrics
 
 
 def dr_grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
@@ -125,7 +132,8 @@ def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     if inputs.importance_weights is not None:  # TRL weights the broadcast per-token loss: the token mean here
         losses = losses * (inputs.importance_weights * mask).sum(dim=1) / lengths
     with torch.no_grad():
-        sequences = present.sum().clamp(min=1)
+        chunk = mask if inputs.chunk_mask is None else inputs.chunk_mask.to(mask.dtype)
+        sequences = (chunk.sum(dim=1) > 0).sum().clamp(min=1)
         low = (ratio < 1 - settings.epsilon) & (inputs.advantages < 0)
         high = (ratio > 1 + settings.upper) & (inputs.advantages > 0)
         metrics = {
@@ -136,7 +144,7 @@ def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     if kl is not None and settings.beta > 0:
         losses = losses + settings.beta * (kl * mask).sum(dim=1) / lengths
         # Logged token-weighted, as the other losses (and TRL) log it.
-        metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        metrics["kl"] = float((kl.detach() * mask).sum() / inputs.chunk_tokens)
     return (losses * present).sum() / inputs.total_sequences, metrics
 
 

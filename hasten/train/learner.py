@@ -34,6 +34,7 @@ from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
 from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
+from ..speed.zero_advantage import learning_rows
 from . import distributed, fsdp
 from .fast_linear import onednn_linears, resolve as resolve_fast_linear
 from .logprobs import TokenStats, completion_logprobs
@@ -116,6 +117,8 @@ class Learner:
         # Whose log-probs an importance correction compares against: vllm/* or bf16_sampler/* metrics.
         self.sampler = "vllm" if cfg.speed.engine == "vllm" else "bf16_sampler"
         self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
+        # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
+        self.skip_samples = cfg.speed.skip_zero_advantage and not fsdp.is_sharded(policy.model)
 
     def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None,
              off_policy: bool = False, importance_cap: float | None = None) -> dict[str, float]:
@@ -139,15 +142,21 @@ class Learner:
         chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
                                self.cfg.speed.packed_learning)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
-        ref_logps = self._reference_logprobs(rollout, chunks) if self.reference is not None else None
+        # speed.skip_zero_advantage: each chunk's samples that can have a gradient (speed/zero_advantage.py)
+        passes = ([learning_rows(rows, advantages, mask, self.settings.beta) for rows in chunks]
+                  if self.skip_samples else chunks)
+        ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
         # The loss is normalised over the global batch: under torchrun this rank's rollout is its share
         # (distributed.py), and the rank losses must add up to the one-process loss.
         total_tokens = distributed.sum_over_ranks(float(mask.sum()))
         total_sequences = int(distributed.sum_over_ranks(rollout.num_samples))
         num_chunks = len(chunks) * distributed.world_size()  # bnpo averages every rank's chunks
         old_logps: list[torch.Tensor | None] = [None] * len(chunks)
-        metric_sums: dict[str, float] = {}
-        entropy_sum = 0.0
+        # Every key a loss reports, so a rank (or a step) whose samples were all skipped reports the same keys.
+        metric_sums: dict[str, float] = {"clip_ratio/low": 0.0, "clip_ratio/high": 0.0}
+        if ref_logps is not None and self.settings.beta > 0:
+            metric_sums["kl"] = 0.0
+        entropy_sum = entropy_tokens = 0.0
         mismatch = OffPolicyStats("async") if off_policy else None
         correction = OffPolicyStats(self.sampler) if importance_cap is not None else None
         weights: list[torch.Tensor | None] = [None] * len(chunks)  # per chunk (rows, T), fixed at iteration 0
@@ -155,7 +164,9 @@ class Learner:
         grad_norm = 0.0
         for iteration in range(self.cfg.algo.num_iterations):
             loss_total = 0.0
-            for index, rows in enumerate(chunks):
+            for index, rows in enumerate(passes):
+                if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
+                    continue
                 fsdp.before_pass(model)  # FSDP: the root's weights for the packed pass; else nothing
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
                     stats = self.logprob_pass(model, rollout, rows, with_entropy=iteration == 0)
@@ -172,25 +183,32 @@ class Learner:
                     if self.cfg.algo.num_iterations > 1:
                         old_logps[index] = old
                     entropy_sum += float((stats.entropy * mask[rows]).sum())
+                    entropy_tokens += float(mask[rows].sum())
                 else:
                     old = old_logps[index]
+                device = stats.logps.device
                 inputs = LossInputs(
                     logps=stats.logps,
                     old_logps=old,
                     ref_logps=None if ref_logps is None else ref_logps[index],
-                    advantages=advantages[rows].to(stats.logps.device),
-                    completion_mask=mask[rows].to(stats.logps.device),
+                    advantages=advantages[rows].to(device),
+                    completion_mask=mask[rows].to(device),
                     total_tokens=total_tokens,
                     total_sequences=total_sequences,
                     max_completion_length=rollout.sampling.max_new_tokens,
                     num_chunks=num_chunks,
                     importance_weights=weights[index],
+                    chunk_mask=None if rows is chunks[index] else mask[chunks[index]].to(device),
                 )
                 loss, metrics = self.loss_fn(inputs, self.settings)
                 self.optimization.backward(loss)
                 loss_total += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value / len(chunks)
+            if not any(rows.numel() for rows in passes):
+                # Nothing could have a gradient: a zero one, as the plain pass's, so AdamW still decays its
+                # moments (a None gradient would skip the parameter). Through backward: a GradScaler sees it.
+                self.optimization.backward(sum(parameter.view(-1)[0] for parameter in self.parameters) * 0.0)
             loss_total = distributed.sum_over_ranks(loss_total)
             grad_norm = self.optimization.step(loss_total)
         iterations = self.cfg.algo.num_iterations
@@ -198,9 +216,15 @@ class Learner:
         out.update(
             loss=loss_total,
             grad_norm=grad_norm,
-            entropy=distributed.sum_over_ranks(entropy_sum) / max(total_tokens, 1.0),
             lr=lr,
         )
+        entropy_tokens = distributed.sum_over_ranks(entropy_tokens)
+        if entropy_tokens > 0:  # the tokens that went through the pass (all of them unless some were skipped)
+            out["entropy"] = distributed.sum_over_ranks(entropy_sum) / entropy_tokens
+        if self.skip_samples:
+            learned = sum(rows.numel() for rows in passes)
+            out["learn/skipped_samples"] = distributed.mean_over_ranks(
+                {"skipped": 1.0 - learned / max(rollout.num_samples, 1)})["skipped"]
         for tracker in (mismatch, correction):
             if tracker is not None:
                 out.update(tracker.metrics())
@@ -209,8 +233,9 @@ class Learner:
         return out
 
     @torch.no_grad()
-    def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor]:
+    def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor | None]:
         offload = self.cfg.speed.offload_reference and self.reference.frozen is not None
         with self.reference.active() as reference_model, on_device(reference_model, self.device, offload), \
                 self.optimization.autocast():
-            return [self.logprob_pass(reference_model, rollout, rows, False).logps for rows in chunks]
+            return [self.logprob_pass(reference_model, rollout, rows, False).logps if rows.numel() else None
+                    for rows in chunks]
