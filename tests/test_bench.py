@@ -360,7 +360,6 @@ def test_header_has_matmul_rates_at_the_model_shapes_and_wait_variables():
 
 
 def test_training_clock_excludes_saving_and_saves_at_marks_and_at_the_end(tmp_path):
-    import time
 
     from hasten.bench.b5 import TrainingClock
 
@@ -454,7 +453,7 @@ def test_b5_only_profiles_skips_the_config_run(capsys, tmp_path):
     """--b5-only-profiles: the hasten runs are the variants (and profiles) alone; without any it is refused."""
     _, payload = run_bench(capsys, "--workloads", "B5", "--peers", "none", "--b5-dir", str(tmp_path / "b5"),
                            "--b5-only-profiles", "--b5-variant", "lr:train.lr=2e-5")
-    rows = check_b5(payload, {"hasten lr"}, [0])
+    check_b5(payload, {"hasten lr"}, [0])
     assert payload["workloads"]["B5"]["settings"]["hasten lr"]["train"]["lr"] == 2e-5
     assert not (tmp_path / "b5" / "hasten-seed0").exists()
     code = main(["--workloads", "B5", "--quick", "--peers", "none", "--b5-only-profiles", "--json-only"])

@@ -82,7 +82,7 @@ def test_exact_and_flags():
     (f"<fen>{AFTER_E4}</fen>\n<flags>none</flags>.", 1.0),
     (f"<fen>{AFTER_E4}</fen>\n<flags>none</flags> and more words", 0.5),
     (f"<fen>{AFTER_E4}</fen>", 0.5),
-    (f"<fen>a</fen><fen>b</fen><flags>none</flags>", 0.5),
+    ("<fen>a</fen><fen>b</fen><flags>none</flags>", 0.5),
     ("<flags>none</flags>", 0.0),
     (AFTER_E4, 0.0),
 ])

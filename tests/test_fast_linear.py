@@ -3,7 +3,6 @@ updates as F.linear (fp32, float rounding only), and the model is restored."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -11,11 +10,8 @@ import torch.nn.functional as F
 
 from conftest import learner_step, rollout_of
 from hasten.algo import group_advantages
-from hasten.config import Config
-from hasten.models import Policy
 from hasten.train import fast_linear
 from hasten.train.fast_linear import OneDNNLinear, onednn_linears
-from hasten.train.learner import Learner
 
 pytestmark = pytest.mark.skipif(not fast_linear.available(), reason="torch built without oneDNN's fp32 linear")
 

@@ -244,7 +244,6 @@ def test_clipped_tokens_have_no_gradient():
     inputs = make_inputs(requires_grad=True)
     loss, _ = LOSSES["dapo"](inputs, SETTINGS)
     loss.backward()
-    grad = inputs.logps.grad
     # d/dlogp of -r*A/6 is -r*A/6 where unclipped; 0 where clipped or masked
     # seq0: t0 clipped high; t1 r=1.25 inside [0.8, 1.28]; t2 r=0.5 < 0.8 but A > 0, so
     #       min(r*A, 0.8*A) = r*A is the unclipped branch

@@ -3,16 +3,13 @@ budget, and the learner's gradient does not depend on how the batch is split."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from conftest import learner_step, rollout_of
 from hasten.algo import group_advantages
-from hasten.config import Config, ConfigError, load_config
-from hasten.models import Policy
-from hasten.train.learner import Learner
+from hasten.config import ConfigError, load_config
 from hasten.train.microbatch import count_tokens, micro_batches
 
 

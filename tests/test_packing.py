@@ -3,16 +3,12 @@ log-probs within 1e-4 (fp32), entropies, gradients, and the learner's loss."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from conftest import learner_step, rollout_of
-from hasten.config import Config
 from hasten.algo import group_advantages
-from hasten.models import Policy
-from hasten.train.learner import Learner
 from hasten.train.logprobs import completion_logprobs
 from hasten.train.packing import block_mask, pack, packed_logprobs
 

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
