@@ -132,3 +132,28 @@ def test_a_step_with_nothing_to_learn_still_decays_adamw_like_the_plain_path(sho
     assert fast["loss"] == plain["loss"] == 0.0 and fast["grad_norm"] == plain["grad_norm"] == 0.0
     assert fast["learn/skipped_samples"] == 1.0
     assert "entropy" in plain and "entropy" not in fast  # no token went through the pass
+
+
+def test_empty_loss_masks_are_skipped_and_importance_weights_kept(short_model, tokenizer):
+    """Truncated completions under mask_truncated_completions (an empty loss mask) learn nothing either;
+    with a bf16-like sampler's importance weights the gradient is still the plain pass's."""
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=8)
+    rollout.sampling_logprobs = rollout.sampling_logprobs + 0.05 * torch.randn(
+        rollout.sampling_logprobs.shape, generator=torch.Generator().manual_seed(4))
+    advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(5))  # none zero
+    loss_mask = rollout.completion_mask.clone()
+    loss_mask[[1, 6, 7]] = 0
+    results = [learner_step(short_model, tokenizer, rollout, advantages,
+                            lambda cfg, skip=skip: setattr(cfg.speed, "skip_zero_advantage", skip),
+                            loss_mask=loss_mask, importance_cap=2.0)
+               for skip in (False, True)]
+    (plain, plain_grads), (fast, fast_grads) = results
+    close(fast_grads, plain_grads)
+    assert fast["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert fast["learn/skipped_samples"] == pytest.approx(3 / rollout.num_samples)
+    # the sampler-mismatch metrics cover the learned tokens: the same ones here (skipped rows have no loss tokens)
+    assert fast["bf16_sampler/ratio_mean"] == pytest.approx(plain["bf16_sampler/ratio_mean"], rel=1e-5)
+
+    nothing, _ = learner_step(short_model, tokenizer, rollout, torch.zeros(rollout.num_samples),
+                              lambda cfg: None, importance_cap=2.0)
+    assert not any(key.startswith("bf16_sampler/") for key in nothing)  # no ratio of 0 for tokens never seen

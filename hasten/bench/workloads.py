@@ -262,6 +262,9 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 "peak_rss_mib": round(level_records[-1]["memory/peak_mib"]),  # the bench process, so far
                 "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
                 "completion_length": statistics.mean(r["completion_length"] for r in level_records),
+                # speed.skip_zero_advantage: samples with no gradient left out of the pass (MFU counts them all)
+                "skipped_samples": statistics.mean(r.get("learn/skipped_samples", 0.0)
+                                                   for r in level_records[measured]),
                 **load,
             },
         ))
@@ -292,6 +295,9 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         f"{', at each contention level' if len(levels) > 1 else ''}); median over rounds "
                         f"{'2' if rounds > 1 else '1'}..{rounds}; both sides get the same prompt rows; "
                         "samples differ (different random streams), so completion lengths differ a little")
+    result.notes.append("MFU counts the model FLOPs of every sample; hasten's learning pass leaves out the "
+                        "samples that cannot have a gradient (skipped_samples, speed.skip_zero_advantage), "
+                        "TRL's runs them")
     return result
 
 

@@ -19,11 +19,22 @@ total sequences, the chunk's own tokens for bnpo and the clip metrics:
 `LossInputs.chunk_mask`), so the loss and the gradient are the plain pass's
 up to float rounding (fewer rows in the matmuls). When every sample of a step
 is skipped, the gradient is a zero tensor, not None, so AdamW still decays
-its moments as the plain path's zero gradient makes it do.
+its moments as the plain path's zero gradient makes it do (and so for a
+parameter only skipped samples touched, e.g. a mixture-of-experts expert).
 
-What changes: `entropy` is the mean over the tokens that went through the
-pass (the plain pass averages all of them); `learn/skipped_samples` says what
-fraction was left out.
+What changes:
+- `entropy`, and the sampler-mismatch metrics (`async/*`, `vllm/*`,
+  `bf16_sampler/*`), are over the tokens that went through the pass (the
+  plain pass's cover all of them); a step where none did reports none of
+  them. All-equal groups are often the confident ones, so `entropy` reads a
+  little higher than the plain pass's. `learn/skipped_samples` says what
+  fraction was left out.
+- A skipped sample's log-probs are never computed, so one that is not
+  finite cannot make the loss NaN (0 * inf) and trip the NaN guard or the
+  fp16 GradScaler as it would in the plain pass.
+- With dropout (model.lora_dropout > 0) fewer rows draw fewer random
+  numbers, so the masks differ from the plain pass's: equal in
+  distribution, not within rounding.
 
 Not with FSDP (every rank must run the same forwards: its all-gathers are
 collectives); tests/test_zero_advantage.py compares gradients, losses and the

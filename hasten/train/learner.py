@@ -96,7 +96,11 @@ class OffPolicyStats:
         self.ratio_max = max(self.ratio_max, float(ratio.max()) if ratio.numel() else 0.0)
 
     def metrics(self) -> dict[str, float]:
-        tokens = max(self.tokens, 1.0)
+        """Over the tokens that went through the pass; none (every sample skipped: speed.skip_zero_advantage)
+        reports nothing rather than a ratio of 0."""
+        if self.tokens == 0:
+            return {}
+        tokens = self.tokens
         return {f"{self.prefix}/logp_abs_diff": self.abs_diff / tokens,
                 f"{self.prefix}/ratio_mean": self.ratio_sum / tokens, f"{self.prefix}/ratio_max": self.ratio_max}
 
@@ -145,6 +149,7 @@ class Learner:
         # speed.skip_zero_advantage: each chunk's samples that can have a gradient (speed/zero_advantage.py)
         passes = ([learning_rows(rows, advantages, mask, self.settings.beta) for rows in chunks]
                   if self.skip_samples else chunks)
+        learned = sum(rows.numel() for rows in passes)  # samples that go through the pass
         ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
         # The loss is normalised over the global batch: under torchrun this rank's rollout is its share
         # (distributed.py), and the rank losses must add up to the one-process loss.
@@ -205,10 +210,8 @@ class Learner:
                 loss_total += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value / len(chunks)
-            if not any(rows.numel() for rows in passes):
-                # Nothing could have a gradient: a zero one, as the plain pass's, so AdamW still decays its
-                # moments (a None gradient would skip the parameter). Through backward: a GradScaler sees it.
-                self.optimization.backward(sum(parameter.view(-1)[0] for parameter in self.parameters) * 0.0)
+            if learned < rollout.num_samples and self.parameters:  # some samples were left out of the pass
+                self._zero_gradients_where_skipped(passes)
             loss_total = distributed.sum_over_ranks(loss_total)
             grad_norm = self.optimization.step(loss_total)
         iterations = self.cfg.algo.num_iterations
@@ -222,7 +225,6 @@ class Learner:
         if entropy_tokens > 0:  # the tokens that went through the pass (all of them unless some were skipped)
             out["entropy"] = distributed.sum_over_ranks(entropy_sum) / entropy_tokens
         if self.skip_samples:
-            learned = sum(rows.numel() for rows in passes)
             out["learn/skipped_samples"] = distributed.mean_over_ranks(
                 {"skipped": 1.0 - learned / max(rollout.num_samples, 1)})["skipped"]
         for tracker in (mismatch, correction):
@@ -232,8 +234,20 @@ class Learner:
             out["nan_guard/skipped"] = self.optimization.skipped_updates  # over the run so far
         return out
 
+    def _zero_gradients_where_skipped(self, passes: list[torch.Tensor]) -> None:
+        """After skipping: every parameter gets the gradient the plain pass gives it, zero where nothing
+        that ran touched it, not None (AdamW skips a parameter without a gradient: no moment decay, no
+        step count). With no pass at all, a zero loss goes through backward, so a GradScaler sees one."""
+        if not any(rows.numel() for rows in passes):
+            self.optimization.backward(sum(parameter.reshape(-1)[0] for parameter in self.parameters) * 0.0)
+        for parameter in self.parameters:
+            if parameter.grad is None:  # e.g. an expert that only skipped samples were routed to
+                parameter.grad = torch.zeros_like(parameter)
+
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor | None]:
+        if not any(rows.numel() for rows in chunks):  # every sample skipped: no reason to move the reference
+            return [None] * len(chunks)
         offload = self.cfg.speed.offload_reference and self.reference.frozen is not None
         with self.reference.active() as reference_model, on_device(reference_model, self.device, offload), \
                 self.optimization.autocast():
