@@ -38,6 +38,8 @@ def test_learning_rows_leaves_out_zero_advantages_and_empty_masks():
     assert learning_rows(rows, advantages, mask, beta=0.0).tolist() == [1, 4, 5]  # 1e-12 is not 0
     assert learning_rows(rows, advantages, mask, beta=0.1).tolist() == [0, 1, 3, 4, 5]  # KL: A = 0 still learns
     assert learning_rows(torch.tensor([3, 5]), advantages, mask, beta=0.0).tolist() == [5]
+    whole = torch.tensor([1, 4, 5])
+    assert learning_rows(whole, advantages, mask, beta=0.0) is whole  # nothing left out: the chunk as it was
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))

@@ -295,9 +295,10 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         f"{', at each contention level' if len(levels) > 1 else ''}); median over rounds "
                         f"{'2' if rounds > 1 else '1'}..{rounds}; both sides get the same prompt rows; "
                         "samples differ (different random streams), so completion lengths differ a little")
-    result.notes.append("MFU counts the model FLOPs of every sample; hasten's learning pass leaves out the "
-                        "samples that cannot have a gradient (skipped_samples, speed.skip_zero_advantage), "
-                        "TRL's runs them")
+    if any(r.get("learn/skipped_samples", 0.0) for level in levels for r in records[level]):
+        result.notes.append("MFU counts the model FLOPs of every sample; hasten's learning pass left out the "
+                            "samples that cannot have a gradient (skipped_samples, speed.skip_zero_advantage), "
+                            "TRL's ran them")
     return result
 
 
