@@ -97,7 +97,7 @@ def reward_pool(rounds):
     """32 samples of a slow reward: 20 ms of waiting (a subprocess, I/O) per sample; serial vs pool."""
     from hasten.config import SpeedConfig
     from hasten.rewards import RewardFunction
-    from hasten.train.scoring import RewardScorer
+    from hasten.rewards.scoring import RewardScorer
 
     texts = [f"completion {i}" for i in range(32)]
     variants = {}
@@ -115,7 +115,7 @@ def reward_cache(rounds):
     """The built-in arithmetic rewards on 32 completions: plain call vs cached (all hits) vs key cost."""
     from hasten.config import SpeedConfig
     from hasten.rewards import RewardFunction, correctness_reward, format_reward
-    from hasten.train.scoring import RewardScorer
+    from hasten.rewards.scoring import RewardScorer
 
     prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(32)]
     completions = [[{"role": "assistant", "content": f"{i} + {i} = {2 * i}.\n<answer>{2 * i}</answer>"}]
@@ -153,7 +153,8 @@ def learning_pass(rounds):
 
     from hasten.config import load_config
     from hasten.rollout import SamplingParams
-    from hasten.speed.memory import pack_ratio, set_gradient_checkpointing
+    from hasten.kernels.memory import set_gradient_checkpointing
+    from hasten.train.packing import pack_ratio
     from hasten.rollout.prompts import encode_prompt
     from hasten.tasks.sampler import PromptSampler
     from hasten.train.packing import packed_logprobs
@@ -200,7 +201,7 @@ def compile_tiny(rounds):
     import copy
 
     from hasten.models import tiny
-    from hasten.speed.compile import compile_model
+    from hasten.kernels.compile import compile_model
 
     eager = tiny.tiny_model(256)
     compiled = copy.deepcopy(eager)

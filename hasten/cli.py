@@ -114,7 +114,7 @@ _PROCESS_ENTRY = False
 def _cmd_train(args, extra) -> int:
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
     if _PROCESS_ENTRY:  # before torch is imported: may re-execute this process (never returns)
-        from .speed.allocator import ensure
+        from .kernels.allocator import ensure
 
         ensure(cfg.speed.allocator)
     from .train.trainer import train

@@ -112,7 +112,7 @@ def run_child(spec: RunSpec, round_index: int, workdir: Path, log: Callable[[str
     root = str(Path(__file__).resolve().parents[1])  # the child imports this same hasten, installed or not
     # Each run starts on the malloc its own config asks for (speed.allocator: baseline glibc, the others auto).
     from .config import load_config
-    from .speed.allocator import environment as allocator_environment, resolve as resolve_allocator
+    from .kernels.allocator import environment as allocator_environment, resolve as resolve_allocator
 
     wanted = resolve_allocator(load_config(spec.config, typed(spec.overrides), profile=spec.profile).speed.allocator)
     env = dict(allocator_environment(wanted), PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(

@@ -25,11 +25,8 @@ from typing import Any
 
 from .config_jobs import CHOICES as _JOB_CHOICES, RANGES as _JOB_RANGES
 from .config_jobs import CodeConfig, GameConfig, RFTConfig, SFTConfig  # noqa: F401 (hasten.config's names)
-from .errors import UserError
-
-
-class ConfigError(UserError):
-    """A user-facing configuration problem; str() is the one-line message."""
+from .device import DEVICE_SETTING
+from .errors import ConfigError, UserError  # noqa: F401 (ConfigError: hasten.config's name too)
 
 
 @dataclass
@@ -232,7 +229,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     **_JOB_CHOICES,
 }
 
-DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")  # model.device; hasten/device.py resolves it
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # output.report_to (train/tracking.py)
 
 # (key, predicate, human-readable requirement) checked after types are right.
@@ -488,9 +484,10 @@ def load_config(
         _set(cfg, key, value)
     _apply_task_defaults(cfg, pairs)
     if profile is not None:  # after the run's own numbers, which a profile's rules read
-        from .profiles import apply_profile
+        from .profiles import resolve as resolve_profile
 
-        apply_profile(cfg, profile)
+        for key, value in resolve_profile(profile, cfg).items():  # type-checked like any override
+            _set(cfg, key, value)
         for key, value in overrides or []:  # the command line still wins over the profile
             _set(cfg, key, value)
     return validate(cfg)

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+import re
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from .errors import ConfigError
 
-from .config import DEVICE_SETTING, ConfigError
+if TYPE_CHECKING:
+    import torch
+
+# model.device's accepted values; config.py validates with it. torch is imported where a function needs it, so
+# that config (and `hasten --help`) can import this module without paying for torch.
+DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def world_size_from_env() -> int:
@@ -33,6 +39,8 @@ def world_size_from_env() -> int:
 
 def resolve_device(setting: str) -> torch.device:
     """model.device -> the torch.device this process computes on; ConfigError if it cannot."""
+    import torch
+
     if not DEVICE_SETTING.fullmatch(setting):
         raise ConfigError(f"config error: model.device must be auto, cpu, cuda or cuda:N (got {setting!r})")
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
@@ -53,6 +61,8 @@ def resolve_device(setting: str) -> torch.device:
 
 def bf16_supported(device: torch.device) -> bool:
     """bf16 autocast with native kernels: Ampere and newer GPUs. (The CPU's bf16 is opt-in: docs/speedups.md.)"""
+    import torch
+
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
@@ -84,12 +94,16 @@ def cpu_has_native_bf16() -> bool:
 
 def configure_device(device: torch.device) -> None:
     """Make `device` the current CUDA device, so kernels and NCCL of this process use it; nothing on the CPU."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
 
 def peak_memory_mib(device: torch.device) -> float:
     """The run's peak memory on `device`, MiB: allocated GPU memory, or the CPU process's peak RSS."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource

@@ -10,6 +10,10 @@ class UserError(ValueError):
     """A problem with the user's input; str() is a one-line message."""
 
 
+class ConfigError(UserError):
+    """A user-facing configuration problem; str() is the one-line message (hasten.config re-exports it)."""
+
+
 USER_ERRORS = (UserError,)
 
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import Config, ConfigError, _set
+from .errors import ConfigError
+
+Config = Any  # hasten.config.Config: profiles sit below config (config applies them), so no import of it
 
 Value = Any  # a plain value, or Callable[[Config], value] read from the config so far
 
@@ -156,10 +158,3 @@ def resolve(name: str, cfg: Config) -> dict[str, Any]:
     if name not in PROFILES:
         raise ConfigError(f"config error: unknown profile '{name}' (choose from {', '.join(PROFILES)})")
     return {key: value(cfg) if callable(value) else value for key, value in PROFILES[name].items()}
-
-
-def apply_profile(cfg: Config, name: str) -> Config:
-    """Set every key of profile `name` on `cfg` (type-checked like any override)."""
-    for key, value in resolve(name, cfg).items():
-        _set(cfg, key, value)
-    return cfg

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from hasten.speed.adamw import FusedAdamW, available, make_adamw
+from hasten.kernels.adamw import FusedAdamW, available, make_adamw
 from hasten.train.optimization import Schedule, lr_factor
 
 

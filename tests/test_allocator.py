@@ -18,7 +18,7 @@ import pytest
 
 from hasten.cli import main
 from hasten.config import ConfigError
-from hasten.speed import allocator
+from hasten.kernels import allocator
 
 HAVE_TCMALLOC = allocator.find("tcmalloc") is not None
 needs_tcmalloc = pytest.mark.skipif(not HAVE_TCMALLOC, reason="libtcmalloc_minimal is not installed")
@@ -73,7 +73,7 @@ def test_the_wheels_mimalloc_loads_and_is_seen(monkeypatch):
     assert allocator.preload_error(library) is None
     env = allocator.environment("mimalloc", {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"})
     assert env["LD_PRELOAD"] == library and env["MIMALLOC_PURGE_DELAY"] == "-1"
-    seen = subprocess.run([sys.executable, "-c", "from hasten.speed.allocator import loaded; print(loaded())"],
+    seen = subprocess.run([sys.executable, "-c", "from hasten.kernels.allocator import loaded; print(loaded())"],
                           env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
     assert seen.stdout.strip() == "mimalloc", seen.stderr[-2000:]
 

@@ -1,4 +1,9 @@
-"""The import rules docs/ARCHITECTURE.md states: lower layers never import train/, and models/ only what is below it."""
+"""The import rules docs/ARCHITECTURE.md states, checked on the source: layers import only downward, no
+module takes part in an import circle, and no private name crosses a package boundary.
+
+Every import counts, at the top of a module or inside a function (a lazy import still couples the two),
+except those under `if TYPE_CHECKING:`, which never run.
+"""
 
 from __future__ import annotations
 
@@ -9,37 +14,151 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hasten"
 
+# Bottom first. A module may import its own package and anything listed before its package, nothing after.
+LAYERS = [
+    "errors", "config_jobs", "device", "profiles", "config",  # settings: plain data, no torch at import
+    "kernels",  # numerical and process kernels: precision, attention, AdamW, allocator, threads, ...
+    "sandbox", "games",  # self-contained: isolated execution; the vectorized game
+    "models",  # name -> (model, tokenizer), the native Llama
+    "rollout",  # engines (token ids in, ids + log-probs out), their factory
+    "rewards",  # the TRL reward signature, its runner, pool, cache, gate, scoring
+    "tasks",  # data, prompt format, rewards, check(); the prompt stream and curriculum
+    "algo",  # advantages, losses, the batch policies (dynamic sampling, zero-advantage samples)
+    "train",  # the loop, the learner, the GRPO step, outputs, distributed
+    "rft", "compare", "api", "bench", "config_help", "cli",  # entry points and the TRL-style API
+]
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute names of every hasten module `path` imports (top level or inside functions)."""
-    package = ["hasten", *path.relative_to(PACKAGE).with_suffix("").parts[:-1]]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("hasten", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("hasten", *parts))
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` blocks."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for child in ast.walk(node))
+    return skipped
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(absolute module, names taken from it) for every hasten import in `path`."""
+    is_package = path.name == "__init__.py"
+    package = module_name(path).split(".") if is_package else module_name(path).split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    skipped = type_checking_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name.startswith("hasten")}
+            names = [alias.name for alias in node.names]
+            submodules = [name for name in names if (PACKAGE.parent / module.replace(".", "/") / name).exists()
+                          or (PACKAGE.parent / (module.replace(".", "/") + "/" + name + ".py")).exists()]
+            found += [(f"{module}.{name}", []) for name in submodules]
+            rest = [name for name in names if name not in submodules]
+            if rest or not submodules:
+                found.append((module, rest))
+    return [(module, names) for module, names in found if module.split(".")[0] == "hasten"]
 
 
-@pytest.mark.parametrize("layer", ["models", "rollout", "tasks", "rewards", "algo", "speed"])
-def test_lower_layers_never_import_train(layer):
-    offenders = {str(path.relative_to(PACKAGE)): sorted(n for n in imported_modules(path) if n.startswith("hasten.train"))
-                 for path in (PACKAGE / layer).rglob("*.py")}
-    assert {path: names for path, names in offenders.items() if names} == {}
+SOURCES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def test_models_import_only_what_is_below_them():
-    allowed = ("hasten.models", "hasten.config", "hasten.errors", "hasten.speed.grouped_attention",
-               "hasten.speed.precision")
-    offenders = {str(path.relative_to(PACKAGE)): sorted(n for n in imported_modules(path)
-                                                         if not n.startswith(allowed))
-                 for path in (PACKAGE / "models").rglob("*.py")}
-    assert {path: names for path, names in offenders.items() if names} == {}
+def test_every_package_has_a_layer():
+    assert {layer_of(module) for module in SOURCES} - {"__init__"} <= set(LAYERS)
 
 
-def test_the_rule_checker_sees_relative_imports(tmp_path):
-    assert "hasten.train.loop" in imported_modules(PACKAGE / "train" / "trainer.py")  # `from . import loop`
+def test_imports_go_only_downward():
+    rank = {layer: index for index, layer in enumerate(LAYERS)}
+    upward = {}
+    for module, path in SOURCES.items():
+        mine = layer_of(module)
+        if mine == "__init__":  # hasten/__init__.py: the top, lazily re-exporting the API
+            continue
+        bad = sorted(target for target, _ in imports(path)
+                     if target != "hasten" and layer_of(target) != mine and rank[layer_of(target)] > rank[mine])
+        if bad:
+            upward[module] = bad
+    assert upward == {}
+
+
+def test_no_import_circles():
+    graph = {module: {target for target, _ in imports(path) if target in SOURCES and target != "hasten"}
+             for module, path in SOURCES.items()}
+    # Tarjan's strongly connected components; a component of more than one module is a circle.
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert circles == []
+
+
+def test_no_private_names_cross_packages():
+    crossing = {}
+    for module, path in SOURCES.items():
+        for target, names in imports(path):
+            private = [name for name in names if name.startswith("_") and not name.startswith("__")]
+            if private and layer_of(target) != layer_of(module):
+                crossing.setdefault(module, []).extend(f"{target}.{name}" for name in private)
+    assert crossing == {}
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from . import loop\n", "hasten.train.loop"),  # a submodule through its package
+    ("from ..kernels.precision import attention\n", "hasten.kernels.precision"),
+])
+def test_the_rule_checker_sees_relative_imports(tmp_path, monkeypatch, source, expected):
+    path = PACKAGE / "train" / "trainer.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *args, **kwargs: source)
+    assert expected in [module for module, _ in imports(path)]
+
+
+def test_the_checker_finds_an_upward_import_and_a_circle(monkeypatch):
+    """The rules can fail: a planted kernels -> train import is upward, and with train -> kernels a circle."""
+    planted = PACKAGE / "kernels" / "precision.py"
+    original = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        text = original(self, *args, **kwargs)
+        return text + "\nfrom ..train import learner\n" if self == planted else text
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(AssertionError):
+        test_imports_go_only_downward()
+    with pytest.raises(AssertionError):
+        test_no_import_circles()

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rollout_of
-from hasten.speed.grouped_attention import build_layout, grouped_attention_forward, take_rows
-from hasten.speed.precision import Precision, attention, resolve_attention_fp32
+from hasten.kernels.grouped_attention import build_layout, grouped_attention_forward, take_rows
+from hasten.kernels.precision import Precision, attention, resolve_attention_fp32
 from hasten.train.packing import block_mask, packed_logprobs
 
 

@@ -16,7 +16,7 @@ import pytest
 from hasten.cli import main
 from hasten.config import SpeedConfig
 from hasten.rewards import RewardError, RewardFunction
-from hasten.train.scoring import RewardScorer
+from hasten.rewards.scoring import RewardScorer
 
 SMALL = ["--steps", "1", "--train.prompts_per_step=2", "--generation.num_generations=2",
          "--generation.max_new_tokens=4", "--eval.num_examples=0", "--output.progress=off", "--output.plot=false"]

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from conftest import learner_step, rollout_of
 from hasten.algo import group_advantages
-from hasten.train import fast_linear
-from hasten.train.fast_linear import OneDNNLinear, onednn_linears
+from hasten.kernels import fast_linear
+from hasten.kernels.fast_linear import OneDNNLinear, onednn_linears
 
 pytestmark = pytest.mark.skipif(not fast_linear.available(), reason="torch built without oneDNN's fp32 linear")
 

@@ -19,7 +19,7 @@ from hasten.models.llama import NativeLlamaForCausalLM
 from hasten.rollout import SamplingParams
 from hasten.rollout.engine import left_pad
 from hasten.rollout.lean import LeanEngine
-from hasten.train import fast_linear
+from hasten.kernels import fast_linear
 from hasten.train.packing import packed_logprobs
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

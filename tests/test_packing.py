@@ -128,7 +128,7 @@ def test_grouped_attention_gradients_equal_dense(short_model, tokenizer):
 
 
 def test_grouped_layout_blocks():
-    from hasten.speed.grouped_attention import build_layout
+    from hasten.kernels.grouped_attention import build_layout
 
     # row 0: prompt of 2, completion 1 of 2 inputs, completion 2 of 1 input; row 1: prompt of 1, one completion
     segments = torch.tensor([[0, 0, 1, 1, 2], [0, 1, -1, -1, -1]])

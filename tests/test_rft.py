@@ -221,7 +221,7 @@ def test_profiles_learn_the_same_parameters(model, tokenizer):
 def test_in_process_sft_says_when_it_runs_on_another_allocator(model, monkeypatch):
     """SFT from Python (the API, these tests) cannot re-execute: asked for a malloc this process does not
     run on, it trains anyway and says so in one line, as GRPO's prepare() does."""
-    from hasten.speed import allocator
+    from hasten.kernels import allocator
 
     monkeypatch.setattr(allocator, "loaded", lambda: "glibc")
     lines = []

@@ -11,8 +11,8 @@ from conftest import encode, learner_step, make_engine
 from hasten.algo import group_advantages
 from hasten.rollout import SamplingParams
 from hasten.rollout.lean import LeanEngine
-from hasten.speed.grouped_attention import SHARED_SEGMENT, build_layout
-from hasten.speed.shared_prefix import common_prefix
+from hasten.kernels.grouped_attention import SHARED_SEGMENT, build_layout
+from hasten.kernels.shared_prefix import common_prefix
 from hasten.train.logprobs import completion_logprobs
 from hasten.train.packing import pack, packed_logprobs
 from test_lean_engine import assert_same_rollout

@@ -18,9 +18,9 @@ from hasten.algo import group_advantages
 from hasten.config import Config, ConfigError, SpeedConfig, load_config
 from hasten.models import Policy, Reference
 from hasten.profiles import PROFILES, TRADES, resolve
-from hasten.speed import compile as speed_compile
-from hasten.speed.memory import pack_ratio
-from hasten.speed.nan_guard import TrainingDiverged
+from hasten.kernels import compile as speed_compile
+from hasten.train.packing import pack_ratio
+from hasten.kernels.nan_guard import TrainingDiverged
 from hasten.train import learner as learner_module
 from hasten.train.learner import Learner
 
@@ -326,7 +326,7 @@ def test_ablation_switches_off_each_balanced_feature_alone():
     assert switched == {key: baseline[key] for key in switched}  # each variant takes baseline's value
     assert {"speed.engine", "speed.packed_learning", "speed.reward_workers", "speed.dynamic_sampling",
             "speed.optimizer", "speed.prefetch", "speed.keep_freed_memory", "speed.reward_cache"} <= set(switched)
-    from hasten.speed.allocator import resolve as resolve_allocator
+    from hasten.kernels.allocator import resolve as resolve_allocator
 
     # listed, not run: tf32 without CUDA; the allocator where neither tcmalloc nor mimalloc loads (auto = glibc)
     inert_here = ["speed.allocator"] if resolve_allocator("auto") == "glibc" else []

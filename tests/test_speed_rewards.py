@@ -11,8 +11,8 @@ import torch
 
 from hasten.config import ConfigError, SpeedConfig
 from hasten.rewards import RewardError, RewardFunction, score_rewards
-from hasten.speed.reward_cache import RewardCache
-from hasten.train.scoring import RewardScorer
+from hasten.rewards.reward_cache import RewardCache
+from hasten.rewards.scoring import RewardScorer
 
 PROMPTS = [f"p{i // 4}" for i in range(12)]  # 3 prompts x 4 samples
 COMPLETIONS = ["aa", "ab", "aa", "b", "xyz", "xyz", "x", "", "abc", "abcd", "abc", "a"]

@@ -11,8 +11,8 @@ from conftest import rollout_of
 
 from hasten.config import load_config
 from hasten.rewards import RewardScores
-from hasten.speed.curriculum import CurriculumSampler, complexity_difficulty
-from hasten.speed.dynamic_sampling import informative_groups, refill
+from hasten.tasks.curriculum import CurriculumSampler, complexity_difficulty
+from hasten.algo.dynamic_sampling import informative_groups, refill
 from hasten.train.feeder import Feeder
 from hasten.rewards.batch import RewardInputs, ScoredBatch
 from hasten.tasks.sampler import PromptSampler

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from hasten.speed import threads as threads_module
-from hasten.speed.threads import ThreadGovernor, busy_neighbours
+from hasten.kernels import threads as threads_module
+from hasten.kernels.threads import ThreadGovernor, busy_neighbours
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ def test_scores_mark_samples_no_function_applied_to():
 
 
 def test_reward_functions_get_trl_keyword_arguments():
-    from hasten.train.scoring import RewardLogs, RewardState
+    from hasten.rewards.scoring import RewardLogs, RewardState
 
     seen = {}
 

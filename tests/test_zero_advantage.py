@@ -12,7 +12,7 @@ from conftest import learner_step, rollout_of
 from hasten.algo import LOSSES
 from hasten.config import Config
 from hasten.models import Policy, Reference
-from hasten.speed.zero_advantage import learning_rows
+from hasten.algo.zero_advantage import learning_rows
 from hasten.train.learner import Learner
 
 

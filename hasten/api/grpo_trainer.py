@@ -165,6 +165,6 @@ def _check_same_config(cfg: Config, saved_path: Path) -> None:
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    from ..train.outputs import _read_json_lines
+    from ..train.outputs import read_json_lines
 
-    return _read_json_lines(run_dir / "metrics.jsonl")
+    return read_json_lines(run_dir / "metrics.jsonl")

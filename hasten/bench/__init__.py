@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
         opts = _options(args)
         if process:
             from ..config import load_config
-            from ..speed.allocator import ensure
+            from ..kernels.allocator import ensure
 
             ensure(load_config(opts.config, []).speed.allocator)
         results, header, peak = run(opts)
@@ -238,7 +238,7 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
     import torch
     import transformers
 
-    from ..speed.allocator import loaded as loaded_allocator
+    from ..kernels.allocator import loaded as loaded_allocator
     from .machine import matmul_at_shapes
     from .report import matmul_peak
     from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3

@@ -33,7 +33,7 @@ CUDA_ONLY = {"speed.tf32", "speed.precision", "speed.compile"}  # inert or harmf
 
 def inert_reason(key: str, cuda: bool) -> str | None:
     """Why switching `key` off would measure nothing on this machine, or None."""
-    from ..speed.allocator import resolve
+    from ..kernels.allocator import resolve
 
     if key in CUDA_ONLY and not cuda:
         return "CUDA only"

@@ -308,7 +308,7 @@ def run_b5(opts) -> Result:
     from ..config import load_config
     from ..errors import UserError
     from ..compare import typed
-    from ..speed.allocator import resolve as resolve_allocator
+    from ..kernels.allocator import resolve as resolve_allocator
     from ..tasks import make_task
     from ..tasks.sampler import PromptSampler
     from ..train.trainer import build_rewards

@@ -93,7 +93,7 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
     import torch.nn.functional as F
 
     from ..rollout.lean import Matmul
-    from ..train import fast_linear
+    from ..kernels import fast_linear
 
     repeats, budget = (1, 0.02) if quick else (5, 0.25)
     rows = (128, 16) if quick else (LEARNING_ROWS, DECODE_ROWS)

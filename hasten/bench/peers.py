@@ -117,7 +117,7 @@ def peer_env(allocator: str = "glibc") -> dict[str, str]:
     """The environment of peer processes: offline (no hub lookups on the clock), hasten importable, and
     LD_PRELOAD giving them `allocator` (glibc: a bench re-executed on tcmalloc or mimalloc does not pass it
     on to TRL)."""
-    from ..speed.allocator import environment
+    from ..kernels.allocator import environment
 
     env = environment(allocator)
     env.setdefault("HF_HUB_OFFLINE", "1")

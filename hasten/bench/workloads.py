@@ -502,7 +502,7 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     """Learner.step without the optimizer: log-probs, loss and backward over the accumulation chunks."""
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
-    from ..train.fast_linear import onednn_linears, resolve
+    from ..kernels.fast_linear import onednn_linears, resolve
     from ..train.microbatch import micro_batches
     from ..train.packing import packed_logprobs
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..speed.precision import attention
+from ..kernels.precision import attention
 from .families import FAMILIES, inv_freq, rope_parameters, unsupported_reason
 
 WEIGHTS_NAME = "model.safetensors"
@@ -142,7 +142,7 @@ def attention_function(name: str) -> Callable:
     """The attention kernel by the name in config._attn_implementation (transformers' convention)."""
     if name == "sdpa":
         return sdpa_attention
-    from ..speed.grouped_attention import NAME, grouped_attention_forward
+    from ..kernels.grouped_attention import NAME, grouped_attention_forward
 
     if name == NAME:
         return grouped_attention_forward

@@ -94,7 +94,7 @@ def _ensure_allocator(cfg) -> None:
     """Before torch is imported: the CLI process may re-execute itself on speed.allocator's malloc (never
     returns then), as `hasten train` does; a call from Python runs on what it has (the run logs it)."""
     if _PROCESS_ENTRY:
-        from ..speed.allocator import ensure
+        from ..kernels.allocator import ensure
 
         ensure(cfg.speed.allocator)
 

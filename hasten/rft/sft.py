@@ -55,8 +55,8 @@ from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
 from ..rollout.prompts import encode_prompt
-from ..speed.allocator import check_in_process as check_allocator, loaded as loaded_allocator
-from ..speed.precision import AUTOCAST_DTYPES
+from ..kernels.allocator import check_in_process as check_allocator, loaded as loaded_allocator
+from ..kernels.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
 from ..train import distributed, fsdp, loop
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision

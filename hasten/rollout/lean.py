@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.llama import rms_norm, rope_table, rotate
-from ..speed.shared_prefix import common_prefix
+from ..kernels.shared_prefix import common_prefix
 from .engine import left_pad
 from .decode import DecodeState
 from .types import Rollout, RowRange, SamplingParams

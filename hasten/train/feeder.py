@@ -24,7 +24,7 @@ from ..rollout.prompts import encode_prompt
 
 def make_feeder(cfg, rows: list[dict[str, Any]], tokenizer) -> Feeder:
     """The run's prompt source: plain shuffle or curriculum (speed.curriculum), prefetched or not."""
-    from ..speed.curriculum import CurriculumSampler
+    from ..tasks.curriculum import CurriculumSampler
     from ..tasks.sampler import PromptSampler
 
     if cfg.speed.curriculum == "off":

@@ -33,14 +33,14 @@ from ..algo import LOSSES, LossInputs, LossSettings
 from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
-from ..speed.memory import on_device, pack_ratio, set_gradient_checkpointing
-from ..speed.zero_advantage import learning_rows
+from ..kernels.memory import on_device, set_gradient_checkpointing
+from ..algo.zero_advantage import learning_rows
 from . import distributed, fsdp
-from .fast_linear import onednn_linears, resolve as resolve_fast_linear
+from ..kernels.fast_linear import onednn_linears, resolve as resolve_fast_linear
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import micro_batches
 from .optimization import Optimization, OptimizerSettings
-from .packing import packed_logprobs
+from .packing import pack_ratio, packed_logprobs
 
 
 @dataclass(frozen=True)

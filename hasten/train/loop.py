@@ -54,7 +54,7 @@ import torch
 
 from ..config import Config
 from ..errors import Interrupted
-from ..speed.allocator import loaded as loaded_allocator
+from ..kernels.allocator import loaded as loaded_allocator
 from ..tasks.sampler import as_random_state
 from . import distributed
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, RunDir

@@ -36,9 +36,9 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config, ConfigError, SpeedConfig
-from ..speed.adamw import make_adamw
-from ..speed.nan_guard import NanGuard
-from ..speed.precision import Precision
+from ..kernels.adamw import make_adamw
+from ..kernels.nan_guard import NanGuard
+from ..kernels.precision import Precision
 from . import distributed, fsdp
 
 

@@ -203,14 +203,14 @@ class RunDir:
     def evals(self) -> dict[int, dict[str, Any]]:
         """step -> metrics of every held-out eval logged so far."""
         return {record["step"]: {k: v for k, v in record.items() if k != "step"}
-                for record in _read_json_lines(self.eval_path) if isinstance(record.get("step"), int)}
+                for record in read_json_lines(self.eval_path) if isinstance(record.get("step"), int)}
 
     # ------------------------------------------------------------------ plot
 
     def plot(self) -> Path | None:
         """Draw progress.png from the logs; None when there is nothing to draw yet."""
-        steps = _read_json_lines(self.metrics_path)
-        evals = _read_json_lines(self.eval_path)
+        steps = read_json_lines(self.metrics_path)
+        evals = read_json_lines(self.eval_path)
         reward = _series(steps, "reward_mean")
         reward_std = dict(zip(*_series(steps, "reward_std")))
         per_function = {
@@ -369,7 +369,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
     """Records from a .jsonl file; a missing file is empty and torn lines are skipped."""
     if not path.is_file():
         return []

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.grouped_attention import SHARED_SEGMENT, GroupedLayout, build_layout, grouped_attention, supported
+from ..kernels.shared_prefix import common_prefix
 from ..rollout import Rollout
-from ..speed.grouped_attention import SHARED_SEGMENT, GroupedLayout, build_layout, grouped_attention, supported
-from ..speed.shared_prefix import common_prefix
 from .logprobs import TokenStats
 
 PAD_SEGMENT = -1
@@ -264,3 +264,19 @@ def packed_logprobs(
     if with_entropy:
         entropy = torch.zeros(shape, device=device).index_put(index, torch.cat(entropies))
     return TokenStats(logps=logps, entropy=entropy)
+
+# speed.min_pack_ratio: the packed pass puts each group in one row; rows of very different lengths pad to
+# the longest. Below the ratio of real tokens to row slots the plain padded pass runs that chunk instead.
+def pack_ratio(rollout: Rollout, rows: torch.Tensor) -> float:
+    """Real tokens / slots of the packed batch for samples `rows` (one row per group, as packing.py)."""
+    lengths = rollout.completion_mask.sum(dim=1)  # (N,)
+    prompts = rollout.prompt_mask.sum(dim=1)  # (B,)
+    row_lengths: dict[int, int] = {}
+    for sample in rows.tolist():
+        group = sample // rollout.num_generations
+        # the prompt once, then each completion without its last token (only a target)
+        row_lengths.setdefault(group, int(prompts[group]))
+        row_lengths[group] += max(int(lengths[sample]) - 1, 0)
+    if not row_lengths:
+        return 1.0
+    return sum(row_lengths.values()) / (len(row_lengths) * max(row_lengths.values()))

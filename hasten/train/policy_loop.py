@@ -49,7 +49,7 @@ from ..algo import LOSSES, LossInputs, LossSettings, group_advantages, zero_vari
 from ..config import Config, ConfigError
 from ..games.fruit_catcher import Draws, Rules, start_states
 from ..games.policy import POLICY_FILE, CatcherPolicy, Episodes, play, save_policy
-from ..speed.allocator import check_in_process as check_allocator
+from ..kernels.allocator import check_in_process as check_allocator
 from . import loop
 from .tracking import check_trackers, make_trackers
 from .optimization import Optimization, OptimizerSettings

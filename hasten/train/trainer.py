@@ -45,10 +45,10 @@ from ..rewards.runner import RewardScores
 from ..rollout import Engine, KVCacheEngine, RowRange, SamplingParams
 from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
-from ..speed.allocator import check_in_process as check_allocator
-from ..speed.compile import compile_model
-from ..speed.dynamic_sampling import refill
-from ..speed.threads import ThreadGovernor
+from ..kernels.allocator import check_in_process as check_allocator
+from ..kernels.compile import compile_model
+from ..algo.dynamic_sampling import refill
+from ..kernels.threads import ThreadGovernor
 from ..tasks import Task, make_task
 from . import distributed, fsdp, loop
 from .evaluate import evaluate
@@ -57,7 +57,7 @@ from .learner import Learner
 from .outputs import RunDir, save_model_files
 from .preflight import check_output_dir
 from .runtime import configure_threads, keep_freed_memory
-from .scoring import RewardLogs, RewardScorer, RewardState
+from ..rewards.scoring import RewardLogs, RewardScorer, RewardState
 from .tracking import check_trackers, make_trackers
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, SpeedConfig
-from ..rewards.runner import (
+from .runner import (
     RewardError,
     RewardFunction,
     RewardScores,
@@ -40,9 +40,9 @@ from ..rewards.runner import (
     _validate,
     score_rewards,
 )
-from ..speed.early_stop import apply_gate, passed_samples
-from ..speed.reward_cache import MISSING, RewardCache, sample_key
-from ..speed.reward_pool import RewardPool, Slice, join, slice_batch
+from .early_stop import apply_gate, passed_samples
+from .reward_cache import MISSING, RewardCache, sample_key
+from .reward_pool import RewardPool, Slice, join, slice_batch
 
 
 @dataclass
@@ -212,7 +212,7 @@ def _renumber(error: RewardError, subset: tuple[int, ...]) -> RewardError:
 
 def _check(prompts, completions, columns, completion_ids) -> None:
     """The same input checks as score_rewards, with the same one-line errors."""
-    from ..rewards.runner import RESERVED_COLUMNS
+    from .runner import RESERVED_COLUMNS
 
     count = len(completions)
     if len(prompts) != count or len(completion_ids) != count:

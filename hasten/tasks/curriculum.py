@@ -26,7 +26,7 @@ import re
 from collections import deque
 from typing import Any, Callable
 
-from ..tasks.sampler import PromptSampler, as_random_state
+from .sampler import PromptSampler, as_random_state
 
 _KEYWORDS = re.compile(r"\b(if|elif|else|for|while|try|except|with|def|class|lambda|return|yield|and|or|not)\b")
 _OPERATORS = re.compile(r"[-+*/%^=<>]")

@@ -27,7 +27,7 @@ import multiprocessing
 import pickle
 from dataclasses import dataclass
 
-from ..rewards.runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary
+from .runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary
 
 
 @dataclass
@@ -92,7 +92,7 @@ class RewardPool:
 
 def join(function: RewardFunction, batch: _Batch, slices: list[Slice]) -> list:
     """The slices' return values concatenated in sample order; RewardError naming the sample on failure."""
-    from ..rewards.runner import _validate
+    from .runner import _validate
 
     values: list = []
     for part in slices:

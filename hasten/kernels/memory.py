@@ -1,4 +1,4 @@
-"""Memory-side switches and the pack-ratio gate.
+"""Memory-side switches: gradient checkpointing and the reference model's offload.
 
 gradient checkpointing (speed.gradient_checkpointing): transformers'
 per-layer activation checkpointing, non-reentrant. Activations of a layer
@@ -10,11 +10,6 @@ reference offload (speed.offload_reference): the frozen KL reference (beta >
 0, full fine-tune) lives on the CPU and visits the policy's device only for
 its no-grad pass. Saves a model's worth of accelerator memory for two copies
 per step; on a CPU-only run the two devices are the same and nothing moves.
-
-pack ratio (speed.min_pack_ratio): the packed learning pass puts each group
-in one row; rows of very different lengths pad to the longest. The ratio is
-real tokens / row slots of the packed batch; below min_pack_ratio the plain
-padded pass is used for that chunk instead (0 = always pack).
 """
 
 from __future__ import annotations
@@ -22,8 +17,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from ..rollout import Rollout
 
 
 def set_gradient_checkpointing(model, enabled: bool) -> None:
@@ -44,18 +37,3 @@ def on_device(module: torch.nn.Module, device: torch.device, offload: bool):
         yield module
     finally:
         module.to("cpu")
-
-
-def pack_ratio(rollout: Rollout, rows: torch.Tensor) -> float:
-    """Real tokens / slots of the packed batch for samples `rows` (one row per group, as packing.py)."""
-    lengths = rollout.completion_mask.sum(dim=1)  # (N,)
-    prompts = rollout.prompt_mask.sum(dim=1)  # (B,)
-    row_lengths: dict[int, int] = {}
-    for sample in rows.tolist():
-        group = sample // rollout.num_generations
-        # the prompt once, then each completion without its last token (only a target)
-        row_lengths.setdefault(group, int(prompts[group]))
-        row_lengths[group] += max(int(lengths[sample]) - 1, 0)
-    if not row_lengths:
-        return 1.0
-    return sum(row_lengths.values()) / (len(row_lengths) * max(row_lengths.values()))
