@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 from .config_jobs import CHOICES as _JOB_CHOICES, RANGES as _JOB_RANGES
 from .config_jobs import CodeConfig, GameConfig, RFTConfig, SFTConfig  # noqa: F401 (hasten.config's names)
-from .device import DEVICE_SETTING
+from .device import DEVICE_SETTING, world_size_from_env
 from .errors import ConfigError, UserError  # noqa: F401 (ConfigError: hasten.config's name too)
 
 
@@ -403,6 +402,9 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.speculative != "off" and cfg.generation.repetition_penalty != 1.0:
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} does not apply "
                           f"generation.repetition_penalty (got {cfg.generation.repetition_penalty}; set it to 1)")
+    if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
+        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
+                          f"engine, not speed.engine={cfg.speed.engine}")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")
     if cfg.train.gradient_accumulation_steps > cfg.train.prompts_per_step * cfg.generation.num_generations:
@@ -410,7 +412,49 @@ def validate(cfg: Config) -> Config:
             "config error: train.gradient_accumulation_steps must be <= samples per step "
             f"({cfg.train.prompts_per_step} x {cfg.generation.num_generations})"
         )
+    validate_ranks(cfg, world_size_from_env())
     return cfg
+
+
+def validate_ranks(cfg: Config, ranks: int) -> None:
+    """The rules of a run split over `ranks` torchrun processes (train/distributed.py, train/fsdp.py)."""
+    if ranks <= 1:
+        return
+    if cfg.train.prompts_per_step % ranks:
+        raise ConfigError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} groups do not split "
+                          f"into whole groups over {ranks} ranks (a group never spans ranks); use a multiple of {ranks}")
+    if cfg.speed.dynamic_sampling:
+        raise ConfigError("config error: speed.dynamic_sampling does not run under torchrun yet (its refills depend "
+                          "on every rank's rewards); set speed.dynamic_sampling=false")
+    if cfg.speed.curriculum == "success_rate":
+        raise ConfigError("config error: speed.curriculum=success_rate does not run under torchrun yet (it learns "
+                          "from every rank's rewards); use off, length or complexity")
+    if cfg.train.distributed == "fsdp":
+        _validate_sharding(cfg)
+    samples = cfg.train.prompts_per_step // ranks * cfg.generation.num_generations
+    if cfg.train.gradient_accumulation_steps > samples:
+        raise ConfigError(f"config error: train.gradient_accumulation_steps must be <= samples per rank per step "
+                          f"({samples} over {ranks} ranks)")
+
+
+def _validate_sharding(cfg: Config) -> None:
+    """What does not run under train.distributed=fsdp (train/fsdp.py's docstring says why)."""
+    speed, reason = cfg.speed, None
+    if speed.engine not in ("auto", "lean"):
+        reason = f"speed.engine={speed.engine} (the lean engine samples from the gathered weights; use auto or lean)"
+    elif cfg.model.lora:
+        reason = "model.lora=true (adapters are not sharded; train LoRA with train.distributed=ddp)"
+    elif speed.token_budget:
+        reason = ("speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives "
+                  "must line up)")
+    elif speed.async_steps:
+        reason = "speed.async_steps (its frozen copy of the weights is not sharded)"
+    elif speed.compile:
+        reason = "speed.compile"
+    elif speed.precision == "fp16":
+        reason = "speed.precision=fp16 (its GradScaler is not wired to sharded gradients; use bf16 or fp32)"
+    if reason is not None:
+        raise ConfigError(f"config error: train.distributed=fsdp does not run with {reason}")
 
 
 # ------------------------------------------------------------- build a config

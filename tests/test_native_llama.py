@@ -163,7 +163,7 @@ _config = tiny_config
 
 
 def test_speed_model_impl_picks_the_implementation():
-    from hasten.train.trainer import use_native_model
+    from hasten.rollout.factory import use_native_model
 
     logged: list[str] = []
     assert use_native_model(_config(), logged.append) is True
@@ -182,7 +182,7 @@ def test_lora_runs_on_the_native_model_and_the_lean_engine(tokenizer):
     from its merged weights, and the KL reference is the same model with adapters disabled."""
     from hasten.models import Reference, load_policy
     from hasten.models.tiny import tiny_model
-    from hasten.train.trainer import make_engine, use_native_model
+    from hasten.rollout.factory import make_engine, use_native_model
 
     cfg = _config()
     cfg.model.lora, cfg.model.lora_r = True, 4

@@ -217,7 +217,7 @@ _config = tiny_config
 
 def test_make_engine_builds_the_speculative_engine(tokenizer, tmp_path):
     from hasten.models import load_policy
-    from hasten.train.trainer import make_engine
+    from hasten.rollout.factory import make_engine
 
     policy = load_policy(ModelConfig(name="tiny"), log=lambda text: None)
     assert isinstance(make_engine(_config(), policy), LeanEngine)  # off: today's engine, as it was

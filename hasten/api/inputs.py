@@ -37,7 +37,7 @@ def model_name(model: Any) -> str:
 def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_config: Any = None,
                  log: Callable[[str], None] = print) -> Policy:
     """The Policy the run trains (cfg.model.name already set from `model`)."""
-    from ..train.trainer import use_native_model
+    from ..rollout.factory import use_native_model
 
     if isinstance(model, str):
         native = peft_config is None and processing_class is None and use_native_model(cfg, log)

@@ -16,7 +16,7 @@ from typing import Callable
 from ..config import Config
 from ..tasks import Task, make_task
 from ..train.evaluate import evaluate
-from ..train.trainer import make_engine
+from ..rollout.factory import make_engine
 from .prompts import load_generator
 
 

@@ -68,7 +68,7 @@ def load_generator(cfg, log: Callable[[str], None]):
     from ..device import configure_device, resolve_device
     from ..models import load_policy
     from ..train.runtime import configure_threads, keep_freed_memory
-    from ..train.trainer import make_engine
+    from ..rollout.factory import make_engine
 
     configure_threads(cfg.train.num_threads)
     if cfg.speed.keep_freed_memory:

@@ -50,7 +50,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, validate_ranks
 from ..device import world_size_from_env
 from ..errors import UserError
 from .outputs import RunDir
@@ -140,26 +140,8 @@ def group_slice(num_groups: int) -> slice:
 
 
 def check_config(cfg: Config) -> None:
-    """Reject what does not run data parallel yet (module docstring); nothing to check in one process."""
-    ranks = world_size_from_env()
-    if ranks <= 1:
-        return
-    if cfg.train.prompts_per_step % ranks:
-        raise ConfigError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} groups do not split "
-                          f"into whole groups over {ranks} ranks (a group never spans ranks); use a multiple of {ranks}")
-    if cfg.speed.dynamic_sampling:
-        raise ConfigError("config error: speed.dynamic_sampling does not run under torchrun yet (its refills depend "
-                          "on every rank's rewards); set speed.dynamic_sampling=false")
-    if cfg.speed.curriculum == "success_rate":
-        raise ConfigError("config error: speed.curriculum=success_rate does not run under torchrun yet (it learns "
-                          "from every rank's rewards); use off, length or complexity")
-    from .fsdp import check_config as check_sharding
-
-    check_sharding(cfg)  # train.distributed=fsdp: what does not run sharded
-    samples = cfg.train.prompts_per_step // ranks * cfg.generation.num_generations
-    if cfg.train.gradient_accumulation_steps > samples:
-        raise ConfigError(f"config error: train.gradient_accumulation_steps must be <= samples per rank per step "
-                          f"({samples} over {ranks} ranks)")
+    """What does not run data parallel (module docstring): config.validate_ranks for this process's world."""
+    validate_ranks(cfg, world_size_from_env())
 
 
 # ----------------------------------------------------------------- collectives

