@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hasten"
 
 # Bottom first. A module may import its own package and anything listed before its package, nothing after.
 LAYERS = [
-    "errors", "config_jobs", "device", "profiles", "config",  # settings: plain data, no torch at import
+    "errors", "features", "config_jobs", "device", "profiles", "config",  # settings: plain data, no torch at import
     "kernels",  # numerical and process kernels: precision, attention, AdamW, allocator, threads, ...
     "sandbox", "games",  # self-contained: isolated execution; the vectorized game
     "models",  # name -> (model, tokenizer), the native Llama
@@ -162,3 +162,20 @@ def test_the_checker_finds_an_upward_import_and_a_circle(monkeypatch):
         test_imports_go_only_downward()
     with pytest.raises(AssertionError):
         test_no_import_circles()
+
+
+def test_every_speed_flag_names_the_one_module_that_implements_it():
+    import dataclasses
+
+    from hasten.config import SpeedConfig
+    from hasten.features import FEATURES
+
+    assert sorted(FEATURES) == sorted(field.name for field in dataclasses.fields(SpeedConfig))
+    missing = {flag: module for flag, module in FEATURES.items() if module not in SOURCES}
+    assert missing == {}
+    flags_of: dict[str, list[str]] = {}
+    for flag, module in FEATURES.items():
+        flags_of.setdefault(module, []).append(flag)
+    silent = {module: flags for module, flags in flags_of.items()
+              if not any(flag in SOURCES[module].read_text() for flag in flags)}
+    assert silent == {}  # each named module reads (or documents) its feature's flag

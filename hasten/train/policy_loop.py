@@ -54,7 +54,7 @@ from . import loop
 from .tracking import check_trackers, make_trackers
 from .optimization import Optimization, OptimizerSettings
 from .outputs import RunDir
-from .runtime import configure_threads
+from ..kernels.runtime import configure_threads
 
 
 @dataclass

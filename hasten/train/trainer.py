@@ -57,7 +57,7 @@ from .feeder import Feeder, make_feeder
 from .learner import Learner
 from .outputs import RunDir, save_model_files
 from .preflight import check_output_dir
-from .runtime import configure_threads, keep_freed_memory
+from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..rewards.scoring import RewardLogs, RewardScorer, RewardState
 from .tracking import check_trackers, make_trackers
 
