@@ -51,7 +51,7 @@ advantages = group_advantages(scores.total, 8, "group")
 advantages = torch.where(advantages == 0, torch.randn_like(advantages), advantages)  # always some gradient
 print(f"completion tokens {int(rollout.completion_mask.sum())}, prompt tokens {int(rollout.prompt_mask.sum())}",
       file=sys.stderr)
-learner = Learner(session.policy, cfg)
+learner = Learner.from_config(session.policy, cfg)
 for index in range(args.rounds):
     started, cpu = time.perf_counter(), time.process_time()
     learner.step(rollout, advantages)

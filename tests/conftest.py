@@ -69,7 +69,11 @@ def learner_step(model, tokenizer, rollout, advantages, configure, **step_kwargs
 
     cfg = Config()
     configure(cfg)
-    learner = Learner(Policy(copy.deepcopy(model), tokenizer, "tiny"), cfg)
+    from hasten.train.learner import Correction
+
+    # off_policy / importance_cap: the run's Correction (async staleness, truncated importance sampling)
+    correction = Correction(stale=step_kwargs.pop("off_policy", False), cap=step_kwargs.pop("importance_cap", None))
+    learner = Learner.from_config(Policy(copy.deepcopy(model), tokenizer, "tiny"), cfg, correction=correction)
     grads: list[torch.Tensor] = []
     learner.optimization.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in learner.parameters))

@@ -35,7 +35,7 @@ def make_learner(model, tokenizer, reference=False, **speed):
         cfg.algo.beta = 0.1
     policy = Policy(model, tokenizer, "tiny")
     logs = []
-    learner = Learner(policy, cfg, Reference(policy) if reference else None, log=logs.append)
+    learner = Learner.from_config(policy, cfg, Reference(policy) if reference else None, log=logs.append)
     return learner, logs
 
 

@@ -92,7 +92,7 @@ def test_a_kl_term_keeps_zero_advantage_samples(short_model, tokenizer):
         cfg.algo.beta = 0.1
         cfg.speed.skip_zero_advantage = skip
         policy = Policy(copy.deepcopy(short_model), tokenizer, "tiny")
-        learner = Learner(policy, cfg, Reference(policy))
+        learner = Learner.from_config(policy, cfg, Reference(policy))
         with torch.no_grad():  # the policy moves off its reference, so KL has a gradient
             for parameter in learner.parameters:
                 parameter.add_(0.01 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
@@ -120,7 +120,7 @@ def test_a_step_with_nothing_to_learn_still_decays_adamw_like_the_plain_path(sho
         cfg.train.lr_schedule = "constant"
         cfg.train.warmup_steps = 0
         cfg.speed.skip_zero_advantage = skip
-        learner = Learner(Policy(copy.deepcopy(short_model), tokenizer, "tiny"), cfg)
+        learner = Learner.from_config(Policy(copy.deepcopy(short_model), tokenizer, "tiny"), cfg)
         learner.step(rollout, signal)
         before = [p.detach().clone() for p in learner.parameters]
         metrics = learner.step(rollout, nothing)

@@ -328,7 +328,7 @@ imported = time.perf_counter()
 spec = json.loads(sys.argv[1])
 cfg = load_config(spec["config"], [tuple(pair) for pair in spec["overrides"]])
 session = prepare(cfg, log=lambda text: None)
-Learner(session.policy, cfg)
+Learner.from_config(session.policy, cfg)
 message = {"event": "built", "import_seconds": imported - started, "construct_seconds": time.perf_counter() - imported}
 print(spec["prefix"] + json.dumps(message), flush=True)
 """
@@ -404,7 +404,7 @@ def run_b4(opts) -> Any:
     train_command = hasten + ["train", "--config", str(opts.config), "--steps", "1"] + [
         f"--{key}={value}" for key, value in overrides]
     result.settings["hasten"] = {"help": hasten + ["--help"], "train": train_command,
-                                 "prepare": "import hasten; prepare(cfg); Learner(policy, cfg)"}
+                                 "prepare": "import hasten; prepare(cfg); Learner.from_config(policy, cfg)"}
 
     opts.log("B4: hasten --help")
     help_seconds = [_wall(hasten + ["--help"], env) for _ in range(help_rounds)]

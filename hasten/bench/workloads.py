@@ -119,7 +119,7 @@ class HastenSide:
 
         cfg = bench_config(opts, opts.rounds("B1"))
         session = prepare(cfg, log=opts.log)
-        return cls(cfg, session, Learner(session.policy, cfg, None), model_size(session.policy.model))
+        return cls(cfg, session, Learner.from_config(session.policy, cfg, None), model_size(session.policy.model))
 
     def prompts(self, count: int) -> tuple[list[dict], list[list[int]]]:
         """The first `count` rows of B1's prompt stream and their token ids (both sides get these)."""

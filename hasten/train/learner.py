@@ -24,7 +24,7 @@ train/optimization.py's, shared with the game and SFT loops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -105,129 +105,188 @@ class OffPolicyStats:
                 f"{self.prefix}/ratio_mean": self.ratio_sum / tokens, f"{self.prefix}/ratio_max": self.ratio_max}
 
 
-class Learner:
-    def __init__(self, policy: Policy, cfg: Config, reference: Reference | None = None,
-                 log: Callable[[str], None] = print):
-        self.policy = policy
-        self.cfg = cfg
-        self.reference = reference
-        self.loss_fn = LOSSES[cfg.algo.loss]
-        self.settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
-        self.parameters = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimization = Optimization(self.parameters, OptimizerSettings.for_training(cfg), cfg.speed, log,
-                                         sharded=fsdp.is_sharded(policy.model))
-        self.device = next(policy.model.parameters()).device
-        set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
-        # Whose log-probs an importance correction compares against: vllm/* or bf16_sampler/* metrics.
-        self.sampler = "vllm" if cfg.speed.engine == "vllm" else "bf16_sampler"
-        self.logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
-        # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
-        self.skip_samples = cfg.speed.skip_zero_advantage and not fsdp.is_sharded(policy.model)
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The learner's share of the config, read once: the step never looks at `Config` again."""
 
-    def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None,
-             off_policy: bool = False, importance_cap: float | None = None) -> dict[str, float]:
+    loss: str  # algo.loss: a key of LOSSES
+    loss_settings: LossSettings  # clip range and beta
+    num_iterations: int  # mu: optimizer steps per generation batch
+    accumulation_steps: int  # train.gradient_accumulation_steps: chunks of whole samples
+    token_budget: int  # speed.token_budget: chunks split again to this many model-input tokens (0 = off)
+    packed: bool  # speed.packed_learning: micro-batches count packed rows, not padded ones
+    skip_zero_advantage: bool  # speed.skip_zero_advantage, and the model is not FSDP-sharded
+    offload_reference: bool  # speed.offload_reference
+
+    @classmethod
+    def from_config(cls, cfg: Config, sharded: bool) -> LearnerSettings:
+        algo, speed = cfg.algo, cfg.speed
+        # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
+        return cls(algo.loss, LossSettings(algo.epsilon, algo.epsilon_high, algo.beta), algo.num_iterations,
+                   cfg.train.gradient_accumulation_steps, speed.token_budget, speed.packed_learning,
+                   speed.skip_zero_advantage and not sharded, speed.offload_reference)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """How the learner treats the log-probs the batch was sampled with; one per run, chosen at construction.
+
+    stale: the batch was sampled from older weights (speed.async_steps), so the clipped ratio is taken
+    against its sampling log-probs, not the current policy's detached ones; the gap is logged (async/*).
+    cap: another implementation of these weights sampled (speed.engine=vllm, or the lean engine's bf16
+    matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap), truncated
+    importance sampling as TRL's vllm_importance_sampling_correction; logged as vllm/* or bf16_sampler/*.
+    Neither: on-policy, the sampling log-probs are not read.
+    """
+
+    stale: bool = False
+    cap: float | None = None
+    sampler: str = "bf16_sampler"  # the metrics prefix of `cap`'s sampler: vllm | bf16_sampler
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> Correction:
+        speed = cfg.speed
+        other_sampler = speed.engine == "vllm" or speed.generation_precision != "fp32"
+        cap = speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
+        return cls(stale=bool(speed.async_steps), cap=cap, sampler="vllm" if speed.engine == "vllm" else "bf16_sampler")
+
+    def trackers(self) -> tuple[OffPolicyStats | None, OffPolicyStats | None]:
+        """A step's (staleness, sampler) statistics, None where that correction is off."""
+        return (OffPolicyStats("async") if self.stale else None,
+                OffPolicyStats(self.sampler) if self.cap is not None else None)
+
+    def anchor(self, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+               trackers: tuple[OffPolicyStats | None, OffPolicyStats | None]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(old log-probs the ratio is taken against, importance weights or None) for one chunk's first pass.
+
+        logps: (rows, T) the learner's detached log-probs before any update; sampling_logps, mask: (rows, T).
+        """
+        stale, sampler = trackers
+        old = logps  # the sampling policy: no update has happened yet...
+        if stale is not None:  # ...unless it sampled from older weights
+            old = sampling_logps.to(logps.device)
+            stale.add(logps, old, mask.to(logps.device))
+        weights = None
+        if sampler is not None:  # ...or from another implementation of these weights
+            sampled = sampling_logps.to(old.device)
+            token_mask = mask.to(old.device)
+            sampler.add(old, sampled, token_mask)
+            weights = torch.exp(old - sampled).clamp(max=self.cap) * token_mask  # (rows, T)
+        return old, weights
+
+
+@dataclass
+class StepSums:
+    """What a step adds up over its chunks and iterations before it reports."""
+
+    metrics: dict[str, float] = field(default_factory=lambda: {"clip_ratio/low": 0.0, "clip_ratio/high": 0.0})
+    entropy: float = 0.0
+    entropy_tokens: float = 0.0
+    loss: float = 0.0
+    grad_norm: float = 0.0
+
+
+class Learner:
+    def __init__(self, policy: Policy, settings: LearnerSettings, optimization: Optimization,
+                 logprob_pass: LogprobPass, reference: Reference | None = None, correction: Correction = Correction()):
+        self.policy = policy
+        self.settings = settings
+        self.loss_fn = LOSSES[settings.loss]
+        self.optimization = optimization
+        self.parameters = optimization.parameters
+        self.logprob_pass = logprob_pass
+        self.reference = reference
+        self.correction = correction
+        self.device = next(policy.model.parameters()).device
+
+    @classmethod
+    def from_config(cls, policy: Policy, cfg: Config, reference: Reference | None = None,
+                    log: Callable[[str], None] = print, correction: Correction | None = None) -> Learner:
+        """The learner `cfg` asks for: its settings, optimizer, pass and correction resolved here, once."""
+        sharded = fsdp.is_sharded(policy.model)
+        parameters = [p for p in policy.model.parameters() if p.requires_grad]
+        optimization = Optimization(parameters, OptimizerSettings.for_training(cfg), cfg.speed, log, sharded=sharded)
+        set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
+        logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
+        return cls(policy, LearnerSettings.from_config(cfg, sharded), optimization, logprob_pass, reference,
+                   Correction.for_run(cfg) if correction is None else correction)
+
+    def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
+             ) -> dict[str, float]:
         """num_iterations optimizer steps on `rollout`; returns the metrics record.
 
         loss_mask: (B*G, T), the completion tokens the loss counts (default: all of them); the
         forward always sees whole completions (algo.mask_truncated_completions passes one).
-        off_policy: the rollout was sampled from older weights (speed.async_steps), so the
-        clipped ratio is taken against its sampling log-probs, not the current policy's
-        detached log-probs; the mismatch is logged (async/*).
-        importance_cap: the sampler is another implementation (vLLM, or the lean engine's bf16
-        matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap),
-        truncated importance sampling as TRL's vllm_importance_sampling_correction; the mismatch
-        is logged (vllm/* or bf16_sampler/*).
         """
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
-        model = self.policy.model
+        settings = self.settings
         lr = self.optimization.lr  # the lr these updates use
         mask = rollout.completion_mask if loss_mask is None else loss_mask  # (B*G, T)
-        chunks = micro_batches(rollout, self.cfg.train.gradient_accumulation_steps, self.cfg.speed.token_budget,
-                               self.cfg.speed.packed_learning)
+        chunks = micro_batches(rollout, settings.accumulation_steps, settings.token_budget, settings.packed)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
-        # speed.skip_zero_advantage: each chunk's samples that can have a gradient (speed/zero_advantage.py)
-        passes = ([learning_rows(rows, advantages, mask, self.settings.beta) for rows in chunks]
-                  if self.skip_samples else chunks)
+        # speed.skip_zero_advantage: each chunk's samples that can have a gradient (algo/zero_advantage.py)
+        passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta) for rows in chunks]
+                  if settings.skip_zero_advantage else chunks)
         learned = sum(rows.numel() for rows in passes)  # samples that go through the pass
         ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
         # The loss is normalised over the global batch: under torchrun this rank's rollout is its share
         # (distributed.py), and the rank losses must add up to the one-process loss.
-        total_tokens = distributed.sum_over_ranks(float(mask.sum()))
-        total_sequences = int(distributed.sum_over_ranks(rollout.num_samples))
-        num_chunks = len(chunks) * distributed.world_size()  # bnpo averages every rank's chunks
-        old_logps: list[torch.Tensor | None] = [None] * len(chunks)
-        # Every key a loss reports, so a rank (or a step) whose samples were all skipped reports the same keys.
-        metric_sums: dict[str, float] = {"clip_ratio/low": 0.0, "clip_ratio/high": 0.0}
-        if ref_logps is not None and self.settings.beta > 0:
-            metric_sums["kl"] = 0.0
-        entropy_sum = entropy_tokens = 0.0
-        mismatch = OffPolicyStats("async") if off_policy else None
-        correction = OffPolicyStats(self.sampler) if importance_cap is not None else None
-        weights: list[torch.Tensor | None] = [None] * len(chunks)  # per chunk (rows, T), fixed at iteration 0
-        loss_total = 0.0
-        grad_norm = 0.0
-        for iteration in range(self.cfg.algo.num_iterations):
-            loss_total = 0.0
+        totals = (distributed.sum_over_ranks(float(mask.sum())), int(distributed.sum_over_ranks(rollout.num_samples)),
+                  len(chunks) * distributed.world_size())  # tokens, sequences, chunks (bnpo averages every rank's)
+        sums = StepSums()
+        if ref_logps is not None and settings.loss_settings.beta > 0:
+            sums.metrics["kl"] = 0.0  # every key a loss reports, so an all-skipped rank reports the same keys
+        trackers = self.correction.trackers()
+        anchors: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(chunks)  # fixed at iteration 0
+        for iteration in range(settings.num_iterations):
+            sums.loss = 0.0
             for index, rows in enumerate(passes):
                 if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
                     continue
-                fsdp.before_pass(model)  # FSDP: the root's weights for the packed pass; else nothing
+                fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
-                    stats = self.logprob_pass(model, rollout, rows, with_entropy=iteration == 0)
+                    stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0)
                 if iteration == 0:
-                    old = stats.logps.detach()  # the sampling policy: no update has happened yet
-                    if mismatch is not None:  # ...unless it sampled from older weights
-                        old = rollout.sampling_logprobs[rows].to(old.device)
-                        mismatch.add(stats.logps.detach(), old, mask[rows].to(old.device))
-                    if correction is not None:  # ...or from another implementation of these weights
-                        sampled = rollout.sampling_logprobs[rows].to(old.device)
-                        token_mask = mask[rows].to(old.device)
-                        correction.add(old, sampled, token_mask)
-                        weights[index] = torch.exp(old - sampled).clamp(max=importance_cap) * token_mask
-                    if self.cfg.algo.num_iterations > 1:
-                        old_logps[index] = old
-                    entropy_sum += float((stats.entropy * mask[rows]).sum())
-                    entropy_tokens += float(mask[rows].sum())
-                else:
-                    old = old_logps[index]
+                    anchors[index] = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
+                                                            mask[rows], trackers)
+                    sums.entropy += float((stats.entropy * mask[rows]).sum())
+                    sums.entropy_tokens += float(mask[rows].sum())
+                old, weights = anchors[index]
                 device = stats.logps.device
                 inputs = LossInputs(
-                    logps=stats.logps,
-                    old_logps=old,
-                    ref_logps=None if ref_logps is None else ref_logps[index],
-                    advantages=advantages[rows].to(device),
-                    completion_mask=mask[rows].to(device),
-                    total_tokens=total_tokens,
-                    total_sequences=total_sequences,
-                    max_completion_length=rollout.sampling.max_new_tokens,
-                    num_chunks=num_chunks,
-                    importance_weights=weights[index],
+                    logps=stats.logps, old_logps=old, ref_logps=None if ref_logps is None else ref_logps[index],
+                    advantages=advantages[rows].to(device), completion_mask=mask[rows].to(device),
+                    total_tokens=totals[0], total_sequences=totals[1],
+                    max_completion_length=rollout.sampling.max_new_tokens, num_chunks=totals[2],
+                    importance_weights=weights,
                     chunk_mask=None if rows is chunks[index] else mask[chunks[index]].to(device),
                 )
-                loss, metrics = self.loss_fn(inputs, self.settings)
+                loss, metrics = self.loss_fn(inputs, settings.loss_settings)
                 self.optimization.backward(loss)
-                loss_total += float(loss.detach())
+                sums.loss += float(loss.detach())
                 for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + value / len(chunks)
+                    sums.metrics[key] = sums.metrics.get(key, 0.0) + value / len(chunks)
             if learned < rollout.num_samples and self.parameters:  # some samples were left out of the pass
                 self._zero_gradients_where_skipped(passes)
-            loss_total = distributed.sum_over_ranks(loss_total)
-            grad_norm = self.optimization.step(loss_total)
-        iterations = self.cfg.algo.num_iterations
-        out = distributed.mean_over_ranks({key: value / iterations for key, value in metric_sums.items()})
-        out.update(
-            loss=loss_total,
-            grad_norm=grad_norm,
-            lr=lr,
-        )
-        entropy_tokens = distributed.sum_over_ranks(entropy_tokens)
+            sums.loss = distributed.sum_over_ranks(sums.loss)
+            sums.grad_norm = self.optimization.step(sums.loss)
+        return self._report(sums, lr, learned, rollout.num_samples, trackers)
+
+    def _report(self, sums: StepSums, lr: float, learned: int, samples: int,
+                trackers: tuple[OffPolicyStats | None, OffPolicyStats | None]) -> dict[str, float]:
+        """The step's metrics record, averaged over iterations and ranks."""
+        iterations = self.settings.num_iterations
+        out = distributed.mean_over_ranks({key: value / iterations for key, value in sums.metrics.items()})
+        out.update(loss=sums.loss, grad_norm=sums.grad_norm, lr=lr)
+        entropy_tokens = distributed.sum_over_ranks(sums.entropy_tokens)
         if entropy_tokens > 0:  # the tokens that went through the pass (all of them unless some were skipped)
-            out["entropy"] = distributed.sum_over_ranks(entropy_sum) / entropy_tokens
-        if self.skip_samples:
+            out["entropy"] = distributed.sum_over_ranks(sums.entropy) / entropy_tokens
+        if self.settings.skip_zero_advantage:
             out["learn/skipped_samples"] = distributed.mean_over_ranks(
-                {"skipped": 1.0 - learned / max(rollout.num_samples, 1)})["skipped"]
-        for tracker in (mismatch, correction):
+                {"skipped": 1.0 - learned / max(samples, 1)})["skipped"]
+        for tracker in trackers:
             if tracker is not None:
                 out.update(tracker.metrics())
         if self.optimization.guard is not None:
@@ -248,7 +307,7 @@ class Learner:
     def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor | None]:
         if not any(rows.numel() for rows in chunks):  # every sample skipped: no reason to move the reference
             return [None] * len(chunks)
-        offload = self.cfg.speed.offload_reference and self.reference.frozen is not None
+        offload = self.settings.offload_reference and self.reference.frozen is not None
         with self.reference.active() as reference_model, on_device(reference_model, self.device, offload), \
                 self.optimization.autocast():
             return [self.logprob_pass(reference_model, rollout, rows, False).logps if rows.numel() else None

@@ -181,22 +181,12 @@ def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Coll
     return Collected(rounds, batch, dynamic)
 
 
-def importance_cap(cfg: Config) -> float | None:
-    """The TIS cap on pi_learner / pi_sampler per token when another implementation samples (None: none).
-
-    That is speed.engine=vllm, or the lean engine with speed.generation_precision=bf16.
-    """
-    speed = cfg.speed
-    other_sampler = speed.engine == "vllm" or speed.generation_precision != "fp32"
-    return speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
-
-
 def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
-              collected: Collected | None = None, off_policy: bool = False) -> dict[str, float]:
+              collected: Collected | None = None) -> dict[str, float]:
     """One GRPO step; returns its metrics record.
 
     collected: the step's batch when it was generated elsewhere (speed.async_steps: in the
-    background, from older weights; then off_policy=True ratios against its sampling log-probs).
+    background, from older weights; the learner's Correction takes its ratios against the sampling log-probs).
     """
     cfg = session.cfg
     group = cfg.generation.num_generations
@@ -220,8 +210,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         if cfg.algo.mask_truncated_completions:  # cut at max_new_tokens: no loss on them (TRL's option)
             loss_mask = batch.rollout.completion_mask * batch.rollout.ended_with_eos[:, None]  # (B*G, T)
         phase_threads["threads/learn"] = threads.adjust()
-        learned_metrics = learner.step(batch.rollout, advantages, loss_mask, off_policy=off_policy,
-                                       importance_cap=importance_cap(cfg))
+        learned_metrics = learner.step(batch.rollout, advantages, loss_mask)
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
 
@@ -288,7 +277,7 @@ class GRPOJob:
         if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
             fsdp.shard(session.policy.model)
         self.full_state: dict | None = None  # FSDP: the weights state_dict() gathered for save_model
-        self.learner = Learner(session.policy, cfg, reference, log)
+        self.learner = Learner.from_config(session.policy, cfg, reference, log)
         self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
         self.resume_command = "hasten train --resume"
@@ -315,7 +304,7 @@ class GRPOJob:
         waited = time.perf_counter() - waited
         if step < self.total_steps:
             self.pipeline.start(step + 1)  # from the weights as they are now, while this step learns
-        record = grpo_step(self.session, self.learner, self.feeder, step, collected, off_policy=True)
+        record = grpo_step(self.session, self.learner, self.feeder, step, collected)
         return {**record, "async/staleness": float(step > 1), "time/wait_for_batch": waited}
 
     def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
