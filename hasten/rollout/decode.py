@@ -6,14 +6,12 @@ else about a decode loop, so the two engines cannot drift apart in what
 they record or in which random number a row gets:
 
     state = DecodeState(num_rows, steps, pad_token_id, eos_ids, seed, rows, sampling, prompt_ids, prompt_mask)
-    for step in range(steps):
-        token, keep = state.sample(logits, sampling, step)
-        if state.done:
-            break
-        if keep is not None:  # some rows finished: compact the cache to `keep`
-            ...
-        logits = forward(token)
+    decode(state, logits, sampling, keep_rows=cache_keep, forward=one_step)  # the one loop: decode() below
     return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
+
+The speculative engine (speculative.py) keeps its own loop on purpose: each of its steps drafts and
+verifies up to k+1 tokens per row, so its step is not this one-token step; it records through
+DecodeState all the same.
 
 One uniform is drawn per row per step for all rows (sampling.py), and a
 finished row's draws are skipped, so compaction never changes which tokens
@@ -32,6 +30,8 @@ versions, bit for bit).
 from __future__ import annotations
 
 import torch
+
+from typing import Callable
 
 from .sampling import sample_tokens
 from .types import Rollout, RowRange, SamplingParams
@@ -120,3 +120,19 @@ class DecodeState:
             num_generations=num_generations,
             sampling=sampling,
         )
+
+
+def decode(state: DecodeState, logits: torch.Tensor, sampling: SamplingParams,
+           keep_rows: Callable[[torch.Tensor], None], forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The decode loop every one-token-a-step engine runs; the engine brings its cache and forward.
+
+    logits: (rows, V) after the prefill. keep_rows(keep): rows finished, compact the cache to the batch
+    rows `keep`. forward(token (live,)) -> logits (live, V) for the next position.
+    """
+    for step in range(state.steps):
+        token, keep = state.sample(logits, sampling, step)  # (live,)
+        if state.done:
+            break
+        if keep is not None:  # rows finished: drop them from the running batch
+            keep_rows(keep)
+        logits = forward(token)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode import DecodeState
+from .decode import DecodeState, decode
 from .types import Rollout, RowRange, SamplingParams
 
 
@@ -90,22 +90,19 @@ class KVCacheEngine:
 
         state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows,
                             sampling, prompt_ids, prompt_mask)
-        for step in range(steps):
-            token, keep = state.sample(logits, sampling, step)  # (live,)
-            if state.done:
-                break
-            if keep is not None:  # rows finished: drop them from the running batch
-                cache.batch_select_indices(keep)
-                attention, next_position = attention[keep], next_position[keep]
-            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]  # (live, V)
-            next_position = next_position + 1
 
+        def keep_rows(keep: torch.Tensor) -> None:
+            nonlocal attention, next_position
+            cache.batch_select_indices(keep)
+            attention, next_position = attention[keep], next_position[keep]
+
+        def forward(token: torch.Tensor) -> torch.Tensor:
+            nonlocal attention, next_position
+            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)  # (live, P+t)
+            out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position[:, None],
+                             past_key_values=cache, use_cache=True)
+            next_position = next_position + 1
+            return out.logits[:, -1]  # (live, V)
+
+        decode(state, logits, sampling, keep_rows, forward)
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..models.llama import rms_norm, rope_table, rotate
 from ..kernels.shared_prefix import common_prefix
 from .engine import left_pad
-from .decode import DecodeState
+from .decode import DecodeState, decode
 from .types import Rollout, RowRange, SamplingParams
 
 
@@ -445,20 +445,22 @@ class LeanEngine:
 
         state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows,
                             sampling, prompt_ids, prompt_mask)
-        for step in range(steps):
-            token, keep = state.sample(logits, sampling, step)  # (live,)
-            if state.done:
-                break
-            if keep is not None:  # rows finished: drop them from the running batch
-                cache.keep(keep)
-                position = position[keep]
+
+        def keep_rows(keep: torch.Tensor) -> None:
+            nonlocal position
+            cache.keep(keep)
+            position = position[keep]
+
+        def forward(token: torch.Tensor) -> torch.Tensor:
+            nonlocal position
             hidden = self._layers(F.embedding(token, embedding)[:, None],  # (live, 1, H)
                                   cos[position][:, None, None], signed_sin[position][:, None, None],  # (live, 1, 1, D)
                                   cache.attend_step)
             cache.length += 1
-            logits = self._logits(hidden[:, -1])  # (live, V)
             position = position + 1
+            return self._logits(hidden[:, -1])  # (live, V)
 
+        decode(state, logits, sampling, keep_rows, forward)
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
     def _layers(self, hidden, cos, signed_sin, attend):
