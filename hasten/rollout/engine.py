@@ -43,6 +43,8 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
 class KVCacheEngine:
     """Batched sampling with transformers' DynamicCache."""
 
+    kind = "hf"  # what the run's plan calls this engine
+
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int]):
         self.model = model
         self.pad_token_id = pad_token_id

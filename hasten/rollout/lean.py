@@ -318,6 +318,8 @@ class LeanEngine:
     """Batched sampling from a Llama-family model (or a LoRA policy on one) through a lean forward
     and a preallocated cache."""
 
+    kind = "lean"
+
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32",
                  shared_prefix: bool = False):
         check_supported(model)

@@ -226,6 +226,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
 class SpeculativeEngine:
     """LeanEngine's protocol, decoding with a drafter and one policy forward per k + 1 positions."""
 
+    kind = "lean+speculative"
+
     def __init__(self, engine, drafter, num_draft_tokens: int):
         if num_draft_tokens < 1:
             raise ValueError(f"speculative decoding needs k >= 1 draft tokens (got {num_draft_tokens})")

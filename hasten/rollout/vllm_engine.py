@@ -82,6 +82,8 @@ class VLLMEngine:
     `directory` set (the server, `hasten vllm-serve`: weights arrive through `load_weights`).
     """
 
+    kind = "vllm"
+
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], memory_fraction: float = 0.3,
                  kv_cache_mb: int = 1024, max_model_len: int = 0, dtype: str = "float32",
                  directory: str | None = None):

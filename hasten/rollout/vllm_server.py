@@ -40,6 +40,8 @@ MAX_BODY = 64 * 2**30  # a weights push of a large model; anything bigger is ref
 class VLLMServerEngine:
     """The Engine protocol over a running `hasten vllm-serve`."""
 
+    kind = "vllm-server"
+
     def __init__(self, url: str, model, pad_token_id: int, eos_token_ids: list[int], timeout: float = 600.0):
         self.url = url.rstrip("/")
         self.model = model

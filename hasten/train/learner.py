@@ -24,6 +24,7 @@ train/optimization.py's, shared with the game and SFT loops.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,12 +56,13 @@ class LogprobPass:
     fast_linear: bool  # speed.fast_linear, auto resolved (fast_linear.resolve)
 
     @classmethod
-    def choose(cls, cfg: Config, model) -> LogprobPass:
+    def choose(cls, cfg: Config) -> LogprobPass:
         # fast_linear and grouped_attention switch the model's kernels for the forward only. With
         # gradient checkpointing, backward recomputes layers after that switch is undone and
-        # torch rejects the mismatch, so checkpointing runs them on the plain kernels.
-        plain_kernels = bool(getattr(model, "is_gradient_checkpointing", False))
+        # torch rejects the mismatch, so checkpointing runs them on the plain kernels. (The learner
+        # sets the model's checkpointing from the same key, so the key is what the model will do.)
         speed = cfg.speed
+        plain_kernels = speed.gradient_checkpointing
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
                    speed.grouped_attention and not plain_kernels, speed.shared_prefix,
                    resolve_fast_linear(speed.fast_linear) and not plain_kernels)
@@ -176,6 +178,32 @@ class Correction:
         return old, weights
 
 
+@dataclass(frozen=True)
+class LearningPlan:
+    """Everything the learner decides from the config, resolved once (train/plan.py holds it for a run)."""
+
+    settings: LearnerSettings
+    logprob_pass: LogprobPass
+    correction: Correction
+
+    @classmethod
+    def resolve(cls, cfg: Config, sharded: bool) -> LearningPlan:
+        return cls(LearnerSettings.from_config(cfg, sharded), LogprobPass.choose(cfg), Correction.for_run(cfg))
+
+    def describe(self) -> str:
+        """A few words for the run's plan line: the pass and the correction."""
+        chosen = self.logprob_pass
+        kernels = [name for name, on in (("grouped attention", chosen.grouped_attention),
+                                          ("shared prefix", chosen.shared_prefix and chosen.grouped_attention),
+                                          ("oneDNN linears", chosen.fast_linear)) if on]
+        learning = ("packed" if chosen.packed else "padded") + (f" ({', '.join(kernels)})" if kernels else "")
+        correction = self.correction
+        fixes = (["stale-weight ratios"] if correction.stale else []) + (
+            [f"importance weights capped at {correction.cap:g} ({correction.sampler})"] if correction.cap else [])
+        skipping = ", zero-advantage samples skipped" if self.settings.skip_zero_advantage else ""
+        return f"{learning} learning pass{skipping}, {'; '.join(fixes) if fixes else 'on-policy'}"
+
+
 @dataclass
 class StepSums:
     """What a step adds up over its chunks and iterations before it reports."""
@@ -188,29 +216,32 @@ class StepSums:
 
 
 class Learner:
-    def __init__(self, policy: Policy, settings: LearnerSettings, optimization: Optimization,
-                 logprob_pass: LogprobPass, reference: Reference | None = None, correction: Correction = Correction()):
+    def __init__(self, policy: Policy, plan: LearningPlan, optimization: Optimization,
+                 reference: Reference | None = None):
         self.policy = policy
-        self.settings = settings
-        self.loss_fn = LOSSES[settings.loss]
+        self.settings = plan.settings
+        self.loss_fn = LOSSES[plan.settings.loss]
         self.optimization = optimization
         self.parameters = optimization.parameters
-        self.logprob_pass = logprob_pass
+        self.logprob_pass = plan.logprob_pass
         self.reference = reference
-        self.correction = correction
+        self.correction = plan.correction
         self.device = next(policy.model.parameters()).device
 
     @classmethod
     def from_config(cls, policy: Policy, cfg: Config, reference: Reference | None = None,
-                    log: Callable[[str], None] = print, correction: Correction | None = None) -> Learner:
-        """The learner `cfg` asks for: its settings, optimizer, pass and correction resolved here, once."""
+                    log: Callable[[str], None] = print, correction: Correction | None = None,
+                    plan: LearningPlan | None = None) -> Learner:
+        """The learner for `cfg`: its optimizer built, the model's checkpointing set, and the plan (the run's,
+        resolved in prepare; else resolved here) taken as it is. correction: replaces the plan's (tests)."""
         sharded = fsdp.is_sharded(policy.model)
+        plan = plan if plan is not None else LearningPlan.resolve(cfg, sharded)
+        if correction is not None:
+            plan = dataclasses.replace(plan, correction=correction)
         parameters = [p for p in policy.model.parameters() if p.requires_grad]
         optimization = Optimization(parameters, OptimizerSettings.for_training(cfg), cfg.speed, log, sharded=sharded)
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
-        logprob_pass = LogprobPass.choose(cfg, policy.model)  # after checkpointing is set: it depends on it
-        return cls(policy, LearnerSettings.from_config(cfg, sharded), optimization, logprob_pass, reference,
-                   Correction.for_run(cfg) if correction is None else correction)
+        return cls(policy, plan, optimization, reference)
 
     def step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
              ) -> dict[str, float]:

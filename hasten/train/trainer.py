@@ -55,6 +55,7 @@ from . import distributed, fsdp, loop
 from .evaluate import evaluate
 from .feeder import Feeder, make_feeder
 from .learner import Learner
+from .plan import Plan
 from .outputs import RunDir, save_model_files
 from .preflight import check_output_dir
 from ..kernels.runtime import configure_threads, keep_freed_memory
@@ -75,6 +76,7 @@ class Session:
     reward_logs: RewardLogs | None = None  # trainer_state / log_metric / log_extra for reward functions
     completions: list[dict[str, Any]] = field(default_factory=list)  # the last step's samples (output.log_completions)
     threads: ThreadGovernor | None = None  # speed.adaptive_threads (set by prepare)
+    plan: Plan | None = None  # every choice resolved once (train/plan.py); set by prepare
 
 
 def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
@@ -125,8 +127,11 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     # speed.adaptive_threads: only where the thread count is torch's own choice, in one process.
     governor = ThreadGovernor(cfg.speed.adaptive_threads and cfg.train.num_threads == 0
                               and distributed.world_size() == 1 and device.type == "cpu")
-    return Session(cfg, task, rewards, policy, make_engine(cfg, policy, log), RewardScorer(rewards, cfg.speed),
-                   RewardLogs(state), threads=governor)
+    engine = make_engine(cfg, policy, log)
+    plan = Plan.resolve(cfg, policy, engine, governor.enabled)
+    log(plan.describe())
+    return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed), RewardLogs(state),
+                   threads=governor, plan=plan)
 
 
 def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
@@ -277,7 +282,8 @@ class GRPOJob:
         if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
             fsdp.shard(session.policy.model)
         self.full_state: dict | None = None  # FSDP: the weights state_dict() gathered for save_model
-        self.learner = Learner.from_config(session.policy, cfg, reference, log)
+        self.learner = Learner.from_config(session.policy, cfg, reference, log,
+                                           plan=session.plan.learning if session.plan else None)
         self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
         self.resume_command = "hasten train --resume"

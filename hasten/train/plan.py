@@ -1,0 +1,50 @@
+"""The run's plan: every choice the config leaves to the model and the machine, resolved once.
+
+`prepare` (train/trainer.py) builds it after the model is loaded and the engine is made, from the
+validated config, the model's device and the engine the factory chose (rollout/factory.py): which
+engine samples and with which forward, how the learner's pass runs and how it corrects for the
+sampler (train/learner.py's LearningPlan), whether the weights are sharded, whether threads adapt.
+Nothing downstream asks the config these questions again. Its one-line description is printed when
+a run starts, so what ran is on the screen and in the log, not only implied by defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from . import fsdp
+from .learner import LearningPlan
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str  # the model's device: cpu, cuda:0, ...
+    engine: str  # the engine that samples: lean | lean+speculative | hf | vllm | vllm-server
+    model_impl: str  # the policy's forward: native (models/llama.py) | transformers
+    learning: LearningPlan  # the learner's settings, pass and correction
+    sharded: bool  # train.distributed=fsdp under torchrun
+    adaptive_threads: bool  # speed.adaptive_threads where it applies (one CPU process, threads not pinned)
+    async_steps: int  # speed.async_steps: batches sampled ahead of the update
+
+    @classmethod
+    def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool) -> Plan:
+        from ..models.llama import NativeLlamaForCausalLM
+
+        model = policy.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+        native = isinstance(base, NativeLlamaForCausalLM)
+        engine_kind = getattr(engine, "kind", type(engine).__name__)
+        if engine_kind == "lean+speculative":
+            engine_kind += f" ({cfg.speed.speculative})"
+        sharded = fsdp.wanted(cfg)
+        return cls(str(next(model.parameters()).device), engine_kind, "native" if native else "transformers",
+                   LearningPlan.resolve(cfg, sharded), sharded, adaptive_threads, cfg.speed.async_steps)
+
+    def describe(self) -> str:
+        """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy'."""
+        extras = (["FSDP-sharded"] if self.sharded else []) + (
+            [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + (
+            ["adaptive threads"] if self.adaptive_threads else [])
+        return (f"plan: {self.device}, {self.engine} engine, {self.model_impl} forward, {self.learning.describe()}"
+                + "".join(f", {extra}" for extra in extras))

@@ -1,0 +1,66 @@
+"""The run's plan (train/plan.py): resolved once in prepare, from the config, the model and the engine,
+and what the learner then runs with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hasten.config import load_config
+from hasten.train.learner import Correction, LearningPlan
+from hasten.train.trainer import GRPOJob, prepare
+
+
+@pytest.fixture
+def data(tmp_path):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(8)))
+    (tmp_path / "rewards.py").write_text("def length(prompts, completions, **kw):\n"
+                                          "    return [float(len(c)) for c in completions]\n")
+    return tmp_path
+
+
+def configured(data, profile=None, **overrides):
+    pairs = {"model.name": "tiny", "task.name": "jsonl", "task.path": str(data / "data.jsonl"),
+             "rewards.extra": [f"{data / 'rewards.py'}:length"], "output.dir": str(data / "runs"),
+             "train.num_threads": 1, **overrides}
+    return load_config(overrides=list(pairs.items()), profile=profile)
+
+
+def test_baseline_and_conservative_plans_name_what_runs(data):
+    lines = []
+    baseline = prepare(configured(data, "baseline"), log=lines.append).plan
+    assert (baseline.engine, baseline.model_impl, baseline.device) == ("hf", "transformers", "cpu")
+    assert not baseline.learning.logprob_pass.packed and not baseline.learning.settings.skip_zero_advantage
+    assert baseline.learning.correction == Correction()  # on-policy: sampling log-probs never read
+    assert lines[-1] == baseline.describe() and "padded learning pass" in lines[-1] and "on-policy" in lines[-1]
+
+    fast = prepare(configured(data, "conservative"), log=lines.append).plan
+    assert (fast.engine, fast.model_impl) == ("lean", "native")
+    assert fast.learning.logprob_pass.packed and fast.learning.settings.skip_zero_advantage
+    assert "zero-advantage samples skipped" in fast.describe()
+
+
+def test_the_sampler_correction_is_decided_once_from_the_config(data):
+    stale = LearningPlan.resolve(configured(data, **{"speed.async_steps": 1}), sharded=False)
+    assert stale.correction == Correction(stale=True) and "stale-weight ratios" in stale.describe()
+    other = configured(data)
+    other.speed.generation_precision = "bf16"  # another implementation samples: truncated importance weights
+    weighted = LearningPlan.resolve(other, sharded=False).correction
+    assert weighted.cap == other.speed.vllm_importance_sampling_cap and weighted.sampler == "bf16_sampler"
+    other.speed.vllm_importance_sampling_correction = False
+    assert LearningPlan.resolve(other, sharded=False).correction.cap is None
+    checkpointed = configured(data, **{"speed.gradient_checkpointing": True})
+    chosen = LearningPlan.resolve(checkpointed, sharded=False).logprob_pass  # plain kernels under checkpointing
+    assert not chosen.grouped_attention and not chosen.fast_linear
+
+
+def test_the_learner_runs_the_plan_prepare_resolved(data):
+    session = prepare(configured(data), log=lambda line: None)
+    job = GRPOJob(session, log=lambda line: None)
+    try:
+        assert job.learner.logprob_pass is session.plan.learning.logprob_pass
+        assert job.learner.settings is session.plan.learning.settings
+        assert job.learner.correction is session.plan.learning.correction
+    finally:
+        job.close()
