@@ -363,7 +363,7 @@ def speculative_engines(side: HastenSide, opts: BenchOptions, eos_token_ids: lis
     import copy
 
     from ..rollout.lean import LeanEngine
-    from ..train.trainer import speculative
+    from ..rollout.factory import speculative
 
     policy, engines = side.session.policy, {}
     for choice in opts.speculative:
