@@ -5,7 +5,8 @@ transformers' forward with a KV cache for sampling, one padded log-prob pass for
 torch's for-loop AdamW, rewards called inline. tests/test_reference_grpo.py checks that the two
 give the same losses, rewards and weights on the tiny model. Left out on purpose, because they
 do not change what is learned: evals, checkpoints and resume, the NaN guard (a run whose losses
-stay finite never needs it), torchrun, log files. What the loop does not do (gradient
+stay finite never needs it), torchrun, log files, and the trainer_state / log_metric arguments
+reward functions may take (TRL's other arguments are passed). What the loop does not do (gradient
 accumulation, stop strings, reward weights, ...) is refused rather than ignored.
 
 One step:
@@ -16,7 +17,7 @@ One step:
 
 Run it with any hasten config (the speed: section is always the baseline's):
     python examples/grpo_reference.py --model.name=tiny --task.name=jsonl --task.path=prompts.jsonl \
-        --rewards.extra=rewards.py:letters --algo.loss=grpo --train.steps=3
+        --rewards.extra=[rewards.py:letters] --algo.loss=grpo --train.steps=3
 """
 
 from __future__ import annotations
@@ -100,13 +101,14 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> tuple[Policy, list
         advantages = group_advantages(rewards, group_size, algo.scale_rewards)  # (B*G,) 0 for NaN rewards
 
         # 3. Learn: num_iterations updates on this batch, the ratio taken against the sampling weights.
-        mask = rollout.completion_mask  # (B*G, T) 1 = generated token
+        mask = rollout.completion_mask  # (B*G, T) 1 = generated token, on the model's device
+        advantages = advantages.to(mask.device)
         reference_logps = None
         if reference is not None:
             with torch.no_grad(), reference.active() as reference_model:
                 reference_logps = sequence_logprobs(reference_model, rollout, sampling.temperature)  # (B*G, T)
         old_logps = None
-        for iteration in range(algo.num_iterations):
+        for _ in range(algo.num_iterations):
             logps = sequence_logprobs(model, rollout, sampling.temperature)  # (B*G, T) with grad
             if old_logps is None:  # before any update on this batch: the policy that sampled it
                 old_logps = logps.detach()

@@ -94,7 +94,7 @@ def test_reference_loop_learns_what_the_baseline_trainer_learns(tmp_path, case):
     finally:
         torch.set_num_threads(previous_threads)
     assert_same_run(example, trainer)
-    start = load_policy(load_config(overrides=settings(tmp_path)).model).model.state_dict()
+    start = load_policy(load_config(overrides=settings(tmp_path)).model, log=lambda text: None).model.state_dict()
     assert any(not torch.equal(start[name], saved) for name, saved in trainer[1].items())  # something was learned
     if case == "kl_two_iterations":
         assert any(record["clip_ratio/low"] + record["clip_ratio/high"] > 0 for record in trainer[0])
@@ -106,3 +106,13 @@ def test_reference_loop_refuses_what_it_leaves_out(tmp_path):
     cfg = load_config(overrides=settings(tmp_path, **{"train.gradient_accumulation_steps": 2}), profile="baseline")
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
         load_example().train(cfg, log=lambda text: None)
+
+
+def test_reference_script_reports_a_left_out_setting_in_one_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--model.name=tiny", "--generation.stop_strings=[done]"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "config error: generation.stop_strings is not in the reference loop (use hasten train)"
