@@ -171,3 +171,44 @@ def test_sft_on_two_gloo_ranks_matches_one_process(tmp_path):
     (weights_file,) = (runs[1] / "checkpoint").glob("*.safetensors")
     before, after = load_file(str(weights_file)), load_file(str(runs[2] / "checkpoint" / weights_file.name))
     assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
+
+
+def test_two_torchrun_nodes_on_one_machine_learn_what_one_process_learns(tmp_path):
+    """The README's several-machines command, as two 'nodes' of one process each on this machine (c10d
+    rendezvous on 127.0.0.1): the same losses and weights as one process within 1e-5."""
+    import socket
+
+    options = ["--train.steps=3", "--algo.loss=dapo"]
+    one = launch(tmp_path, "one", 1, options)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data = tmp_path / "data.jsonl"
+    args = ["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data}",
+            "--reward", f"{tmp_path / 'rewards.py'}:letters", "--train.prompts_per_step=4",
+            "--generation.num_generations=4", "--generation.max_new_tokens=10", "--train.lr=3e-3",
+            "--eval.num_examples=4", "--eval.max_new_tokens=6", "--train.num_threads=1",
+            f"--output.dir={tmp_path / 'runs'}", "--output.name=nodes", "--output.progress=off",
+            "--output.plot=false", *options]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=hasten-test",
+                "-m", "hasten.cli", *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    nodes = [subprocess.Popen(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    two = tmp_path / "runs" / "nodes"
+    single, double = records(one), records(two)
+    assert len(single) == len(double) == 3
+    for a, b in zip(single, double):
+        for key in ("loss", "reward_mean", "completion_length", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), (a["step"], key)
+    before, after = weights(one), weights(two)
+    assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
