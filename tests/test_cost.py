@@ -59,3 +59,13 @@ def test_qwen2_shape_counts_its_biases():
     size = size_from_config(config)
     # Qwen2.5-0.5B: 494M parameters with the tied embedding counted once (published figure 0.49B)
     assert 0.49e9 < size.body + size.head < 0.50e9
+
+
+def test_the_docs_prediction_table_is_the_codes():
+    from pathlib import Path
+
+    from hasten.bench.cost import prediction_table
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cost-model.md").read_text()
+    missing = [line for line in prediction_table() if line not in doc]
+    assert missing == []

@@ -161,3 +161,48 @@ def step_floors(size: ModelSize, limits: Limits, shape: StepShape, generation_pr
 PUBLISHED = {
     "H100 SXM": Limits(fp32_gflops=67_000, bf16_gflops=989_000, bandwidth_gbs=3_350),
 }
+
+
+# Published shapes of the models the scaling grid (B8) uses; for predictions and for random-weight builds.
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, vocab_size=49152, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, model_type="llama"),
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, vocab_size=151936, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, model_type="qwen2"),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, vocab_size=151936, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, model_type="qwen2"),
+}
+NVLINK_GBS = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way (published)
+
+
+def predict_step(size: ModelSize, limits: Limits, shape: StepShape, gpus: int = 1, precision: str = "bf16",
+                 interconnect_gbs: float = NVLINK_GBS) -> dict[str, float]:
+    """Floor seconds of one GRPO step on `gpus` devices of `limits`, data parallel over whole groups:
+    each device samples and learns its share of the groups (reading every weight each decode step all
+    the same), then the fp32 gradients are all-reduced (a ring: 2 (g - 1) / g of them over the link)."""
+    groups = len(shape.prompt_lengths) // gpus
+    share = StepShape(shape.prompt_lengths[:groups], shape.completion_lengths[:groups * shape.num_generations],
+                      shape.num_generations)
+    floors = step_floors(size, limits, share, precision, precision)
+    reduce = 0.0 if gpus == 1 else 2 * (gpus - 1) / gpus * (size.body + size.head) * 4 / (interconnect_gbs * 1e9)
+    return {"generate": floors["generate"].seconds, "learn": floors["learn"].seconds, "all_reduce": reduce,
+            "step": floors["generate"].seconds + floors["learn"].seconds + reduce}
+
+
+def prediction_table(lengths: tuple[int, ...] = (64, 256, 1024), prompts: int = 8, generations: int = 8,
+                     prompt_tokens: int = 40) -> list[str]:
+    """docs/cost-model.md's table of predicted floors on 1 and 8 H100s (a test keeps the doc equal to it)."""
+    import types
+
+    h100 = PUBLISHED["H100 SXM"]
+    lines = ["| model | completion tokens | 1 H100: generate / learn / step (ms) | 8 H100: generate / learn / "
+             "all-reduce / step (ms) |", "|---|---|---|---|"]
+    for name, fields in SHAPES.items():
+        size = size_from_config(types.SimpleNamespace(**fields))
+        for length in lengths:
+            shape = StepShape([prompt_tokens] * prompts, [length] * (prompts * generations), generations)
+            one, eight = predict_step(size, h100, shape), predict_step(size, h100, shape, gpus=8)
+            lines.append(f"| {name} | {length} | {1e3 * one['generate']:.1f} / {1e3 * one['learn']:.1f} / "
+                         f"{1e3 * one['step']:.1f} | {1e3 * eight['generate']:.1f} / {1e3 * eight['learn']:.1f} / "
+                         f"{1e3 * eight['all_reduce']:.1f} / {1e3 * eight['step']:.1f} |")
+    return lines
