@@ -52,6 +52,7 @@ class TaskConfig:
     seed: int = 1234  # data generation seed (separate from the training seed)
     system_prompt: str | None = None  # None: the task's own
     worked_example: bool = True  # show one solved question first (generated tasks)
+    environment: str | None = None  # "path/to/file.py:Class": TRL's environment_factory (docs/agentic.md)
 
 
 @dataclass
@@ -72,6 +73,10 @@ class GenerationConfig:
     repetition_penalty: float = 1.0  # logits of tokens already seen / this (x this if < 0), as HF; 1 = off
     stop_strings: list[str] = field(default_factory=list)  # a completion ends after the first of these it produces
     chat_template_kwargs: dict = field(default_factory=dict)  # chat template variables (enable_thinking: false)
+    tools: list[str] = field(default_factory=list)  # "path/to/file.py:function" tools the model may call (docs/agentic.md)
+    max_tool_turns: int = 10  # tool-calling rounds after the first turn (TRL: max_tool_calling_iterations)
+    tool_timeout: float = 10.0  # seconds a tool call may take; then the model reads "timed out"
+    tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
 
 
 @dataclass
@@ -248,6 +253,8 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("speed.speculative_tokens", lambda v: v >= 1, ">= 1"),
     ("speed.ngram_size", lambda v: v >= 1, ">= 1"),
     ("generation.stop_strings", lambda v: all(v), "a list of non-empty strings"),
+    ("generation.max_tool_turns", lambda v: v >= 0, ">= 0"),
+    ("generation.tool_timeout", lambda v: v > 0, "> 0"),
     ("algo.epsilon", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("algo.epsilon_high", lambda v: v is None or v >= 0, ">= 0"),
     ("algo.beta", lambda v: v >= 0, ">= 0"),

@@ -63,6 +63,9 @@ class Rollout:
     num_generations: int
     sampling: SamplingParams | None = None  # how it was sampled: the learner's temperature and length cap
     stats: dict[str, float] = field(default_factory=dict)  # the engine's own counters (spec/acceptance, ...)
+    # Multi-turn rollouts (agent/loop.py): 1 = written by the model, 0 = a tool result the forward sees
+    # and the loss leaves out (TRL's tool_mask); None = every completion token is the model's.
+    tool_mask: torch.Tensor | None = None  # (B*G, T)
 
     @property
     def num_prompts(self) -> int:
@@ -75,6 +78,21 @@ class Rollout:
     @property
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(dim=1)  # (B*G,)
+
+    @property
+    def model_lengths(self) -> torch.Tensor:
+        """Tokens the model wrote per sample (tool results left out): TRL's completion length."""
+        if self.tool_mask is None:
+            return self.completion_lengths
+        return (self.completion_mask * self.tool_mask).sum(dim=1)  # (B*G,)
+
+    def loss_mask(self, mask_truncated: bool = False) -> torch.Tensor | None:
+        """The tokens the loss counts: the model's (tool_mask), not cut at the length cap when mask_truncated
+        (algo.mask_truncated_completions); None = every completion token."""
+        mask = None if self.tool_mask is None else self.completion_mask * self.tool_mask  # (B*G, T)
+        if mask_truncated:
+            mask = (self.completion_mask if mask is None else mask) * self.ended_with_eos[:, None]
+        return mask
 
     def completion_token_lists(self) -> list[list[int]]:
         lengths = self.completion_lengths.tolist()

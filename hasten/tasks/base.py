@@ -17,7 +17,7 @@ checker) are shared by the generated tasks.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -55,6 +55,10 @@ class Task:
     # Task-specific eval metrics (e.g. the code task's pass@k), called by train/evaluate.py as
     # evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size) -> metrics.
     evaluate_more: Callable[..., dict[str, float]] | None = None
+    # Agentic tasks (docs/agentic.md): tools the model may call, and TRL's environment_factory
+    # (a class or {name: class}); agent/__init__.py make_agent adds the config's and the API's to these.
+    tools: list[Callable[..., Any]] = field(default_factory=list)
+    environment: Any = None
 
     @staticmethod
     def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

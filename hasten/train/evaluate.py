@@ -33,11 +33,13 @@ def evaluate(
     template_kwargs: dict | None = None,
     reward_kwargs: dict | None = None,
     stop_strings: list[str] | None = None,
+    agent: Any = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Returns (metrics, samples); samples hold each question and completion.
 
     template_kwargs: generation.chat_template_kwargs; reward_kwargs: TRL's trainer_state, log_metric,
-    log_extra; stop_strings: generation.stop_strings, cut as in training.
+    log_extra; stop_strings: generation.stop_strings, cut as in training; agent: the run's tool loop
+    (agent/loop.py), which then generates each completion, tool calls and all.
     """
     rows = task.eval_rows[:num_examples]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -47,10 +49,13 @@ def evaluate(
     texts: list[str] = []  # every completion, for the task's own metrics
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
-        prompts = [encode_prompt(tokenizer, r["prompt"], **(template_kwargs or {})) for r in batch]
-        rollout = apply_stop_strings(engine.generate(prompts, 1, greedy, seed=0), tokenizer, stop_strings or [],
-                                     tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        inputs = reward_inputs(tokenizer, batch, rollout)
+        if agent is not None:
+            inputs = agent.generate(engine, batch, 1, greedy, seed=0).inputs
+        else:
+            prompts = [encode_prompt(tokenizer, r["prompt"], **(template_kwargs or {})) for r in batch]
+            rollout = apply_stop_strings(engine.generate(prompts, 1, greedy, seed=0), tokenizer, stop_strings or [],
+                                         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+            inputs = reward_inputs(tokenizer, batch, rollout)
         if reward_functions:
             scores = score_rewards(
                 reward_functions, inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids,

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..agent import make_agent
 from ..algo import group_advantages, zero_variance_fraction
 from ..algo.advantages import nanstd
 from ..config import Config, ConfigError
@@ -77,6 +78,7 @@ class Session:
     completions: list[dict[str, Any]] = field(default_factory=list)  # the last step's samples (output.log_completions)
     threads: ThreadGovernor | None = None  # speed.adaptive_threads (set by prepare)
     plan: Plan | None = None  # every choice resolved once (train/plan.py); set by prepare
+    agent: Any = None  # agent.Agent: tools / environments, the multi-turn loop (None: single-turn)
 
 
 def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
@@ -101,10 +103,11 @@ def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = 
 
 def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None = None,
             rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
-            trainer_state: Any = None) -> Session:
+            trainer_state: Any = None, tools: list | None = None, environment: Any = None) -> Session:
     """Everything a run needs. task / rewards / policy: built by the caller (the Python API) instead of
     from cfg's names; rewards are added after the task's and rewards.extra's. trainer_state: what reward
-    functions receive as `trainer_state` (default: a RewardState the step keeps current)."""
+    functions receive as `trainer_state` (default: a RewardState the step keeps current). tools /
+    environment: the API's tools= and environment_factory= (agent/, added to the task's and the config's)."""
     device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
     configure_device(device)
     check_trackers(cfg)
@@ -115,9 +118,11 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     task = task if task is not None else make_task(cfg.task, cfg)
-    rewards = build_rewards(cfg, task, rewards)
+    parts = make_agent(cfg, task, tools, environment)  # tools and environments checked before the model loads
+    rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
         policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
+    agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
     distributed.init(device)  # torchrun: join the process group (nothing without it)
     distributed.broadcast_parameters(policy.model)  # equal by seed already; rank 0's by construction
@@ -131,7 +136,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     plan = Plan.resolve(cfg, policy, engine, governor.enabled)
     log(plan.describe())
     return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed), RewardLogs(state),
-                   threads=governor, plan=plan)
+                   threads=governor, plan=plan, agent=agent)
 
 
 def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: int, seed: int) -> ScoredBatch:
@@ -144,17 +149,23 @@ def generate_and_score(session: Session, engine: Engine, feeder: Feeder, count: 
     rows, prompts = rows[mine], prompts[mine]
     group = generation.num_generations
     started = time.perf_counter()
-    rollout = engine.generate(prompts, group, sampling, seed=seed,
-                              rows=RowRange(mine.start * group, count * group))  # the global batch's draws
-    rollout = apply_stop_strings(rollout, tokenizer, generation.stop_strings, session.policy.pad_token_id)
-    generated = time.perf_counter()
-    inputs = reward_inputs(tokenizer, rows, rollout)
+    draws = RowRange(mine.start * group, count * group)  # the global batch's draws
+    agent_metrics: dict[str, float] = {}
+    if session.agent is not None:  # tools / environments: the multi-turn loop (agent/loop.py)
+        agentic = session.agent.generate(engine, rows, group, sampling, seed, draws)
+        rollout, inputs, agent_metrics = agentic.rollout, agentic.inputs, agentic.metrics
+        generated = time.perf_counter()
+    else:
+        rollout = engine.generate(prompts, group, sampling, seed=seed, rows=draws)
+        rollout = apply_stop_strings(rollout, tokenizer, generation.stop_strings, session.policy.pad_token_id)
+        generated = time.perf_counter()
+        inputs = reward_inputs(tokenizer, rows, rollout)
     pending = session.scorer.start(inputs.prompts, inputs.completions, inputs.columns, inputs.completion_ids,
                                    session.reward_logs.kwargs())
     scores = pending.join()  # slow rewards ran in the pool while the fast ones ran here
     group_means = torch.nan_to_num(torch.nanmean(scores.scored_total.view(len(rows), -1), dim=1))  # (B,)
     feeder.observe(rows, group_means.tolist())  # curriculum success rates
-    metrics = {**pending.metrics, **rollout.stats,  # stats: the engine's own counters (spec/*)
+    metrics = {**pending.metrics, **rollout.stats, **agent_metrics,  # stats: the engine's own counters (spec/*)
                "time/generate": generated - started, "time/reward": time.perf_counter() - generated}
     return ScoredBatch(rows, rollout, inputs, scores, metrics)
 
@@ -211,9 +222,9 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         mine = distributed.group_slice(len(totals) // group)
         advantages = group_advantages(totals, group, cfg.algo.scale_rewards)  # (B*G,), 0 where unscored
         advantages = advantages[mine.start * group:mine.stop * group]
-        loss_mask = None
-        if cfg.algo.mask_truncated_completions:  # cut at max_new_tokens: no loss on them (TRL's option)
-            loss_mask = batch.rollout.completion_mask * batch.rollout.ended_with_eos[:, None]  # (B*G, T)
+        # (B*G, T) or None: tool results (multi-turn) and, with algo.mask_truncated_completions, completions
+        # cut at max_new_tokens get no loss (TRL's tool_mask and option)
+        loss_mask = batch.rollout.loss_mask(cfg.algo.mask_truncated_completions)
         phase_threads["threads/learn"] = threads.adjust()
         learned_metrics = learner.step(batch.rollout, advantages, loss_mask)
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
@@ -224,7 +235,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     first = rounds[0]
     scores = RewardScores(distributed.gather_rows(first.scores.per_function),
                           distributed.gather_rows(first.scores.total), first.scores.names)
-    lengths = distributed.gather_rows(first.rollout.completion_lengths).float()
+    lengths = distributed.gather_rows(first.rollout.model_lengths).float()  # model-written tokens (TRL)
     ended = distributed.gather_rows(first.rollout.ended_with_eos)
     tokens = distributed.sum_over_ranks(
         sum(int(r.rollout.prompt_mask.sum()) + int(r.rollout.completion_mask.sum()) for r in rounds))
@@ -329,6 +340,7 @@ class GRPOJob:
             session.task, session.engine, session.policy.tokenizer, session.rewards,
             min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
             cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
+            agent=session.agent,
         )
         metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
@@ -370,6 +382,8 @@ class GRPOJob:
                 self.session.scorer.close()
             finally:
                 close_shared()  # the code task's sandbox workers
+                if self.session.agent is not None:
+                    self.session.agent.close()
                 if self.session.threads is not None:
                     self.session.threads.restore()  # speed.adaptive_threads may have lowered them
 

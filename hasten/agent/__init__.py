@@ -1,0 +1,73 @@
+"""Agentic GRPO: tools, environments and the multi-turn loop (docs/agentic.md).
+
+`make_agent` gathers a run's tools (the task's, generation.tools' files, the
+Python API's), its environment factory (the task's, task.environment's file,
+the API's environment_factory) and the tool template, checks them all before
+anything is written, and returns the Agent that train/trainer.py's
+generate_and_score calls instead of one engine.generate, plus the reward
+functions environments bring (get_reward). No tools and no environment: None,
+and the run is the plain single-turn one, untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..config import Config, ConfigError
+from ..rewards.runner import RewardFunction
+from .environments import Environments, load_environment
+from .loop import Agent, AgentBatch, AgentSettings
+from .template import HERMES_TEMPLATE, resolve_template
+from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls
+
+__all__ = ["Agent", "AgentBatch", "AgentSettings", "Environments", "HERMES_TEMPLATE", "Tool", "ToolError",
+           "AgentParts", "make_agent", "make_tool", "parse_tool_calls"]
+
+
+@dataclass
+class AgentParts:
+    """A run's tools and environments, checked; `build(tokenizer, pad_token_id)` adds the template."""
+
+    cfg: Config
+    tools: list[Tool]
+    environments: Environments | None
+
+    @property
+    def reward_functions(self) -> list[RewardFunction]:
+        """What the environments bring: one get_reward function per class that has one."""
+        return self.environments.reward_functions() if self.environments is not None else []
+
+    def build(self, tokenizer, pad_token_id: int) -> Agent:
+        generation = self.cfg.generation
+        template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
+        settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings))
+        return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id)
+
+
+def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
+               environment: Any = None) -> AgentParts | None:
+    """The run's tools and environments, checked (None: neither, a single-turn run)."""
+    callables = list(getattr(task, "tools", None) or []) + list(tools or [])
+    resolved = [make_tool(fn) for fn in callables] + [load_tool(spec) for spec in cfg.generation.tools]
+    factory = environment if environment is not None else getattr(task, "environment", None)
+    if factory is None and cfg.task.environment:
+        factory = load_environment(cfg.task.environment)
+    if not resolved and factory is None:
+        return None
+    names = [tool.name for tool in resolved]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ToolError(f"tool error: two tools are named {duplicated[0]}; tool names must be unique")
+    environments = Environments(factory) if factory is not None else None
+    for name, rows in (("train", task.train_rows), ("eval", task.eval_rows)):
+        if environments is not None:
+            environments.check_rows(rows, f"task {task.name} {name}")
+        for index, row in enumerate(rows):
+            if not isinstance(row.get("prompt"), list):
+                raise ConfigError(f"config error: tools and environments need chat prompts (a list of messages); "
+                                  f"task {task.name} {name} row {index} has a {type(row.get('prompt')).__name__}")
+    if cfg.speed.dynamic_sampling or cfg.speed.async_steps:
+        raise ConfigError("config error: tools and environments do not run with speed.dynamic_sampling or "
+                          "speed.async_steps yet; turn those off")
+    return AgentParts(cfg, resolved, environments)
