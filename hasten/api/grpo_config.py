@@ -108,6 +108,7 @@ class _GRPOFields(_TrainingFields):
     repetition_penalty: float = 1.0
     generation_kwargs: dict | None = None  # only {"stop_strings": [...]}
     chat_template_kwargs: dict | None = None
+    max_tool_calling_iterations: int | None = None  # tool rounds per rollout; None: no cap but the length cap
     # logging and evaluation
     log_completions: bool = False
     eval_strategy: str = "no"  # no | steps
@@ -259,6 +260,9 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("generation.repetition_penalty", self.repetition_penalty),
             ("generation.stop_strings", self._stop_strings()),
             ("generation.chat_template_kwargs", dict(self.chat_template_kwargs or {})),
+            # None is TRL's sys.maxsize: max_completion_length ends the loop first (one token per round at least)
+            ("generation.max_tool_turns", self.max_completion_length if self.max_tool_calling_iterations is None
+             else self.max_tool_calling_iterations),
             ("algo.loss", self._loss()), ("algo.beta", self.beta), ("algo.epsilon", self.epsilon),
             ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),

@@ -34,8 +34,7 @@ from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, GRPOConfig
 from .inputs import build_policy, build_rewards, build_task, model_name
 
-UNSUPPORTED_ARGUMENTS = ("reward_processing_classes", "quantization_config", "tools", "rollout_func",
-                         "environment_factory")
+UNSUPPORTED_ARGUMENTS = ("reward_processing_classes", "quantization_config")
 
 
 @dataclass
@@ -51,7 +50,8 @@ class GRPOTrainer:
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), peft_config: Any = None,
-                 log: Callable[[str], None] = print, **others: Any):
+                 tools: list[Callable] | None = None, rollout_func: Callable | None = None,
+                 environment_factory: Any = None, log: Callable[[str], None] = print, **others: Any):
         import torch
 
         from ..train.trainer import prepare
@@ -69,8 +69,17 @@ class GRPOTrainer:
             raise APIError(f"GRPOTrainer: args must be a hasten GRPOConfig (got {type(args).__name__})")
         self.args, self.log = args, log
         self.callbacks = instantiate(callbacks)
-        task = build_task(train_dataset, eval_dataset)
-        rewards = build_rewards(reward_funcs)
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise APIError("GRPOTrainer: rollout_func does its own generation; it does not combine with tools or "
+                           "environment_factory")
+        placeholder = None
+        if train_dataset is None and environment_factory is not None:  # the environment makes the prompts
+            if args.max_steps <= 0:
+                raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
+                               "args.max_steps must be set")
+            placeholder = [{"prompt": [{"role": "user", "content": ""}]}] * args.prompts_per_step()
+        task = build_task(train_dataset, eval_dataset, placeholder, fill_prompt=environment_factory is not None)
+        rewards = build_rewards(reward_funcs, optional=environment_factory is not None)
         pairs = [("model.name", model_name(model)), ("task.name", "dataset"),
                  *args.overrides(len(task.train_rows), len(task.eval_rows))]
         self.config: Config = load_config(None, pairs, profile=args.profile)
@@ -82,7 +91,13 @@ class GRPOTrainer:
                                   num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
                                   save_steps=args.save_steps, eval_steps=args.eval_steps,
                                   train_batch_size=args.per_device_train_batch_size)
-        self.session = prepare(cfg, log, task=task, rewards=rewards, policy=policy, trainer_state=self.state)
+        self.session = prepare(cfg, log, task=task, rewards=rewards, policy=policy, trainer_state=self.state,
+                               tools=tools, environment=environment_factory)
+        if rollout_func is not None:  # TRL's contract: the function generates, hasten learns (agent/custom.py)
+            from ..agent.custom import RolloutFunction
+
+            self.session.agent = RolloutFunction(rollout_func, self, policy.tokenizer, policy.pad_token_id,
+                                                 policy.eos_token_ids)
         self.run_dir: Path | None = None
         self._trained = False
 

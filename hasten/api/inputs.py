@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config
@@ -92,8 +93,11 @@ def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:
     return Policy(model=model, tokenizer=policy.tokenizer, source=policy.source, lora=True)
 
 
-def build_rewards(reward_funcs: Any) -> list[RewardFunction]:
-    """RewardFunctions in the given order (reward_weights follow it)."""
+def build_rewards(reward_funcs: Any, optional: bool = False) -> list[RewardFunction]:
+    """RewardFunctions in the given order (reward_weights follow it). optional: an environment_factory may own
+    the reward (get_reward), so none given is not an error here (prepare checks that some reward exists)."""
+    if reward_funcs is None and optional:
+        return []
     if reward_funcs is None:
         raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, or a list)")
     given = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -120,13 +124,29 @@ def build_rewards(reward_funcs: Any) -> list[RewardFunction]:
     return functions
 
 
-def build_task(train_dataset: Any, eval_dataset: Any) -> Task:
-    """A Task whose rows are the datasets' (no rewards of its own; answers graded by an "answer" column)."""
+def build_task(train_dataset: Any, eval_dataset: Any, placeholder: list[dict] | None = None,
+               fill_prompt: bool = False) -> Task:
+    """A Task whose rows are the datasets' (no rewards of its own; answers graded by an "answer" column).
+
+    placeholder: the rows to use when there is no train_dataset (an environment makes the prompts);
+    fill_prompt: rows without a "prompt" get an empty user message (TRL, with an environment_factory).
+    """
     from ..tasks.jsonl import check_answer_column
 
-    if train_dataset is None:
-        raise APIError("GRPOTrainer: train_dataset is required")
-    train_rows = rows_from(train_dataset, "train_dataset")
-    eval_rows = rows_from(eval_dataset, "eval_dataset") if eval_dataset is not None else []
+    if train_dataset is None and placeholder is None:
+        raise APIError("GRPOTrainer: train_dataset is required (unless an environment_factory makes the prompts)")
+    train_rows = rows_from(_filled(train_dataset, fill_prompt) if train_dataset is not None else placeholder,
+                           "train_dataset")
+    eval_rows = rows_from(_filled(eval_dataset, fill_prompt), "eval_dataset") if eval_dataset is not None else []
     return Task(name="dataset", description="rows given to the Python API", train_rows=train_rows,
                 eval_rows=eval_rows, reward_functions=[], check=check_answer_column)
+
+
+def _filled(dataset: Any, fill_prompt: bool) -> Any:
+    """With an environment_factory, a row may carry no prompt (reset makes it): an empty user message."""
+    if not fill_prompt or isinstance(dataset, (str, Path)):
+        return dataset
+    rows = dataset.to_list() if hasattr(dataset, "to_list") else dataset
+    if not isinstance(rows, (list, tuple)):
+        return dataset
+    return [{"prompt": [{"role": "user", "content": ""}], **row} if isinstance(row, dict) else row for row in rows]

@@ -50,7 +50,6 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "top_entropy_quantile": (1.0, ENTROPY), "entropy_coef": (0.0, ENTROPY),
     "use_adaptive_entropy": (False, ENTROPY), "entropy_coef_min": (0.0, ENTROPY),
     "entropy_coef_max": (1.0, ENTROPY), "entropy_coef_delta": (0.005, ENTROPY), "entropy_target": (0.2, ENTROPY),
-    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
     "use_bias_correction_kl": (True, "hasten's KL is the plain k3 estimator"),
     "log_multimodal": (True, "hasten trains text models only"),
