@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | code | chess-a | chess-p | fruit-catcher
+    name: str = "unit-conversion"  # arithmetic | unit-conversion | jsonl | code | chess-a/p | calculator | guess | fruit-catcher
     path: str | None = None  # jsonl: training data (.jsonl, .json, .parquet, .csv, or a hub dataset name[:split])
     eval_path: str | None = None  # jsonl: held-out data, same formats (default: last 10% of `path`)
     num_train: int = 2000  # generated tasks: training questions
@@ -309,6 +309,9 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
                       "algo.num_iterations": 4, "eval.every": 25},
     "chess-a": {"generation.max_new_tokens": 96, "eval.max_new_tokens": 96},
     "chess-p": {"generation.max_new_tokens": 48, "eval.max_new_tokens": 48, "task.num_train": 500},
+    # Multi-turn: max_new_tokens covers every turn, tool results included (TRL's max_completion_length).
+    "calculator": {"generation.max_new_tokens": 160, "eval.max_new_tokens": 160, "generation.max_tool_turns": 2},
+    "guess": {"generation.max_new_tokens": 512, "eval.max_new_tokens": 512, "generation.max_tool_turns": 8},
 }
 
 

@@ -81,10 +81,15 @@ def make_tool(fn: Callable[..., Any], origin: str | None = None) -> Tool:
 
 
 def load_tool(spec: str) -> Tool:
-    """'path/to/file.py:function' -> Tool (the CLI's generation.tools)."""
+    """'path/to/file.py:function', or a built-in tool's name (calculator, python) -> Tool (generation.tools)."""
+    from .builtin_tools import BUILTIN_TOOLS
+
+    if spec in BUILTIN_TOOLS:
+        return make_tool(BUILTIN_TOOLS[spec])
     path_text, separator, name = spec.rpartition(":")
     if not separator or not path_text or not name:
-        raise ToolError(f"tool error: '{spec}' must look like path/to/file.py:function")
+        raise ToolError(f"tool error: '{spec}' must look like path/to/file.py:function or be a built-in tool "
+                        "(calculator, python)")
     return make_tool(load_attribute(path_text, name, "tool"), origin=spec)
 
 

@@ -33,6 +33,10 @@ TASKS: dict[str, tuple[Callable[[TaskConfig], Task], str]] = {
     "chess-p": (_lazy("chess", "build_chess_p"),
                 "chess: list legal moves and pick the best (mate-in-one / 2-ply material heuristic)"),
     "code": (code.build_code, code.DESCRIPTION),
+    "calculator": (_lazy("calculator", "build_calculator"),
+                   "3-4 digit products with a calculator tool (multi-turn, docs/agentic.md)"),
+    "guess": (_lazy("guess", "build_guess"),
+              "guess a number in 1..100 from higher/lower replies (an environment, docs/agentic.md)"),
 }
 
 
