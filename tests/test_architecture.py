@@ -22,6 +22,7 @@ LAYERS = [
     "models",  # name -> (model, tokenizer), the native Llama
     "rollout",  # engines (token ids in, ids + log-probs out), their factory
     "rewards",  # the TRL reward signature, its runner, pool, cache, gate, scoring
+    "agent",  # multi-turn tool use above the engine: tools, template, environments, the tool loop
     "tasks",  # data, prompt format, rewards, check(); the prompt stream and curriculum
     "algo",  # advantages, losses, the batch policies (dynamic sampling, zero-advantage samples)
     "train",  # the loop, the learner, the GRPO step, outputs, distributed
