@@ -205,10 +205,10 @@ def test_jsonl_missing_file(tmp_path):
 
 def test_registry():
     assert [name for name, _ in list_tasks()] == ["arithmetic", "unit-conversion", "jsonl", "chess-a", "chess-p",
-                                                  "code"]
+                                                  "code", "calculator", "guess"]
     assert all(description for _, description in list_tasks())
     with pytest.raises(TaskError) as error:
         make_task(TaskConfig(name="x"))
     expected = ("config error: task.name must be one of arithmetic, unit-conversion, jsonl, chess-a, chess-p, "
-                "code, fruit-catcher (got 'x')")
+                "code, calculator, guess, fruit-catcher (got 'x')")
     assert str(error.value) == expected
