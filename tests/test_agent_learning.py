@@ -162,7 +162,7 @@ def test_loss_with_tool_mask_equals_trl(multi_turn, loss_type):
                                            rollout.num_samples, rollout.sampling.max_new_tokens), settings)
     theirs = trl_loss(loss_type, theirs_logps, old_logps, advantages, rollout.completion_mask, rollout.tool_mask,
                       rollout.sampling.max_new_tokens)
-    assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), abs=1e-6)
     ours.backward()
     theirs.backward()
     assert torch.allclose(ours_logps.grad, theirs_logps.grad, atol=1e-7)

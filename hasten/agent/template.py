@@ -13,7 +13,7 @@ system turn; the assistant calls them as `<tool_call>{"name": ...,
     a path  a .jinja file (transformers' template variables: messages, tools,
             add_generation_prompt, the special tokens)
 
-Templates render in models/tokenizer.py's sandboxed jinja environment (the
+Templates render in models/tokenizer.py's sandboxed jinja environment (compile_template) (the
 one transformers uses), so HF and native tokenizers get the same text, and
 the text is then tokenized without special tokens added, as encode_prompt does.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..models.tokenizer import _compile
+from ..models.tokenizer import compile_template
 
 HERMES_TEMPLATE = """\
 {%- if tools %}
@@ -77,9 +77,9 @@ class ToolTemplate:
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         special = {name: getattr(self.tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token")}
         special = {name: value for name, value in special.items() if isinstance(value, str)}
-        return _compile(self.template).render(messages=messages, tools=tools or None, documents=None,
-                                              add_generation_prompt=add_generation_prompt,
-                                              **special, **self.kwargs)
+        return compile_template(self.template).render(messages=messages, tools=tools or None, documents=None,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **special, **self.kwargs)
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         return self._ids(self.render(messages, tools, add_generation_prompt=True))

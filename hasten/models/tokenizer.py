@@ -32,7 +32,8 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(template: str):
+def compile_template(template: str):
+    """A chat template compiled in the sandboxed jinja environment transformers renders templates in."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -127,7 +128,7 @@ class FastTokenizer:
         if not self.chat_template:
             raise ValueError(f"the tokenizer in {self.directory} has no chat template")
         variables = {name: token for name, token in self.special.items() if token is not None}
-        text = _compile(self.chat_template).render(messages=messages, tools=None, documents=None,
+        text = compile_template(self.chat_template).render(messages=messages, tools=None, documents=None,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **variables, **kwargs)
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
