@@ -168,3 +168,44 @@ def test_cli_bad_tool_input_is_one_line_exit_2(tmp_path, override, message):
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     assert message in lines[-1] and len(lines) == 1
     assert not (tmp_path / "out").exists()
+
+
+STOPPING_REWARD = '''
+import os, signal
+from pathlib import Path
+
+def letters(completions, **kwargs):
+    if len(completions) == 4 and os.environ.get("HASTEN_TEST_AT"):  # a training batch (evals score 2)
+        counter = Path(os.environ["HASTEN_TEST_COUNTER"])
+        calls = int(counter.read_text()) + 1 if counter.exists() else 1
+        counter.write_text(str(calls))
+        if calls == int(os.environ["HASTEN_TEST_AT"]):
+            os.kill(os.getpid(), signal.SIGTERM)
+    texts = [completion[-1]["content"] for completion in completions]
+    return [sum(c.islower() for c in text) / max(len(text), 1) for text in texts]
+'''
+
+
+def test_environment_run_resumes_bit_identically(tmp_path):
+    """The guess task's environments are made afresh on resume and reset from the row: the same run."""
+    import os
+
+    from test_resume import assert_same_run
+
+    (tmp_path / "rewards.py").write_text(STOPPING_REWARD)
+    common = ["--task.name=guess", f"--rewards.extra=['{tmp_path / 'rewards.py'}:letters']", "--train.steps=4",
+              "--train.prompts_per_step=2", "--generation.num_generations=2", "--generation.max_new_tokens=24",
+              "--train.lr=3e-3", "--train.num_threads=1", "--eval.num_examples=2", "--eval.every=2",
+              "--eval.max_new_tokens=12", "--output.save_every=1", "--output.plot=false", "--output.progress=plain"]
+    reference = run_cli(tmp_path, *common, "--output.name=reference")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    environment = {**os.environ, "HASTEN_TEST_AT": "3", "HASTEN_TEST_COUNTER": str(tmp_path / "calls")}
+    command = [sys.executable, "-m", "hasten.cli", "train", "--model.name=tiny", f"--output.dir={tmp_path / 'out'}"]
+    stopped = subprocess.run([*command, *common, "--output.name=stopped"], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path, env=environment)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    resumed = subprocess.run([sys.executable, "-m", "hasten.cli", "train", "--resume",
+                              str(tmp_path / "out" / "stopped")], capture_output=True, text=True, timeout=600,
+                             cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_run(tmp_path / "out" / "stopped", tmp_path / "out" / "reference")
