@@ -54,6 +54,7 @@ class AgentSettings:
 class Conversation:
     """One rollout in flight: its prompt, what has been written so far, and who wrote it."""
 
+    prompt: list[dict]  # the row's messages, with the environment's reset text appended (TRL's `prompts`)
     prompt_ids: list[int]
     tools: dict[str, Tool]
     environment: Any = None
@@ -131,7 +132,8 @@ class Agent:
                     messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
                 tools.update(self.environments.bound_tools(environment, name))
             schemas = [tool.schema for tool in tools.values()]
-            conversations.append(Conversation(self.template.encode_prompt(messages, schemas), tools, environment))
+            conversations.append(Conversation(messages, self.template.encode_prompt(messages, schemas), tools,
+                                              environment))
         return conversations
 
     def _first_turn(self, engine: Engine, conversations: list[Conversation], num_generations: int,
@@ -214,7 +216,7 @@ class Agent:
         columns = {key: [row.get(key) for row in sample_rows] for key in keys}
         if self.environments is not None:
             columns["environments"] = [c.environment for c in conversations]
-        return RewardInputs(prompts=[row["prompt"] for row in sample_rows],
+        return RewardInputs(prompts=[c.prompt for c in conversations],
                             completions=[c.messages for c in conversations], texts=texts, columns=columns,
                             completion_ids=completion_ids)
 
