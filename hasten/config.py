@@ -77,6 +77,7 @@ class GenerationConfig:
     max_tool_turns: int = 10  # tool-calling rounds after the first turn (TRL: max_tool_calling_iterations)
     tool_timeout: float = 10.0  # seconds a tool call may take; then the model reads "timed out"
     tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
+    tool_kv_cache: bool = True  # lean engine: keep each conversation's K/V between turns (false: re-prefill)
 
 
 @dataclass

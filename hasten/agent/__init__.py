@@ -41,7 +41,8 @@ class AgentParts:
     def build(self, tokenizer, pad_token_id: int) -> Agent:
         generation = self.cfg.generation
         template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
-        settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings))
+        settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings),
+                                 generation.tool_kv_cache)
         return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id)
 
 

@@ -12,10 +12,12 @@ TRL 1.16's _tool_call_loop, on hasten's token-id engines:
     as TRL's max_completion_length; a tool turn that would pass it is dropped and the rollout ends).
 
 Rollouts that finished wait; the others continue in a smaller batch, so a long
-conversation never holds a short one's slot. Each continuation re-prefills its
-conversation (the engines take token ids, not caches); the prefix is the
-rollout's own, so the tokens are the ones a cached continuation would draw
-from the same distribution.
+conversation never holds a short one's slot. On the lean engine each
+conversation's K/V stays between turns (rollout/continuation.py: only the tool
+turn is prefilled, each prompt once per group); other engines (transformers',
+speculative, vLLM) re-prefill the conversation through engine.generate. Both
+draw the same tokens (tests/test_agent_cache.py); generation.tool_kv_cache=false
+forces the second.
 
 The Rollout it returns is an ordinary one whose completion is model turns and
 tool turns concatenated, plus `tool_mask` (1 = written by the model, 0 = tool
@@ -37,6 +39,8 @@ import torch
 
 from ..rewards.batch import RewardInputs
 from ..rollout import Engine, Rollout, RowRange, SamplingParams
+from ..rollout.continuation import ConversationCache
+from ..rollout.lean import LeanEngine
 from ..rollout.stops import apply_stop_strings
 from .environments import Environments
 from .template import ToolTemplate, tool_call_message
@@ -48,6 +52,7 @@ class AgentSettings:
     max_turns: int = 10  # tool-calling rounds after the first turn (generation.max_tool_turns)
     timeout: float = 10.0  # seconds per tool call (generation.tool_timeout)
     stop_strings: tuple[str, ...] = ()  # generation.stop_strings, cut per model turn
+    kv_cache: bool = True  # generation.tool_kv_cache: the lean engine keeps each conversation's K/V between turns
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)  # TRL's completion layout
     ended: bool = False  # the last model turn ended with EOS / a stop string
     pending: list[ToolCall] = field(default_factory=list)  # the last turn's calls, not yet run
+    kept: int = 0  # completion tokens before the latest tool turn (what the model wrote or saw already)
 
     def add_model_turn(self, ids: list[int], logprobs: list[float], ended: bool, text: str) -> None:
         self.ids += ids
@@ -95,7 +101,10 @@ class Agent:
     def generate(self, engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
                  seed: int, row_range: RowRange | None = None) -> AgentBatch:
         conversations = self._start(rows, num_generations)
-        first = self._first_turn(engine, conversations, num_generations, sampling, seed, row_range)
+        cache = None
+        if self.settings.kv_cache and isinstance(engine, LeanEngine):  # the fast path: no re-prefill per turn
+            cache = ConversationCache(engine, max(len(c.prompt_ids) for c in conversations) + sampling.max_new_tokens)
+        first = self._first_turn(engine, cache, conversations, num_generations, sampling, seed, row_range)
         calls = failures = 0
         for turn in range(1, self.settings.max_turns + 1):
             active = [c for c in conversations if c.pending]
@@ -106,7 +115,7 @@ class Agent:
             failures += sum(result.failed for r in results for result in r)
             active = self._append_tool_turns(active, results, sampling.max_new_tokens)
             if active:
-                self._continue(engine, active, sampling, seed + 1_000_003 * turn)
+                self._continue(engine, cache, conversations, active, sampling, seed + 1_000_003 * turn)
         for conversation in conversations:
             conversation.pending = []  # the turn cap left these unanswered: the completion ends with the call
         rollout = self._rollout(first, conversations, num_generations, sampling)
@@ -136,16 +145,16 @@ class Agent:
                                               environment))
         return conversations
 
-    def _first_turn(self, engine: Engine, conversations: list[Conversation], num_generations: int,
-                    sampling: SamplingParams, seed: int, row_range: RowRange | None) -> Rollout:
+    def _first_turn(self, engine: Engine, cache: ConversationCache | None, conversations: list[Conversation],
+                    num_generations: int, sampling: SamplingParams, seed: int,
+                    row_range: RowRange | None) -> Rollout:
         """Turn 0. A group whose rollouts share one prompt shares its prefill (generate with G); when an
         environment's reset made them differ, every rollout is its own prompt (G = 1, the same draws)."""
         prompts = [c.prompt_ids for c in conversations]
         grouped = all(prompts[i] == prompts[i - i % num_generations] for i in range(len(prompts)))
-        if grouped:
-            rollout = engine.generate(prompts[::num_generations], num_generations, sampling, seed, row_range)
-        else:
-            rollout = engine.generate(prompts, 1, sampling, seed, row_range)
+        prompts, group = (prompts[::num_generations], num_generations) if grouped else (prompts, 1)
+        generate = cache.start if cache is not None else engine.generate
+        rollout = generate(prompts, group, sampling, seed, row_range)
         self._take_turn(rollout, conversations, [sampling.max_new_tokens] * len(conversations))
         return rollout
 
@@ -154,6 +163,7 @@ class Agent:
         kept = []
         for conversation, turn in zip(active, results):
             conversation.pending = []
+            conversation.kept = len(conversation.ids)
             suffix = self.template.tool_turn_ids([(result.name, result.content) for result in turn])
             if len(conversation.ids) + len(suffix) > budget:
                 continue  # TRL: dropped, the rollout exits with its completion as it is
@@ -165,11 +175,17 @@ class Agent:
             kept.append(conversation)
         return kept
 
-    def _continue(self, engine: Engine, active: list[Conversation], sampling: SamplingParams, seed: int) -> None:
+    def _continue(self, engine: Engine, cache: ConversationCache | None, conversations: list[Conversation],
+                  active: list[Conversation], sampling: SamplingParams, seed: int) -> None:
         budgets = [sampling.max_new_tokens - len(c.ids) for c in active]
         contexts = [c.prompt_ids + c.ids for c in active]
         turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budgets))
-        rollout = engine.generate(contexts, 1, turn_sampling, seed)
+        if cache is not None:  # only the tool turn (and the last sampled token) is prefilled
+            index = {id(c): row for row, c in enumerate(conversations)}
+            rollout = cache.extend([index[id(c)] for c in active], contexts,
+                                   [len(c.prompt_ids) + c.kept for c in active], turn_sampling, seed)
+        else:
+            rollout = engine.generate(contexts, 1, turn_sampling, seed)
         self._take_turn(rollout, active, budgets)
 
     def _take_turn(self, rollout: Rollout, conversations: list[Conversation], budgets: list[int]) -> None:

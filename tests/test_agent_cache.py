@@ -1,0 +1,119 @@
+"""The lean engine's conversation cache (rollout/continuation.py) draws what re-prefilling draws.
+
+Turn 0 against LeanEngine.generate, a later turn against generate on the whole conversation (with the
+whole last turn kept, and cut short as a stop string cuts it), and the tool loop end to end with the
+cache on and off: the same tokens, log-probs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hasten.agent import make_tool
+from hasten.agent.loop import Agent, AgentSettings
+from hasten.agent.template import HERMES_TEMPLATE, ToolTemplate
+from hasten.models.tiny import tiny_model, tiny_tokenizer
+from hasten.rollout import SamplingParams
+from hasten.rollout.continuation import ConversationCache
+from hasten.rollout.lean import LeanEngine
+
+SAMPLING = SamplingParams(max_new_tokens=24, temperature=0.8)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer)).eval()
+    return LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id]), tokenizer
+
+
+def same(actual, expected):
+    assert torch.equal(actual.completion_ids, expected.completion_ids)
+    assert torch.equal(actual.completion_mask, expected.completion_mask)
+    assert torch.equal(actual.ended_with_eos, expected.ended_with_eos)
+    mask = expected.completion_mask.bool()
+    assert (actual.sampling_logprobs - expected.sampling_logprobs)[mask].abs().max() < 1e-4
+
+
+def test_first_turn_equals_generate(engine):
+    lean, tokenizer = engine
+    prompts = [tokenizer("a longer first prompt", add_special_tokens=False)["input_ids"],
+               tokenizer("short", add_special_tokens=False)["input_ids"]]
+    cache = ConversationCache(lean, 64)
+    first = cache.start(prompts, 3, SAMPLING, seed=7)
+    same(first, lean.generate(prompts, 3, SAMPLING, seed=7))
+    held = [len(prompts[row // 3]) + int(first.completion_mask[row].sum()) - 1 for row in range(6)]
+    assert cache.lengths.tolist() == held  # the prompt and every sampled token but the last (never fed)
+
+
+@pytest.mark.parametrize("cut", [None, 3])
+def test_later_turn_equals_generate_on_the_whole_conversation(engine, cut):
+    lean, tokenizer = engine
+    prompts = [tokenizer("question one", add_special_tokens=False)["input_ids"],
+               tokenizer("q2", add_special_tokens=False)["input_ids"]]
+    cache = ConversationCache(lean, 256)
+    first = cache.start(prompts, 2, SAMPLING, seed=3)
+    tool = tokenizer("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
+    rows = [0, 3]  # the first prompt's first rollout, the second's second
+    contexts, kept = [], []
+    for row in rows:
+        length = int(first.completion_mask[row].sum()) if cut is None else cut
+        written = prompts[row // 2] + first.completion_ids[row, :length].tolist()
+        contexts.append(written + tool)
+        kept.append(len(written))
+    later = cache.extend(rows, contexts, kept, SAMPLING, seed=11)
+    same(later, lean.generate(contexts, 1, SAMPLING, seed=11))
+    # A third turn for one of them: only its new tokens are fed.
+    third = [contexts[1] + later.completion_ids[1, :int(later.completion_mask[1].sum())].tolist() + tool]
+    kept_third = [len(third[0]) - len(tool)]
+    same(cache.extend([3], third, kept_third, SAMPLING, seed=13), lean.generate(third, 1, SAMPLING, seed=13))
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+class ForceFirstTurn:
+    """A forward hook on lm_head: the first len(script) logits calls emit script's tokens (turn 0 is a tool
+    call); after that the model samples freely."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, 0
+
+    def __call__(self, module, inputs, logits):
+        if self.calls >= len(self.script):
+            return logits
+        forced = torch.full_like(logits, -1e9)
+        forced[..., self.script[self.calls]] = 0.0
+        self.calls += 1
+        return forced
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tool_loop_with_cache_equals_re_prefill(engine, temperature):
+    lean, tokenizer = engine
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+    script = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    rows = [{"prompt": [{"role": "user", "content": f"What is {n} x 7?"}]} for n in (6, 16)]
+    sampling = SamplingParams(max_new_tokens=200, temperature=temperature)  # call ~77 + tool turn ~52 + a turn
+    batches = []
+    for kv_cache in (True, False):
+        agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(multiply)], None,
+                      AgentSettings(max_turns=2, kv_cache=kv_cache), tokenizer.pad_token_id)
+        hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
+        try:
+            batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
+        finally:
+            hook.remove()
+    cached, plain = (batch.rollout for batch in batches)
+    assert batches[0].metrics["tools/model_turns"] == 2.0  # the forced call ran and every rollout went on
+    same(cached, plain)
+    assert torch.equal(cached.tool_mask, plain.tool_mask)
