@@ -107,6 +107,7 @@ class ConversationCache:
         allowed = allowed | (keys_at[None, None] == positions[:, :, None])  # (R, M, span)
         cos, signed_sin = engine._rope_table(self.capacity, new_ids.device)
         positions = positions.clamp(max=self.capacity - 1)
+        full = _every_row(rows, len(self.lengths))
 
         def attend(layer, query, key, value):
             keys, values = self.keys[layer], self.values[layer]
@@ -114,7 +115,7 @@ class ConversationCache:
                 count, start = int(counts[index]), int(starts[index])
                 keys[rows[index], :, start:start + count] = key[index, :, :count]
                 values[rows[index], :, start:start + count] = value[index, :, :count]
-            attended = F.scaled_dot_product_attention(query, keys[rows, :, :span], values[rows, :, :span],
+            attended = F.scaled_dot_product_attention(query, _slab(keys, rows, span, full), _slab(values, rows, span, full),
                                                       allowed[:, None], enable_gqa=True)
             return attended.transpose(1, 2).flatten(2)  # (R, M, heads * head_dim)
 
@@ -139,6 +140,7 @@ class ConversationCache:
         state = DecodeState(count, steps, engine.pad_token_id, engine.eos_token_ids.to(device), seed, row_range,
                             sampling, prompt_ids, prompt_mask)
         live = torch.arange(count, device=device)  # batch rows still sampling
+        full = _every_row(rows, len(self.lengths))
         tokens = torch.full((count,), engine.pad_token_id, dtype=torch.long, device=device)
         cos, signed_sin = engine._rope_table(self.capacity, device)
         embedding = engine.base.model.embed_tokens.weight
@@ -160,7 +162,7 @@ class ConversationCache:
                 target = rows[writing]
                 keys[target, :, positions[writing]] = key[writing, :, 0]
                 values[target, :, positions[writing]] = value[writing, :, 0]
-                attended = F.scaled_dot_product_attention(query, keys[rows, :, :span], values[rows, :, :span],
+                attended = F.scaled_dot_product_attention(query, _slab(keys, rows, span, full), _slab(values, rows, span, full),
                                                           allowed[:, None, None], enable_gqa=True)
                 return attended.transpose(1, 2).flatten(2)  # (count, 1, heads * head_dim)
 
@@ -171,6 +173,16 @@ class ConversationCache:
 
         decode(state, logits, sampling, keep_rows, forward)  # a row's last sampled token is never fed
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
+
+
+def _every_row(rows: torch.Tensor, count: int) -> bool:
+    return len(rows) == count and bool((rows == torch.arange(count, device=rows.device)).all())
+
+
+def _slab(cache: torch.Tensor, rows: torch.Tensor, span: int, full: bool) -> torch.Tensor:
+    """cache[rows, :, :span]: a view when `rows` is every row in order (full: turn 0, or every rollout
+    continuing), a gathered copy otherwise."""
+    return cache[:, :, :span] if full else cache[rows, :, :span]
 
 
 def _right_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
