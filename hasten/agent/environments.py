@@ -87,7 +87,7 @@ class Environments:
     def reward_functions(self) -> list[RewardFunction]:
         """One per environment class with get_reward (TRL: named after the class, weight 1)."""
         functions, seen = [], []
-        for name, pool in self.pool.items():
+        for pool in self.pool.values():
             kind = type(pool[0])
             if not callable(getattr(kind, "get_reward", None)) or kind in seen:
                 continue

@@ -98,7 +98,6 @@ class ConversationCache:
         width = new_ids.shape[1]
         offsets = torch.arange(width, device=new_ids.device)
         positions = starts[:, None] + offsets  # (R, M)
-        real = offsets[None] < counts[:, None]  # (R, M)
         span = int((starts + counts).max())
         keys_at = torch.arange(span, device=new_ids.device)
         # A new token sees the row's cached tokens and the new ones up to itself; padding sees itself.
