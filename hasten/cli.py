@@ -155,7 +155,8 @@ def _cmd_eval(args, extra) -> int:
         session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
         metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
-                              cfg.eval.max_new_tokens, cfg.eval.batch_size)
+                              cfg.eval.max_new_tokens, cfg.eval.batch_size,
+                              agent=session.agent)  # tool tasks: the tool loop, as in training's evals
     result = {"model": cfg.model.name, "task": cfg.task.name, **metrics}
     if not args.json:
         for key, value in metrics.items():
