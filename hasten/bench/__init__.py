@@ -221,26 +221,25 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
             from ..kernels.allocator import ensure
 
             ensure(load_config(opts.config, []).speed.allocator)
-        results, header, limits = run(opts)
+        results, header, peak = run(opts)
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)
         return 2
     from .report import format_table, to_json
 
     if not args.json_only:
-        print(format_table(results, limits, header))
-    print(to_json(results, limits, header), flush=True)
+        print(format_table(results, peak, header))
+    print(to_json(results, peak, header), flush=True)
     return 0
 
 
-def run(opts) -> tuple[list, dict[str, Any], Any]:
-    """Measure the peaks, run the chosen workloads in order (each contention level), measure the peaks again
-    and the memory bandwidth; the limits are the best of them (bench/machine.py limits)."""
+def run(opts) -> tuple[list, dict[str, Any], float]:
+    """Measure the peak, run the chosen workloads in order (each contention level), measure the peak again."""
     import torch
     import transformers
 
     from ..kernels.allocator import loaded as loaded_allocator
-    from .machine import limits as machine_limits, matmul_at_shapes, memory_bandwidth
+    from .machine import matmul_at_shapes
     from .report import matmul_peak
     from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
 
@@ -250,7 +249,6 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
     size, repeats = (512, 3) if opts.quick else (2048, 5)
     threads = torch.get_num_threads()  # speed.adaptive_threads may lower them under --contention: restored below
     peak_start = matmul_peak(size, repeats)
-    bf16_start = matmul_peak(size, repeats, torch.bfloat16)
     side, results = None, []
 
     def measure(workload: str) -> Any:
@@ -287,25 +285,17 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
                 results.append(result)
     torch.set_num_threads(threads)
     peak_end = matmul_peak(size, repeats)
-    bf16_end = matmul_peak(size, repeats, torch.bfloat16)
-    bandwidth = memory_bandwidth(32 if opts.quick else 256)
     config = side.session.policy.model.config if side is not None else _model_config(opts)
-    at_shapes = matmul_at_shapes(config, opts.quick)
-    limits = machine_limits(max(peak_start, peak_end), max(bf16_start, bf16_end), at_shapes, bandwidth)
-    for result in results:  # the rows' floors need the limits, measured only now
-        result.apply_limits(limits)
     header = {
         "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
         "peers": opts.peers, "peers_missing": peers_missing, "contention": opts.contention,
         "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
-        "bf16_peak_gflops_start": round(bf16_start, 1), "bf16_peak_gflops_end": round(bf16_end, 1),
-        "memory_gbs": round(bandwidth, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         **machine_figures(), "allocator": loaded_allocator(),
-        "matmul_gflops_at_model_shapes": at_shapes,
+        "matmul_gflops_at_model_shapes": matmul_at_shapes(config, opts.quick),
     }
-    return results, header, limits
+    return results, header, max(peak_start, peak_end)
 
 
 def _model_config(opts) -> Any:

@@ -117,32 +117,3 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
             per_shape[f"{name} {k}x{n}"] = {kernel: round(rate, 1) for kernel, rate in rates.items()}
         out[f"M={count}"] = per_shape
     return out
-
-
-def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """GB/s of a STREAM-like triad (a = b + s * c over fp32 arrays far larger than the caches), best of
-    `repeats`, on all torch threads: what a memory-bound decode step can move at best."""
-    import torch
-
-    count = megabytes * 2**20 // 4
-    first, second, out = torch.rand(count), torch.rand(count), torch.empty(count)
-    torch.add(first, second, alpha=3.0, out=out)  # warm-up: first-touch pages
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.add(first, second, alpha=3.0, out=out)
-        best = min(best, time.perf_counter() - started)
-    return 3 * count * 4 / best / 1e9  # two arrays read, one written
-
-
-def limits(square_fp32: float, square_bf16: float, at_shapes: dict[str, dict[str, dict[str, float]]],
-           bandwidth: float):
-    """The run's Limits: the best fp32 and bf16 rates seen anywhere (the square product, every model shape,
-    every kernel hasten uses), so no phase that runs those kernels can beat its denominator."""
-    from .cost import Limits
-
-    fp32 = [square_fp32] + [rate for shapes in at_shapes.values() for kernels in shapes.values()
-                            for kernel, rate in kernels.items() if kernel in ("mkl", "onednn")]
-    bf16 = [square_bf16] + [kernels["bf16"] for shapes in at_shapes.values() for kernels in shapes.values()
-                            if "bf16" in kernels]
-    return Limits(round(max(fp32), 1), round(max(bf16), 1), round(bandwidth, 1))

@@ -8,11 +8,20 @@ is the median over pairs of peer seconds / hasten seconds: above 1 means
 hasten is faster. Pairs, not medians of each side, because the machine is
 shared and its speed drifts; a pair saw the same drift.
 
-Distance to the limit (bench/cost.py has the counting): MFU is a row's model FLOPs / seconds / the
-best matmul rate measured in the same run at the row's precision (fp32 or bf16, over the kernels hasten
-uses: MKL, oneDNN, and the large square product); `limit` is the row's floor seconds (compute- or
-memory-bound, per phase) / its seconds. Both are <= 100% when the denominators are right; a row above
-it is flagged in the notes rather than printed as a win.
+MFU (model FLOPs utilisation) is the model FLOPs a run needed divided by its
+seconds and by the matmul peak measured in the same process. Model FLOPs
+count the work a workload needs, not what an engine chooses to do (a peer
+that prefills a prompt once per sample gets no credit for the repeats):
+- N_body = every weight applied at every position, i.e. all parameters but
+  the input embedding (a lookup) and the LM head; N_head = the LM head's
+  weight (tied to the embedding in SmolLM2, counted once, where applied).
+  SmolLM2-135M: N_body = 106.2M, N_head = 28.3M.
+- generation: 2 N_body per prompt token, prefilled once per prompt, plus
+  2 (N_body + N_head) per generated token;
+- learning (forward + backward): 6 N_body per prompt token, once per group,
+  plus 6 (N_body + N_head) per completion token;
+- a GRPO step (B1) = generation + learning. Attention scores (~4% at these
+  lengths), norms, sampling and the optimizer are left out.
 
 Output: a table for people, then exactly one JSON line, last, for tools.
 """
@@ -24,9 +33,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-from .cost import Limits
+from typing import Any
 
 
 @dataclass
@@ -39,11 +46,6 @@ class Row:
     seconds: list[float]  # one per measured run, in round order
     work: list[float] | None = None  # tokens per run, for tok/s
     flops: list[float] | None = None  # model FLOPs per run, for MFU
-    floor: list[float] | None = None  # per run, the seconds the machine's limits allow (bench/cost.py)
-    precision: str = "fp32"  # the matmul precision the row's FLOPs run at: MFU's denominator
-    # Floors need the limits, which are measured after the rows: limits -> {"total": per run, phase: per run}
-    # (phases named as the row's extra times: generate, learn). Result.apply_limits fills `floor` from it.
-    floors_of: Callable[[Limits], dict[str, list[float]]] | None = field(default=None, repr=False)
     baseline: str | None = None  # peer rows: the hasten row they are compared with (None = the first)
     extra: dict[str, Any] = field(default_factory=dict)  # split times, reward, first step, ...
 
@@ -65,18 +67,6 @@ class Result:
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    def apply_limits(self, limits: Limits) -> None:
-        """Each row's floor per run, and `<phase>_limit` beside a phase's median seconds in its extra."""
-        for row in self.rows:
-            if row.floors_of is None:
-                continue
-            floors = row.floors_of(limits)
-            row.floor = floors.pop("total")
-            for phase, values in floors.items():
-                seconds = row.extra.get(phase)
-                if isinstance(seconds, (int, float)) and seconds > 0 and values:
-                    row.extra[f"{phase}_limit"] = round(statistics.median(values) / seconds, 4)
-
     def hasten_rows(self) -> list[Row]:
         return [row for row in self.rows if row.side == "hasten"]
 
@@ -90,16 +80,36 @@ class Result:
         return candidates[0] if candidates else None
 
 
-# ------------------------------------------------------------------ the matmul peak
+# ------------------------------------------------------------------ model FLOPs and the matmul peak
 
 
-def matmul_peak(size: int, repeats: int, dtype=None) -> float:
-    """Best (size x size) @ (size x size) rate on all torch threads, in GFLOP/s (fp32 unless `dtype`)."""
+@dataclass(frozen=True)
+class ModelSize:
+    body: int  # parameters applied at every position
+    head: int  # LM head parameters, applied where logits are needed
+
+
+def model_size(model) -> ModelSize:
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters() if p is not embedding and p is not head)
+    return ModelSize(body, head.numel())
+
+
+def generation_flops(size: ModelSize, prompt_tokens: float, generated_tokens: float) -> float:
+    return 2 * size.body * (prompt_tokens + generated_tokens) + 2 * size.head * generated_tokens
+
+
+def learning_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) -> float:
+    return 6 * size.body * (prompt_tokens + completion_tokens) + 6 * size.head * completion_tokens
+
+
+def matmul_peak(size: int, repeats: int) -> float:
+    """Best fp32 (size x size) @ (size x size) rate on all torch threads, in GFLOP/s."""
     import torch
 
-    dtype = dtype or torch.float32
-    left, right = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    out = torch.empty(size, size, dtype=dtype)
+    left, right = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
     torch.mm(left, right, out=out)  # warm-up: thread pool, page faults
     best = float("inf")
     for _ in range(repeats):
@@ -116,33 +126,12 @@ def pair_ratio(peer: Row, hasten: Row) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
-def mfu(row: Row, limits: Limits) -> float | None:
-    """Median over runs of (model FLOPs / seconds) / the best matmul rate at the row's precision."""
-    peak = limits.flops_per_second(row.precision)
-    if not row.flops or peak <= 0:
+def mfu(row: Row, peak_gflops: float) -> float | None:
+    """Median over runs of (model FLOPs / seconds) / peak."""
+    if not row.flops or peak_gflops <= 0:
         return None
     rates = [flops / seconds for flops, seconds in zip(row.flops, row.seconds) if seconds > 0]
-    return statistics.median(rates) / peak if rates else None
-
-
-def limit_fraction(row: Row) -> float | None:
-    """Median over runs of floor seconds / seconds: how close the row came to what the machine allows."""
-    if not row.floor:
-        return None
-    fractions = [floor / seconds for floor, seconds in zip(row.floor, row.seconds) if seconds > 0]
-    return statistics.median(fractions) if fractions else None
-
-
-def over_the_limit(results: list[Result], limits: Limits) -> list[str]:
-    """Rows whose MFU or limit fraction exceeds 100%: a wrong denominator, said so instead of shown as a win."""
-    flagged = []
-    for result in results:
-        for row in result.rows:
-            for name, value in (("MFU", mfu(row, limits)), ("limit", limit_fraction(row))):
-                if value is not None and value > 1.0:
-                    flagged.append(f"{result.workload} {row.name}: {name} {100 * value:.0f}% > 100% "
-                                   "(a limit measured low, or work counted twice)")
-    return flagged
+    return statistics.median(rates) / (peak_gflops * 1e9) if rates else None
 
 
 # ------------------------------------------------------------------ the table
@@ -156,10 +145,6 @@ def _number(value: float | None, width: int = 9) -> str:
     if abs(value) >= 100:
         return f"{value:.1f}".rjust(width)
     return f"{value:.3g}".rjust(width) if abs(value) < 1 else f"{value:.2f}".rjust(width)
-
-
-def _percent(value: float | None) -> str:
-    return f"{'-' if value is None else f'{100 * value:.1f}%':>6}"
 
 
 def _extra_text(extra: dict[str, Any]) -> str:
@@ -176,7 +161,7 @@ def _compact(value: Any) -> str:
     return " ".join(f"{key}={item}" for key, item in value.items()) if isinstance(value, dict) else str(value)
 
 
-def format_table(results: list[Result], limits: Limits, header: dict[str, Any]) -> str:
+def format_table(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
     """The human-readable report: one table over all workloads, then settings and notes."""
     scalars = {key: value for key, value in header.items() if not isinstance(value, dict)}
     lines = ["hasten bench  " + "  ".join(f"{key}={value}" for key, value in scalars.items())]
@@ -187,13 +172,11 @@ def format_table(results: list[Result], limits: Limits, header: dict[str, Any]) 
         elif isinstance(value, dict):
             lines.append(f"{key}: {_compact(value) or '(none set)'}")
     lines += [
-        f"limits: fp32 {limits.fp32_gflops:.1f} GFLOP/s, bf16 {limits.bf16_gflops:.1f} GFLOP/s (best matmul over "
-        f"MKL, oneDNN and the square product, all threads: MFU's denominator), memory {limits.bandwidth_gbs:.1f} "
-        "GB/s (triad); limit = floor / seconds (bench/cost.py)",
+        f"matmul peak: {peak_gflops:.1f} GFLOP/s (fp32, all threads, best of several; the MFU denominator)",
         "ratio = median over A B pairs of peer seconds / hasten seconds (> 1: hasten faster)",
         "",
         f"{'workload':<8} {'engine/peer':<34} {'median':>9} {'min':>9} {'max':>9} {'unit':<7} "
-        f"{'ratio':>7} {'vs':<22} {'MFU':>6} {'limit':>6}  notes",
+        f"{'ratio':>7} {'vs':<22} {'MFU':>6}  notes",
     ]
     for result in results:
         for row in result.rows:
@@ -204,16 +187,15 @@ def format_table(results: list[Result], limits: Limits, header: dict[str, Any]) 
                 ratio = pair_ratio(row, base) if base else None
                 ratio_text = f"{ratio:.2f}x" if ratio is not None else "-"
                 versus = base.name if base else "-"
-            utilisation, fraction = mfu(row, limits), limit_fraction(row)
+            utilisation = mfu(row, peak_gflops)
             lines.append(
                 f"{result.workload:<8} {row.name:<34} {_number(statistics.median(values))} {_number(min(values))} "
                 f"{_number(max(values))} {row.unit:<7} {ratio_text:>7} {versus:<22} "
-                f"{_percent(utilisation)} {_percent(fraction)}  {_extra_text(row.extra)}"
+                f"{'-' if utilisation is None else f'{100 * utilisation:.1f}%':>6}  {_extra_text(row.extra)}"
             )
         if not result.rows:
             lines.append(f"{result.workload:<8} (no rows: see notes)")
     lines.append("")
-    lines += [f"note: {flag}" for flag in over_the_limit(results, limits)]
     for result in results:
         all_pairs = all_ratios(result)
         if len(all_pairs) > 1:
@@ -243,7 +225,7 @@ def all_ratios(result: Result) -> dict[str, float]:
 # ------------------------------------------------------------------ the JSON line
 
 
-def _row_json(result: Result, row: Row, limits: Limits) -> dict[str, Any]:
+def _row_json(result: Result, row: Row, peak_gflops: float) -> dict[str, Any]:
     values = row.values()
     out: dict[str, Any] = {
         "name": row.name,
@@ -253,9 +235,7 @@ def _row_json(result: Result, row: Row, limits: Limits) -> dict[str, Any]:
         "min": min(values),
         "max": max(values),
         "seconds": row.seconds,
-        "mfu": mfu(row, limits),
-        "limit": limit_fraction(row),
-        "precision": row.precision,
+        "mfu": mfu(row, peak_gflops),
     }
     if row.side == "peer":
         base = result.baseline_of(row)
@@ -267,17 +247,15 @@ def _row_json(result: Result, row: Row, limits: Limits) -> dict[str, Any]:
     return out
 
 
-def to_json(results: list[Result], limits: Limits, header: dict[str, Any]) -> str:
+def to_json(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
     """One line: every number of the run, keyed by workload."""
     payload = {
         **header,
-        "limits": {"fp32_gflops": limits.fp32_gflops, "bf16_gflops": limits.bf16_gflops,
-                   "bandwidth_gbs": limits.bandwidth_gbs},
-        "over_the_limit": over_the_limit(results, limits),
+        "peak_gflops": peak_gflops,
         "workloads": {
             result.workload: {
                 "title": result.title,
-                "rows": [_row_json(result, row, limits) for row in result.rows],
+                "rows": [_row_json(result, row, peak_gflops) for row in result.rows],
                 "ratios": all_ratios(result),
                 "settings": result.settings,
                 "notes": result.notes,

@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .machine import minor_faults
-from .cost import (Limits, ModelSize, StepShape, generation_flops, learning_flops, learning_floor, model_size,
-                   step_floors)
-from .report import Result, Row
+from .report import ModelSize, Result, Row, generation_flops, learning_flops, model_size
 
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "b1.yaml"
 # --quick: the tiny model at toy sizes, so tests run every path in seconds.
@@ -182,24 +180,6 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) ->
                                                                                     completion_tokens)
 
 
-def step_floors_of(size: ModelSize, shapes: list[StepShape], generation_precision: str, learning_precision: str,
-                   lora: bool) -> Callable[[Limits], dict[str, list[float]]]:
-    """Row.floors_of for GRPO steps of `shapes`: total, generate and learn floors per step (bench/cost.py)."""
-    def floors(limits: Limits) -> dict[str, list[float]]:
-        per_step = [step_floors(size, limits, shape, generation_precision, learning_precision, lora)
-                    for shape in shapes]
-        return {"total": [parts["generate"].seconds + parts["learn"].seconds for parts in per_step],
-                "generate": [parts["generate"].seconds for parts in per_step],
-                "learn": [parts["learn"].seconds for parts in per_step]}
-
-    return floors
-
-
-def row_precision(*precisions: str) -> str:
-    """MFU's denominator for a row whose phases run at these precisions: bf16's (the larger) if any is bf16."""
-    return "bf16" if any(precision in ("bf16", "fp16") for precision in precisions) else "fp32"
-
-
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     """Rounds of steps: per round, per contention level, neighbours on, a hasten step, a step of each TRL process.
 
@@ -216,8 +196,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
-                          f"max {cfg.generation.max_new_tokens} new tokens, {'LoRA' if cfg.model.lora else 'full fine-tune'}, "
-                          f"learning {cfg.speed.precision}, sampling {cfg.speed.generation_precision})")
+                          f"max {cfg.generation.max_new_tokens} new tokens, full fine-tune, fp32)")
     result.settings["hasten"] = hasten_settings(cfg)
     rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
     prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
@@ -225,7 +204,6 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     workers: dict[str, TrlProcess] = {}
     records: dict[int, list[dict]] = {level: [] for level in levels}  # hasten's step records per level
     flops: dict[int, list[float]] = {level: [] for level in levels}
-    shapes: dict[int, list[StepShape]] = {level: [] for level in levels}  # what each step generated, for its floor
     peer_steps: dict[tuple[str, int], list[dict]] = {}
     loads: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
     with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
@@ -263,8 +241,6 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                     rollout = recorder.last
                     flops[level].append(b1_flops(side.size, float(rollout.prompt_mask.sum()),
                                                  float(rollout.completion_mask.sum())))
-                    shapes[level].append(StepShape(rollout.prompt_mask.sum(1).tolist(),
-                                                   rollout.completion_mask.sum(1).tolist(), rollout.num_generations))
         finally:
             session.engine = recorder.engine
             sampler.close()  # the prefetch thread
@@ -277,9 +253,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
         load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
         result.rows.append(Row(
             f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
-            flops=flops[level][measured], precision=row_precision(cfg.speed.generation_precision, cfg.speed.precision),
-            floors_of=step_floors_of(side.size, shapes[level][measured], cfg.speed.generation_precision,
-                                     cfg.speed.precision, cfg.model.lora),
+            flops=flops[level][measured],
             extra={
                 **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
                    for part in ("generate", "reward", "learn")},
@@ -303,14 +277,6 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 baseline=f"hasten{label(level)}",
                 flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"])
                        for m in messages[measured]],
-                precision="bf16" if opts.trl_bf16 else "fp32",
-                # TRL reports a step's total completion tokens: every sample at their mean length (a lower
-                # bound on the decode's steps, so still a floor)
-                floors_of=step_floors_of(side.size, [StepShape(
-                    [len(ids) for ids in prompt_ids[(m["step"] - 1) * per_step:m["step"] * per_step]],
-                    [m["completion_tokens"] // max(m["num_samples"], 1)] * m["num_samples"],
-                    cfg.generation.num_generations) for m in messages[measured]],
-                    *(["bf16", "bf16"] if opts.trl_bf16 else ["fp32", "fp32"]), cfg.model.lora),
                 extra={
                     "first_step": messages[0]["seconds"],
                     "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
@@ -416,17 +382,6 @@ def spec_extra(rollouts: list) -> dict[str, float]:
     return {key: statistics.mean(rollout.stats[key] for rollout in rollouts) for key in sorted(keys)}
 
 
-def decode_floors_of(size: ModelSize, prompts: list[list[int]], group: int, tokens: list[float], precision: str
-                     ) -> Callable[[Limits], dict[str, list[float]]]:
-    """Row.floors_of for B2 runs: prefill once per prompt, then every row decodes its share of `tokens`."""
-    def floors(limits: Limits) -> dict[str, list[float]]:
-        shapes = [StepShape([len(p) for p in prompts], [int(count) // (len(prompts) * group)] * (len(prompts) * group),
-                            group) for count in tokens]
-        return {"total": [step_floors(size, limits, shape, precision)["generate"].seconds for shape in shapes]}
-
-    return floors
-
-
 def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
     from .peers import hf_generate, VllmGenerate
 
@@ -483,11 +438,8 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
             seconds[name].append(time.perf_counter() - started)
     prompt_tokens = sum(len(p) for p in prompts)
     for name, (role, _) in runners.items():
-        precision = "bf16" if "bf16" in name else "fp32"
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=tokens[name],
                                flops=[generation_flops(side.size, prompt_tokens, t) for t in tokens[name]],
-                               precision=precision, floors_of=decode_floors_of(side.size, prompts, group, tokens[name],
-                                                                               precision),
                                extra=spec_extra(last.get(name, [])[1:])))  # [0]: the warm-up
     result.notes.append("seed r for round r on every engine; rounds alternate engines")
     return result
@@ -618,15 +570,9 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                 model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
             if round_index >= 0:
                 seconds[name].append(elapsed)
-    flops = learning_flops(side.size, prompt_tokens, completion_tokens, cfg.model.lora)
-    precision = row_precision(cfg.speed.precision)
-
-    def floors(limits: Limits) -> dict[str, list[float]]:
-        floor = learning_floor(side.size, limits, precision, prompt_tokens, completion_tokens, cfg.model.lora)
-        return {"total": [floor.seconds] * rounds}
-
+    flops = learning_flops(side.size, prompt_tokens, completion_tokens)
     for name, (role, _) in variants.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=[completion_tokens] * rounds,
-                               flops=[flops] * rounds, precision=precision, floors_of=floors))
+                               flops=[flops] * rounds))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
