@@ -279,3 +279,63 @@ def test_refused_namespaces_are_one_line_user_error():
         assert "\n" not in str(caught.value)
     finally:
         box.close()
+
+
+# ------------------------------------------------- nothing a completion does ends the run
+
+DEEP_UNARY = "def f():\n    return " + "-" * 5000 + "1\n"  # compile raises RecursionError, not SyntaxError
+
+
+def test_deeply_nested_code_is_a_failed_completion_not_an_exception(sandbox):
+    from hasten.rewards.code import ExecutionReward, SandboxSettings, TestsReward, complexity_reward, syntax_reward
+
+    program = assert_program(["assert f() == -1"])
+    result = sandbox.run(DEEP_UNARY, program)
+    assert result.status == "syntax_error" and "RecursionError" in result.reason
+    assert sandbox.stats.syntax_errors >= 1
+    completions = [f"```python\n{DEEP_UNARY}```", "```python\ndef f():\n    return -1\n```"]
+    rows = {"tests": [program.as_dict()] * 2}
+    assert syntax_reward([], completions) == [0.0, 1.0]
+    assert complexity_reward([], completions)[0] == 0.0
+    settings = SandboxSettings(workers=1, limits=LIMITS, cache_size=0)
+    assert TestsReward(settings)([], completions, **rows) == [0.0, 1.0]
+    assert ExecutionReward(settings)([], completions, **rows) == [0.0, 1.0]
+
+
+def test_a_refusal_after_the_probe_is_that_jobs_crash():
+    """Isolation is probed once; a later per-job refusal (namespace limit exhausted) never reaches the trainer."""
+    from hasten.sandbox import pool
+
+    box = Sandbox(workers=1, limits=LIMITS, cache_size=0)
+    try:
+        assert box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"])).status == "pass"
+        worker = box._all[0]
+        refusal = {"events": [{"event": "refused", "reason": "unshare failed: No space left on device"}]}
+        worker.call = lambda job: refusal
+        result = box.run("def f():\n    return 2\n", assert_program(["assert f() == 2"]))
+        assert result.status == "crash" and "refused" in result.reason and result.fraction_passed == 0.0
+        assert box.stats.refused == 1
+        worker.call = lambda job: {"events": "garbage", "stdout": object()}
+        assert box.run("def f():\n    return 3\n", assert_program(["assert f() == 3"])).status == "crash"
+        def broken(job):
+            raise RuntimeError("host side broke")
+        worker.call = broken
+        result = box.run("def f():\n    return 4\n", assert_program(["assert f() == 4"]))
+        assert result.status == "crash" and "host side broke" in result.reason and box.stats.internal_errors == 1
+    finally:
+        box.close()
+    assert pool.SandboxStats().refused == 0
+
+
+def test_a_refusal_at_the_probe_is_one_line_user_error(monkeypatch):
+    from hasten.sandbox import pool
+
+    refusal = {"events": [{"event": "refused", "reason": "unshare failed: EPERM"}]}
+    monkeypatch.setattr(pool._Worker, "call", lambda self, job: refusal)
+    box = Sandbox(workers=1, limits=LIMITS, cache_size=0)
+    try:
+        for _ in range(2):  # probed once, the same error every time after
+            with pytest.raises(SandboxRefused, match="code.sandbox_fallback=true"):
+                box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"]))
+    finally:
+        box.close()

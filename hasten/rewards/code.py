@@ -74,8 +74,8 @@ def parses(code: str) -> bool:
         return False
     try:
         compile(code, "<completion>", "exec", flags=ast.PyCF_ONLY_AST)
-    except (SyntaxError, ValueError):  # ValueError: NUL bytes
-        return False
+    except Exception:  # noqa: BLE001 - SyntaxError; ValueError (NUL bytes); RecursionError, MemoryError (deep nesting)
+        return False  # whatever compile raises is this completion's failure, never the run's
     return True
 
 
@@ -142,8 +142,11 @@ def complexity_reward(prompts: list, completions: list, **kwargs: Any) -> list[f
     scores = []
     for completion, preamble in zip(completions, preambles):
         code, source = program_source(completion, preamble)
-        scores.append(complexity_score(measure_complexity(code)) if parses(code) and parses(source)
-                      else GATE_REWARD)
+        try:
+            scores.append(complexity_score(measure_complexity(code)) if parses(code) and parses(source)
+                          else GATE_REWARD)
+        except RecursionError:  # parses, but nests deeper than the measuring walk recurses
+            scores.append(GATE_REWARD)
     return scores
 
 

@@ -27,6 +27,7 @@ import dataclasses
 import collections
 import hashlib
 import json
+import logging
 import os
 import queue
 import struct
@@ -41,8 +42,9 @@ from pathlib import Path
 
 from hasten.errors import UserError
 from hasten.sandbox.programs import Limits, TestProgram
-from hasten.sandbox.results import ExecutionResult, interpret, syntax_error_result
+from hasten.sandbox.results import ExecutionResult, crash_result, interpret, syntax_error_result
 
+LOG = logging.getLogger("hasten.sandbox")
 CACHE_BYTES = 64 << 20  # the result cache's memory bound, whatever cache_size says
 
 
@@ -64,6 +66,8 @@ class SandboxStats:
     cache_hits: int = 0  # answered from the cache or from an identical job already running
     syntax_errors: int = 0  # gated without executing
     malformed: int = 0  # runs whose report could not be read (scored 0; the result's reason says why)
+    refused: int = 0  # jobs whose isolation the kernel refused after the start-up probe held (scored as crashes)
+    internal_errors: int = 0  # jobs the host side failed on (scored as crashes; the reason says why)
 
 
 class _Worker:
@@ -122,7 +126,9 @@ class Sandbox:
         self._cached_bytes = 0
         self._running: dict[str, Future] = {}  # key -> the one execution of it under way
         self._warned = False
+        self._probed: SandboxRefused | bool = False  # True once isolation held; the error if it never did
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all = [_Worker() for _ in range(self.workers)]
         for worker in self._all:
@@ -141,15 +147,18 @@ class Sandbox:
         The preamble is the row's trusted prompt code (imports, helpers): the judge runs its own
         copy, so helpers the tests call cannot be replaced by the completion.
         """
+        self._probe()  # SandboxRefused (no namespaces, no fallback) surfaces here, once, before any job
         results: list[ExecutionResult | None] = [None] * len(jobs)
         waiting: list[tuple[int, Future, bool]] = []  # (index, future, this call started it)
         for index, (code, program, *rest) in enumerate(jobs):
             preamble = rest[0] if rest else ""
             try:
                 compile(code, "<completion>", "exec")
-            except (SyntaxError, ValueError) as error:  # ValueError: NUL bytes in the source
-                results[index] = syntax_error_result(program, f"syntax error: {_one_line(error)}")
-                self._count("syntax_errors")
+            except Exception as error:  # noqa: BLE001 - SyntaxError, NUL bytes (ValueError), RecursionError, ...
+                reason = (f"syntax error: {_one_line(error)}" if isinstance(error, SyntaxError)
+                          else f"does not compile: {type(error).__name__}: {_one_line(error)}")
+                results[index] = syntax_error_result(program, reason)
+                self._count("syntax_errors")  # the completion's failure, never the run's
                 continue
             key = self._key(code, program, preamble)
             if self.cache_size <= 0:
@@ -170,7 +179,7 @@ class Sandbox:
             waiting.append((index, future, started))
         first_seen: set[int] = set()
         for index, future, started in waiting:
-            result = future.result()  # SandboxRefused (no namespaces, no fallback) surfaces here
+            result = future.result()  # never raises: _execute turns every failure into a crash result
             owner = started and id(future) not in first_seen
             first_seen.add(id(future))
             results[index] = result if owner else replace(result, cached=True)
@@ -190,8 +199,32 @@ class Sandbox:
         text = json.dumps([code, program.key(), preamble, self.limits.as_dict(), self.fallback], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def _probe(self) -> None:
+        """Run one trivial job the first time: the kernel's refusal is a UserError here, and only here.
+
+        Once isolation held, a later refusal (say, another process exhausted the per-uid namespace
+        limit) is that job's crash, never an exception in the trainer.
+        """
+        with self._probe_lock:
+            if self._probed is False:
+                program = TestProgram(mode="asserts", tests=("pass",))
+                job = {"code": "pass\n", "program": program.as_dict(), "preamble": "",
+                       "limits": self.limits.as_dict(), "fallback": self.fallback}
+                worker = self._idle.get()
+                try:
+                    raw = worker.call(job)
+                finally:
+                    self._idle.put(worker)
+                try:
+                    self._check_isolation(raw)
+                    self._probed = True
+                except SandboxRefused as error:
+                    self._probed = error
+        if isinstance(self._probed, SandboxRefused):
+            raise self._probed
+
     def _execute(self, key: str, code: str, program: TestProgram, preamble: str) -> ExecutionResult:
-        """Runs in a pool thread; the result goes into the cache before the key stops being 'running'."""
+        """Runs in a pool thread; never raises. The result is cached before the key stops being 'running'."""
         try:
             job = {"code": code, "program": program.as_dict(), "preamble": preamble,
                    "limits": self.limits.as_dict(), "fallback": self.fallback}
@@ -200,13 +233,23 @@ class Sandbox:
                 raw = worker.call(job)
             finally:
                 self._idle.put(worker)
-            self._check_isolation(raw)
+            try:
+                self._check_isolation(raw)
+            except SandboxRefused as error:
+                self._count("refused")
+                LOG.warning("sandbox: isolation refused for one job, scored as a crash (%s)", error)
+                return crash_result(program, f"isolation refused for this job: {_one_line(error)}"[:300])
             result = interpret(raw, program, self.limits)
             with self._lock:
                 self.stats.executions += 1
                 self.stats.malformed += result.malformed
                 self._cache_put(key, result)
             return result
+        except Exception as error:  # noqa: BLE001 - the host side's own failure is this job's crash
+            self._count("internal_errors")
+            LOG.warning("sandbox: a job failed on the host side, scored as a crash (%s: %s)",
+                        type(error).__name__, _one_line(error))
+            return crash_result(program, f"sandbox error: {type(error).__name__}: {_one_line(error)}"[:300])
         finally:
             with self._lock:
                 self._running.pop(key, None)
@@ -254,7 +297,8 @@ class Sandbox:
 def _one_line(error: BaseException) -> str:
     if isinstance(error, SyntaxError):
         return f"{error.msg} (line {error.lineno})"
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 # One sandbox per (workers, limits, cache size) per process, shared by the code rewards

@@ -106,6 +106,12 @@ def malformed_result(program: TestProgram, reason: str) -> ExecutionResult:
     return ExecutionResult("crash", reason, loaded=False, tests=tests, malformed=True)
 
 
+def crash_result(program: TestProgram, reason: str) -> ExecutionResult:
+    """A job the sandbox could not run as asked (isolation refused, host-side failure): scored 0."""
+    tests = [TestOutcome(name, "not_run", reason) for name in program.tests]
+    return ExecutionResult("crash", reason, loaded=False, tests=tests)
+
+
 _TEST_STATUSES = ("pass", "fail", "error", "timeout")
 
 
