@@ -339,3 +339,65 @@ def test_a_refusal_at_the_probe_is_one_line_user_error(monkeypatch):
                 box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"]))
     finally:
         box.close()
+
+
+# ------------------------------------------------- the trusted side holds no job's bytes
+
+SCAN_MEMORY = (
+    "import ctypes, json, re\nfound = set()\nfor line in open('/proc/self/maps'):\n    parts = line.split()\n"
+    "    if 'r' not in parts[1] or len(parts) > 5 and parts[5] in ('[vvar]', '[vsyscall]', '[vvar_vclock]'):\n"
+    "        continue\n    low, high = (int(x, 16) for x in parts[0].split('-'))\n    try:\n"
+    "        found.update(m.decode() for m in re.findall(rb'ZYGMARK[0-9a-f]{16}', ctypes.string_at(low, high - low)))\n"
+    "    except Exception:\n        continue\nprint(json.dumps({'found': sorted(found)}))\n")
+
+
+def test_the_next_job_finds_no_earlier_jobs_code_in_its_memory():
+    """A marker planted in one job's code is nowhere in the memory of the next job on the same worker."""
+    box = Sandbox(workers=1, limits=LIMITS, cache_size=0)
+    try:
+        for _ in range(2):
+            marker = "ZYGMARK" + secrets.token_hex(8)
+            planted = f"# {marker}\n" * 20 + f"def f():\n    return {marker!r}\n"
+            assert box.run(planted, assert_program([f"assert f() == {marker!r}"])).status == "pass"
+            found = _probe(box, SCAN_MEMORY)
+            assert marker not in found["found"]
+    finally:
+        box.close()
+
+
+def test_the_judge_rebuilds_a_bounded_number_of_values():
+    """An answer of over a million small values (under the line cap) is a failed call, not the judge's memory."""
+    from dataclasses import replace
+
+    box = Sandbox(workers=1, limits=replace(LIMITS, test_seconds=4.0, wall_seconds=10.0), cache_size=0)
+    try:
+        result = box.run("def f():\n    return [0] * 1_100_000\n", assert_program(["assert len(f()) == 1_100_000"]))
+    finally:
+        box.close()
+    assert result.status == "fail" and "values in one message" in result.tests[0].reason, result.summary()
+
+
+def test_verdicts_only_from_the_judge_and_layers_only_from_the_host_checks():
+    program = assert_program(["assert f() == 1"])
+    forged_layers = {"seccomp": True, "user_namespace": True, "no_capabilities": True}
+    raw = {"events": [
+        {"event": "loaded", "ok": True, "layers": forged_layers, "source": "judge"},  # C's claim, relayed
+        {"event": "test", "index": 0, "status": "pass", "source": "tree"},  # a verdict on the wrong pipe
+        {"event": "done", "source": "tree"},
+        {"event": "layers", "layers": {"seccomp": True}, "source": "judge"},
+        {"event": "exit", "code": 0, "source": "tree", "layers": {"seccomp": False}},
+    ]}
+    result = interpret(raw, program, LIMITS)
+    assert result.status != "pass" and result.passed == 0
+    assert result.layers == {"seccomp": False}
+
+
+def test_recorded_layers_are_what_the_kernel_shows(sandbox, layers):
+    """C's layers are read by B from /proc; code that lies about them on every fd changes nothing."""
+    for name in ("seccomp", "no_new_privs", "no_capabilities", "rlimits", "user_namespace", "pid_namespace"):
+        assert layers.get(name) is True, (name, layers)
+    liar = ("import os, json\nline = (json.dumps({'event': 'layers', 'layers': {'hacked': True}}) + '\\n').encode()\n"
+            "for fd in range(64):\n    try:\n        os.write(fd, line)\n    except OSError:\n        pass\n"
+            "def f():\n    return 1\n")
+    result = sandbox.run(liar, assert_program(["assert f() == 1"]))
+    assert "hacked" not in result.layers and result.layers.get("seccomp") is True

@@ -53,7 +53,7 @@ def _timed(seconds: float, action):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def serve(job: dict, requests: int, replies: int, layers: dict) -> None:
+def serve(job: dict, requests: int, replies: int) -> None:
     """Load the code, report, answer requests until the judge closes its end."""
 
     def on_alarm(signum, frame):
@@ -62,7 +62,7 @@ def serve(job: dict, requests: int, replies: int, layers: dict) -> None:
     signal.signal(signal.SIGALRM, on_alarm)
     per_test = float(job["limits"]["test_seconds"])
     namespace: dict = {"__name__": "__main__", "__builtins__": __builtins__}
-    loaded: dict[str, Any] = {"event": "loaded", "ok": True, "layers": layers}
+    loaded: dict[str, Any] = {"event": "loaded", "ok": True}
     try:
         _timed(per_test, lambda: exec(compile(job["code"], "<completion>", "exec"), namespace))
         if job.get("setup"):

@@ -15,6 +15,7 @@ import re
 import resource
 import struct
 import sys
+import time
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -153,7 +154,7 @@ def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
     return WORKDIR
 
 
-def drop_privileges(limits: dict, layers: dict) -> None:
+def drop_privileges(limits: dict) -> None:
     """In C: resource limits, no capabilities (even as root of the namespace), no new privileges, no AF_UNIX."""
     megabyte = 1 << 20
     cpu = int(limits["cpu_seconds"])
@@ -170,7 +171,6 @@ def drop_privileges(limits: dict, layers: dict) -> None:
     # Counted per user namespace from here (kernel >= 5.14), so it is a per-sandbox cap there;
     # without a user namespace it counts every process of this uid (nobody, or you).
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
-    layers["rlimits"] = True
     try:
         last = int(open("/proc/sys/kernel/cap_last_cap").read())
     except (OSError, ValueError):
@@ -179,9 +179,10 @@ def drop_privileges(limits: dict, layers: dict) -> None:
         libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
     header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = ctypes.create_string_buffer(24)  # two zeroed {effective, permitted, inheritable}
-    layers["no_capabilities"] = libc.capset(ctypes.c_char_p(header), data) == 0
-    layers["no_new_privs"] = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
-    layers["no_unix_sockets"] = layers["no_new_privs"] and _block_unix_sockets()
+    libc.capset(ctypes.c_char_p(header), data)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
+        _block_unix_sockets()
+    # Whether each of these held is read from /proc by B (inspect), not reported from here.
 
 
 # (arch, socket syscall number, io_uring_setup syscall number) per AUDIT_ARCH
@@ -212,3 +213,45 @@ def _block_unix_sockets() -> bool:
     buffer = ctypes.create_string_buffer(filters)
     fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(buffer))
     return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) == 0
+
+
+def _status_fields(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as file:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in file if ":\t" in line)
+
+
+def inspect(pid: int, limits: dict, layers: dict, seconds: float = 5.0) -> dict[str, bool]:
+    """In B: C's privileges as the kernel reports them (/proc/C/status and limits), once C has set them.
+
+    These are the layers a result records for C; whatever C itself says is never asked. C cannot
+    undo any of them once set (seccomp filters, no_new_privs and dropped capabilities are one-way),
+    so reading them any time after they appear is enough. Without B's own /proc (fallback) nothing
+    about C can be checked, and every C layer reads False.
+    """
+    found = {"rlimits": False, "no_capabilities": False, "no_new_privs": False, "seccomp": False}
+    if not layers.get("private_proc", False) and layers.get("pid_namespace", False):
+        return found  # /proc is the host's: C's pid there is another process
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            fields = _status_fields(pid)
+        except (OSError, ValueError):
+            return found
+        if fields.get("Seccomp", "0").strip() == "2" or fields.get("State", "").startswith(("Z", "X")):
+            break
+        time.sleep(0.001)
+    found["seccomp"] = fields.get("Seccomp", "0").strip() == "2"
+    found["no_new_privs"] = fields.get("NoNewPrivs", "0").strip() == "1"
+    found["no_capabilities"] = all(int(fields.get(name, "1"), 16) == 0 for name in ("CapInh", "CapPrm", "CapEff",
+                                                                                   "CapBnd", "CapAmb"))
+    try:
+        with open(f"/proc/{pid}/limits") as file:
+            text = file.read()
+        address = re.search(r"^Max address space\s+(\S+)\s+(\S+)", text, re.M)
+        processes = re.search(r"^Max processes\s+(\S+)\s+(\S+)", text, re.M)
+        found["rlimits"] = bool(address and processes) and address.group(2).isdigit() and \
+            int(address.group(2)) <= int(limits["memory_bytes"]) and processes.group(2).isdigit() and \
+            int(processes.group(2)) <= int(limits["max_processes"])
+    except OSError:
+        pass
+    return found

@@ -227,12 +227,9 @@ def judge(job: dict, requests: int, replies: int, report: int) -> None:
         loaded = {"ok": False, "status": "died", "reason": "the process ended while loading"}
     except wire.WireError as error:
         loaded = {"ok": False, "status": "error", "reason": f"malformed report from the code: {error}"}
-    layers = loaded.get("layers")
-    send({"event": "loaded", "ok": loaded.get("ok") is True,
+    send({"event": "loaded", "ok": loaded.get("ok") is True,  # no layers: those come from B's checks, not C
           "status": loaded.get("status") if loaded.get("status") in ("timeout", "error", "died") else "error",
-          "reason": str(loaded.get("reason", ""))[:300],
-          "layers": {str(k)[:40]: v for k, v in list(layers.items())[:20] if type(v) is bool}
-          if type(layers) is dict else {}})
+          "reason": str(loaded.get("reason", ""))[:300]})
     if loaded.get("ok") is not True:
         if channel.lost:
             send({"event": "lost", "reason": channel.lost})

@@ -112,6 +112,8 @@ def crash_result(program: TestProgram, reason: str) -> ExecutionResult:
     return ExecutionResult("crash", reason, loaded=False, tests=tests)
 
 
+_SOURCES = {"judge": ("loaded", "test", "tests_aborted", "done", "lost", "internal", "malformed"),
+            "tree": ("layers", "exit", "refused", "internal", "malformed")}
 _TEST_STATUSES = ("pass", "fail", "error", "timeout")
 
 
@@ -119,12 +121,16 @@ def _interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> Exe
     events = raw.get("events", [])
     if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
         return malformed_result(program, "malformed sandbox report: events are not records")
+    # Verdicts only from the judge's own pipe; layers and the exit status only from B's (the tree's).
+    events = [event for event in events if event.get("source") is None  # the worker's own, or a test's
+              or event.get("event") in _SOURCES.get(event.get("source"), ())]
     broken = next((e for e in events if e.get("event") == "malformed"), None)
     if broken is not None:
         return malformed_result(program, f"malformed event from the {broken.get('source')}: {broken.get('reason')}")
     layers: dict[str, bool] = {}
     for event in events:
-        if event.get("event") in ("exit", "loaded", "refused") and isinstance(event.get("layers"), dict):
+        if event.get("event") in ("layers", "exit", "refused") and event.get("source") == "tree" \
+                and isinstance(event.get("layers"), dict):
             layers.update({str(k): v for k, v in event["layers"].items() if isinstance(v, bool)})
     verdicts: dict[int, tuple[str, str]] = {}
     loaded_event = next((e for e in events if e.get("event") == "loaded"), None)

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 MAX_DEPTH = 100  # nesting beyond this is refused (and would exhaust the C stack of json first)
 MAX_LINE = 8 << 20  # one message on a pipe; longer is a broken channel
+MAX_ITEMS = 1 << 20  # values one decode rebuilds (the judge's memory for one answer stays bounded)
+MAX_INT_DIGITS = 1 << 20  # hex digits of one big int (linear to parse)
 _SAFE_INT = 1 << 53
 _CONTAINERS = {"l": list, "t": tuple, "s": set, "z": frozenset}
 
@@ -65,10 +67,17 @@ def encode(value: Any, handle: Callable[[Any], list], depth: int = 0) -> Any:
     return handle(value)
 
 
-def decode(data: Any, handle: Callable[[int, str], Any], depth: int = 0) -> Any:
-    """Tagged form (already parsed from JSON) -> builtin values and handles; WireError on anything else."""
+def decode(data: Any, handle: Callable[[int, str], Any], depth: int = 0, budget: list[int] | None = None) -> Any:
+    """Tagged form (already parsed from JSON) -> builtin values and handles; WireError on anything else.
+
+    At most MAX_ITEMS values and MAX_DEPTH levels per call: a reply that would rebuild more fails.
+    """
     if depth > MAX_DEPTH:
         raise WireError("value nested too deeply")
+    budget = budget if budget is not None else [MAX_ITEMS]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise WireError(f"more than {MAX_ITEMS} values in one message")
     kind = type(data)
     if data is None or kind in (bool, int, str):
         return data
@@ -79,20 +88,20 @@ def decode(data: Any, handle: Callable[[int, str], Any], depth: int = 0) -> Any:
     tag, payload = data[0], data[1]
     try:
         if tag in _CONTAINERS and type(payload) is list:
-            return _CONTAINERS[tag](decode(item, handle, depth + 1) for item in payload)
+            return _CONTAINERS[tag](decode(item, handle, depth + 1, budget) for item in payload)
         if tag == "d" and type(payload) is list:
             pairs = []
             for pair in payload:
                 if type(pair) is not list or len(pair) != 2:
                     raise WireError("malformed dict entry")
-                pairs.append((decode(pair[0], handle, depth + 1), decode(pair[1], handle, depth + 1)))
+                pairs.append((decode(pair[0], handle, depth + 1, budget), decode(pair[1], handle, depth + 1, budget)))
             return dict(pairs)
-        if tag == "i" and type(payload) is str and len(payload) < 1 << 20:
+        if tag == "i" and type(payload) is str and len(payload) <= MAX_INT_DIGITS:
             return int(payload, 16)
         if tag == "F" and payload in ("nan", "inf", "-inf"):
             return float(payload)
         if tag == "c" and type(payload) is list and len(payload) == 2:
-            real, imag = (decode(part, handle, depth + 1) for part in payload)
+            real, imag = (decode(part, handle, depth + 1, budget) for part in payload)
             if type(real) not in (int, float) or type(imag) not in (int, float):
                 raise WireError("malformed complex")
             return complex(real, imag)

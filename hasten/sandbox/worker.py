@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -53,7 +54,7 @@ def _send_line(fd: int, record: dict) -> None:
 
 def _tree(job: dict, fds: list[int]) -> None:
     """Body of A (never returns): namespaces, then B, which sets up the file system and runs C."""
-    requests, replies, stdout, stderr, tree = fds
+    requests, replies, stdout, stderr, tree, source = fds
     layers: dict = {}
     try:
         os.setsid()
@@ -65,17 +66,20 @@ def _tree(job: dict, fds: list[int]) -> None:
             workdir = isolation.setup_filesystem(job["limits"]["disk_bytes"], layers, strict) or job["workdir"]
             code_pid = os.fork()
             if code_pid == 0:
-                _code(job, workdir, fds, layers)
-            for fd in (requests, replies, stdout, stderr):
+                _code(job, workdir, fds)
+            for fd in (requests, replies, stdout, stderr, source):
                 os.close(fd)
             isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)  # C may not ptrace B
+            # C's own layers as the kernel shows them to B, never as C reports them.
+            layers.update(isolation.inspect(code_pid, job["limits"], layers))
+            _send_line(tree, {"event": "layers", "layers": layers})
             _, status = os.waitpid(code_pid, 0)
             report = {"event": "exit", "layers": layers}
             report.update({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else
                           {"code": os.WEXITSTATUS(status)})
             _send_line(tree, report)
             os._exit(0)
-        for fd in (requests, replies, stdout, stderr):
+        for fd in (requests, replies, stdout, stderr, source):
             os.close(fd)
         os.wait()
     except isolation.Refused as error:
@@ -85,21 +89,22 @@ def _tree(job: dict, fds: list[int]) -> None:
     os._exit(0)
 
 
-def _code(job: dict, workdir: str, fds: list[int], layers: dict) -> None:
+def _code(job: dict, workdir: str, fds: list[int]) -> None:
     """Body of C: the only process that runs untrusted code."""
-    requests, replies, stdout, stderr, tree = fds
+    requests, replies, stdout, stderr, tree, source = fds
     try:
         isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.close(tree)
+        job = dict(job, **_read_source(source))  # the code enters this process only, after every fork
         os.chdir(workdir)
         devnull = os.open(os.devnull, os.O_RDONLY)  # opened inside the namespace
         os.dup2(devnull, 0)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
-        isolation.close_fds_except({requests, replies})
-        isolation.drop_privileges(job["limits"], layers)
+        isolation.close_fds_except({requests, replies})  # the source pipe too
+        isolation.drop_privileges(job["limits"])
         candidate.prepare(workdir)
-        candidate.serve(job, requests, replies, layers)
+        candidate.serve(job, requests, replies)
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:  # noqa: BLE001 - the judge sees the pipe close
@@ -107,15 +112,28 @@ def _code(job: dict, workdir: str, fds: list[int], layers: dict) -> None:
     os._exit(0)
 
 
+def _read_source(fd: int) -> dict:
+    """C's code and setup, read from the worker's pipe until EOF (the worker writes them after the forks)."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))
+
+
 def _zygote(channel: socket.socket) -> None:
-    """Forks a tree per request; forked before any job was read, so it holds no test."""
+    """Forks a tree per request; forked before any job was read, and never sent a job's code or tests.
+
+    It gets the limits and six pipe ends; C reads the code from one of them after every fork, so
+    no earlier job's bytes sit in the memory a later C is forked from.
+    """
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     isolation.close_fds_except({channel.fileno()})
     while True:
         try:
-            header, fds, _, _ = socket.recv_fds(channel, 4, 5)
+            header, fds, _, _ = socket.recv_fds(channel, 4, 6)
             if len(header) < 4:
                 os._exit(0)
             (size,) = struct.unpack("!I", header)
@@ -175,12 +193,12 @@ class Worker:
                 workdir = tempfile.mkdtemp(prefix="hasten-sandbox-")
                 if os.geteuid() == 0:
                     os.chown(workdir, isolation.NOBODY, isolation.NOBODY)
-            for name in ("requests", "replies", "stdout", "stderr", "tree", "verdicts"):
+            for name in ("requests", "replies", "stdout", "stderr", "tree", "verdicts", "source"):
                 ends[name] = os.pipe()  # (read, write)
             tree_fds = [ends["requests"][0], ends["replies"][1], ends["stdout"][1], ends["stderr"][1],
-                        ends["tree"][1]]
-            tree_job = {"code": job["code"], "setup": job["program"].get("setup", ""), "limits": limits,
-                        "fallback": bool(job.get("fallback")), "workdir": workdir}
+                        ends["tree"][1], ends["source"][0]]
+            tree_job = {"limits": limits, "fallback": bool(job.get("fallback")), "workdir": workdir}
+            source = json.dumps({"code": job["code"], "setup": job["program"].get("setup", "")}).encode()
             data = json.dumps(tree_job).encode()
             socket.send_fds(self.channel, [struct.pack("!I", len(data))], tree_fds)
             self.channel.sendall(data)
@@ -189,12 +207,14 @@ class Worker:
             judge_pid = os.fork()
             if judge_pid == 0:
                 _judge_process(job, ends)
-            for name, (read, write) in ends.items():  # keep only the read ends we collect
-                for fd in ((read, write) if name in ("requests", "replies") else (write,)):
+            for name, (read, write) in ends.items():  # keep only the read ends we collect, and the source's write end
+                for fd in ((read, write) if name in ("requests", "replies") else (read,) if name == "source"
+                           else (write,)):
                     os.close(fd)
             keep = {name: ends[name][0] for name in ("stdout", "stderr", "tree", "verdicts")}
+            keep["source"] = ends["source"][1]
             ends.clear()
-            collected = _collect(keep, started + float(limits["wall_seconds"]), int(limits["output_bytes"]))
+            collected = _collect(keep, started + float(limits["wall_seconds"]), int(limits["output_bytes"]), source)
         except BaseException:  # noqa: BLE001 - the worker must answer every job
             collected = {"events": [{"event": "internal", "reason": traceback.format_exc(limit=3)[-500:]}],
                          "stdout": b"", "stderr": b"", "truncated": False, "timed_out": False}
@@ -277,6 +297,11 @@ def _judge_process(job: dict, ends: dict) -> None:
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # the tests' own prints go nowhere
+        # Bounded too: what the judge holds beyond the worker's own footprint is memory_bytes at most.
+        with open("/proc/self/statm") as file:
+            footprint = int(file.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        ceiling = footprint + int(job["limits"]["memory_bytes"])
+        resource.setrlimit(resource.RLIMIT_AS, (ceiling, ceiling))
         requests, replies, report = ends["requests"][1], ends["replies"][0], ends["verdicts"][1]
         isolation.close_fds_except({requests, replies, report})
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -301,31 +326,49 @@ def _parse(lines: list[bytes], source: str) -> list[dict]:
             if not isinstance(event.get("event"), str):
                 raise wire.WireError("no event name")
         except wire.WireError as error:
-            event = {"event": "malformed", "source": source, "reason": str(error)[:200]}
+            event = {"event": "malformed", "reason": str(error)[:200]}
+        event["source"] = source  # which pipe it came on: results.py accepts each kind from one source only
         events.append(event)
     return events
 
 
-def _collect(fds: dict[str, int], deadline: float, cap: int) -> dict:
-    """Read the pipes until the judge is done (and, if the code died, the tree reported why) or the deadline."""
+def _collect(fds: dict[str, int], deadline: float, cap: int, source: bytes) -> dict:
+    """Feed C its source; read the pipes until the judge is done (and the tree reported) or the deadline."""
+    writer = fds.pop("source")
+    pending = memoryview(source)
     buffers = {name: bytearray() for name in fds}
     limits = {"stdout": cap, "stderr": cap, "tree": 1 << 16, "verdicts": 1 << 22}
     truncated = timed_out = False
     selector = selectors.DefaultSelector()
     for name, fd in fds.items():
         selector.register(fd, selectors.EVENT_READ, name)
+    os.set_blocking(writer, False)
+    selector.register(writer, selectors.EVENT_WRITE, "source")
     open_names = set(fds)
     try:
         while open_names:
-            if "verdicts" not in open_names and ("tree" not in open_names or b'"event":"lost"' not in buffers["verdicts"]):
-                break  # the judge is done; the tree's exit code only matters when the code died
+            if "verdicts" not in open_names and ("tree" not in open_names or (
+                    b'"event":"lost"' not in buffers["verdicts"] and b'"event":"layers"' in buffers["tree"])):
+                break  # the judge is done and B has reported C's layers; the exit code matters if the code died
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
             for key, _ in selector.select(remaining):
-                chunk = os.read(key.fd, 65536)
                 name = key.data
+                if name == "source":
+                    try:
+                        pending = pending[os.write(writer, pending[:1 << 16]):]
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pending = pending[:0]  # C is gone
+                    if not pending:
+                        selector.unregister(writer)
+                        os.close(writer)
+                        writer = -1  # EOF: C has the whole source
+                    continue
+                chunk = os.read(key.fd, 65536)
                 room = limits[name] - len(buffers[name])
                 buffers[name] += chunk[:max(room, 0)]
                 if chunk and room >= len(chunk):
@@ -342,8 +385,9 @@ def _collect(fds: dict[str, int], deadline: float, cap: int) -> dict:
                 pass
     finally:
         selector.close()
-        for fd in fds.values():
-            os.close(fd)
+        for fd in [*fds.values(), writer]:
+            if fd >= 0:
+                os.close(fd)
     events = _parse(bytes(buffers["verdicts"]).split(b"\n"), "judge") + \
         _parse(bytes(buffers["tree"]).split(b"\n"), "tree")
     return {"events": events, "stdout": bytes(buffers["stdout"]), "stderr": bytes(buffers["stderr"]),
