@@ -287,12 +287,16 @@ DEEP_UNARY = "def f():\n    return " + "-" * 5000 + "1\n"  # compile raises Recu
 
 
 def test_deeply_nested_code_is_a_failed_completion_not_an_exception(sandbox):
+    result = sandbox.run(DEEP_UNARY, assert_program(["assert f() == -1"]))
+    assert result.status == "syntax_error" and "RecursionError" in result.reason
+    assert sandbox.stats.syntax_errors >= 1
+
+
+def test_deeply_nested_code_scores_zero_in_every_code_reward():
+    pytest.importorskip("numpy", reason="the reward runner needs numpy (the sandbox alone does not)")
     from hasten.rewards.code import ExecutionReward, SandboxSettings, TestsReward, complexity_reward, syntax_reward
 
     program = assert_program(["assert f() == -1"])
-    result = sandbox.run(DEEP_UNARY, program)
-    assert result.status == "syntax_error" and "RecursionError" in result.reason
-    assert sandbox.stats.syntax_errors >= 1
     completions = [f"```python\n{DEEP_UNARY}```", "```python\ndef f():\n    return -1\n```"]
     rows = {"tests": [program.as_dict()] * 2}
     assert syntax_reward([], completions) == [0.0, 1.0]
