@@ -405,3 +405,67 @@ def test_recorded_layers_are_what_the_kernel_shows(sandbox, layers):
             "def f():\n    return 1\n")
     result = sandbox.run(liar, assert_program(["assert f() == 1"]))
     assert "hacked" not in result.layers and result.layers.get("seccomp") is True
+
+
+# ------------------------------------------------- the syscall allowlist
+
+SYSCALL_ATTACKS = r'''
+import ctypes, errno, fcntl, json, os, socket, threading, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+reached = {}
+def attempt(name, action):
+    try:
+        result = action()
+        reached[name] = result is not False and result != -1
+    except Exception:
+        reached[name] = False
+attempt("socket_unix_stream", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+attempt("socket_unix_dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+attempt("socketpair", lambda: socket.socketpair())
+attempt("socketpair_raw", lambda: libc.socketpair(1, 2, 0, (ctypes.c_int * 2)()))
+attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+def addressed_sendto():
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.sendto(b"x", ("127.0.0.1", 9))
+attempt("addressed_sendto", addressed_sendto)
+attempt("sendmsg", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendmsg([b"x"]))
+attempt("unshare_user", lambda: libc.unshare(0x10000000))
+attempt("unshare_net", lambda: libc.unshare(0x40000000))
+attempt("setns", lambda: libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0))
+attempt("clone_newuser", lambda: libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0) if True else None)
+attempt("memfd_create", lambda: os.memfd_create("x"))
+attempt("shmget", lambda: libc.shmget(0, 1 << 20, 0o1600))
+attempt("msgget", lambda: libc.msgget(0, 0o1600))
+attempt("openpty", lambda: os.openpty())
+def host_flock():
+    with open("/etc/passwd") as file:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+attempt("flock", host_flock)
+def host_lockf():
+    with open("/etc/passwd") as file:
+        fcntl.lockf(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+attempt("posix_lock", host_lockf)
+attempt("io_uring", lambda: libc.syscall(425, 8, ctypes.create_string_buffer(120)))
+attempt("ptrace", lambda: libc.ptrace(16, os.getppid(), 0, 0))
+allowed = {}
+def thread_runs():
+    box = []
+    worker = threading.Thread(target=lambda: box.append(1))
+    worker.start(); worker.join()
+    return box == [1]
+allowed["thread"] = thread_runs()
+allowed["fork"] = (lambda pid: pid == 0 and os._exit(0) or os.waitpid(pid, 0)[1] == 0)(os.fork())
+allowed["files"] = (open("/tmp/x.txt", "w").write("hi") == 2 and open("/tmp/x.txt").read() == "hi")
+allowed["inet_socket"] = socket.socket(socket.AF_INET, socket.SOCK_STREAM).fileno() > 0
+allowed["urandom"] = len(os.urandom(8)) == 8
+print(json.dumps({"reached": reached, "allowed": allowed}))
+'''
+
+
+def test_the_syscall_allowlist_stops_host_reaching_calls(sandbox, layers):
+    """Unix sockets of every kind, namespaces, memfd, SysV IPC, ptys and locks fail; threads, forks, files work."""
+    if not layers.get("seccomp"):
+        pytest.skip(f"no syscall allowlist here ({os.uname().machine}, layers {layers})")
+    found = _probe(sandbox, SYSCALL_ATTACKS)
+    assert [name for name, ok in found["reached"].items() if ok] == []
+    assert all(found["allowed"].values()), found["allowed"]

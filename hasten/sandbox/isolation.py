@@ -17,6 +17,8 @@ import struct
 import sys
 import time
 
+import seccomp  # a top-level module in the worker (python -I -S); see worker.py
+
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -29,7 +31,7 @@ NOBODY = 65534
 ALL_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
 # Host directories where sockets, other users' temp files and secrets live: each gets an empty,
 # read-only tmpfs on top. /tmp gets the writable, size-capped work dir instead.
-HIDDEN = ("/var/tmp", "/run", "/var/run", "/dev/shm", "/dev/mqueue", "/home", "/root", "/mnt", "/media")
+HIDDEN = ("/var/tmp", "/run", "/var/run", "/dev/shm", "/dev/mqueue", "/dev/pts", "/home", "/root", "/mnt", "/media")
 WORKDIR = "/tmp"
 # statvfs flag bits -> mount flags that a user namespace may not clear on a remount
 _LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -134,6 +136,8 @@ def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
             _mount(stage, path, None, MS_BIND | MS_REC)
             libc.umount2(stage.encode(), MNT_DETACH)
         os.rmdir(stage)
+    if os.path.exists("/dev/ptmx") and not os.path.islink("/dev/ptmx"):  # no ptys from the host's devpts
+        hidden_ok &= _mount("/dev/null", "/dev/ptmx", None, MS_BIND)
     layers["hidden_dirs"] = hidden_ok
     failed = 0
     with open("/proc/self/mountinfo") as file:
@@ -155,7 +159,7 @@ def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
 
 
 def drop_privileges(limits: dict) -> None:
-    """In C: resource limits, no capabilities (even as root of the namespace), no new privileges, no AF_UNIX."""
+    """In C: resource limits, no capabilities (even as root of the namespace), no new privileges, the syscall allowlist."""
     megabyte = 1 << 20
     cpu = int(limits["cpu_seconds"])
     for name, soft, hard in (
@@ -181,38 +185,8 @@ def drop_privileges(limits: dict) -> None:
     data = ctypes.create_string_buffer(24)  # two zeroed {effective, permitted, inheritable}
     libc.capset(ctypes.c_char_p(header), data)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
-        _block_unix_sockets()
+        seccomp.install()  # the syscall allowlist (seccomp.py)
     # Whether each of these held is read from /proc by B (inspect), not reported from here.
-
-
-# (arch, socket syscall number, io_uring_setup syscall number) per AUDIT_ARCH
-_SYSCALLS = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
-
-
-def _block_unix_sockets() -> bool:
-    """seccomp: socket(AF_UNIX, ...) and io_uring_setup fail with EPERM; other architectures' calls too.
-
-    A unix socket is a file path, so the network namespace does not cover it, and connect() on a
-    read-only mount still works; hiding /run and /tmp covers the usual places, this covers the rest.
-    io_uring could create sockets without the socket() syscall, so it goes too.
-    """
-    machine = os.uname().machine
-    if machine not in _SYSCALLS:
-        return False
-    arch, socket_nr, io_uring_nr = _SYSCALLS[machine]
-    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
-        (load, 0, 0, 4), (jeq, 0, 7, arch),  # seccomp_data.arch: another ABI -> deny
-        (load, 0, 0, 0), (jge, 5, 0, 0x40000000),  # seccomp_data.nr: x32 calls -> deny
-        (jeq, 4, 0, io_uring_nr), (jeq, 0, 2, socket_nr),
-        (load, 0, 0, 16), (jeq, 1, 0, 1),  # args[0] == AF_UNIX -> deny
-        (ret, 0, 0, allow), (ret, 0, 0, deny),
-    ]
-    filters = b"".join(struct.pack("HBBI", *instruction) for instruction in program)
-    buffer = ctypes.create_string_buffer(filters)
-    fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(buffer))
-    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) == 0
 
 
 def _status_fields(pid: int) -> dict[str, str]:
