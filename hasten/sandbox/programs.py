@@ -41,6 +41,7 @@ class Limits:
     max_processes: int = 8  # RLIMIT_NPROC (per user namespace): processes and threads
     file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the code may write
     disk_bytes: int = 32 << 20  # size of the tmpfs working directory
+    tmp_inodes: int = 4096  # files and dirs it may hold (each costs kernel memory beyond disk_bytes)
     output_bytes: int = 64 << 10  # stdout and stderr each kept up to this, then the pipe closes
 
     def as_dict(self) -> dict[str, Any]:

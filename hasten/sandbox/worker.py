@@ -63,7 +63,8 @@ def _tree(job: dict, fds: list[int]) -> None:
         isolation.enter_namespaces(strict, layers)
         if os.fork() == 0:
             isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            workdir = isolation.setup_filesystem(job["limits"]["disk_bytes"], layers, strict) or job["workdir"]
+            workdir = isolation.setup_filesystem(
+                job["limits"]["disk_bytes"], job["limits"]["tmp_inodes"], layers, strict) or job["workdir"]
             code_pid = os.fork()
             if code_pid == 0:
                 _code(job, workdir, fds)
