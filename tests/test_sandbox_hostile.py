@@ -519,3 +519,45 @@ def test_the_candidates_tmp_is_bounded_in_inodes(sandbox, layers):
         f"import json, os\ncount = 0\ntry:\n    for count in range({LIMITS.tmp_inodes + 100}):\n"
         "        open(f'/tmp/{count}', 'w').close()\nexcept OSError:\n    pass\nprint(json.dumps({'files': count}))\n"))
     assert found["files"] <= LIMITS.tmp_inodes
+
+
+# ------------------------------------------------- per-execution accounting
+
+HOARD = r'''
+import json, os, time
+ready, done = os.pipe()
+children = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            block = b"x" * (150 << 20)  # touched: every page is really held
+            os.write(done, b"1")
+            time.sleep(3)
+        finally:
+            os._exit(0)
+    children.append(pid)
+os.close(done)
+held, deadline = 0, time.monotonic() + 2.5
+while time.monotonic() < deadline and held < 3:
+    chunk = os.read(ready, 1)
+    if not chunk:
+        break
+    held += len(chunk)
+print(json.dumps({"held": held}))
+'''
+
+
+def test_an_execution_cannot_hold_more_than_its_limit_across_processes(layers):
+    """Three processes of 150 MiB each, every one under RLIMIT_AS: together over the execution's cgroup limit."""
+    if not layers.get("memory_cgroup"):
+        pytest.skip(f"no memory cgroup here (not root, or no writable cgroup; layers {layers})")
+    from dataclasses import replace
+
+    box = Sandbox(workers=1, limits=replace(LIMITS, test_seconds=4.0, wall_seconds=8.0), cache_size=0)
+    try:
+        found = _probe(box, HOARD)
+        assert found["held"] < 3  # 3 x 150 MiB > 256 MiB + 32 MiB (/tmp) + 32 MiB (interpreters)
+        assert box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"])).status == "pass"
+    finally:
+        box.close()

@@ -103,6 +103,11 @@ class _Worker:
 
     def close(self) -> None:
         if self.process is not None:
+            try:  # EOF first: an idle worker exits at once and removes its cgroup; a busy one is killed
+                self.process.stdin.close()
+                self.process.wait(timeout=0.5)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
             try:
                 self.process.kill()
                 self.process.wait(timeout=5)
@@ -232,6 +237,12 @@ class Sandbox:
             warnings.warn(f"the code sandbox has no syscall allowlist on this machine ({os.uname().machine}; "
                           "seccomp.py knows x86-64): unix socket pairs, memfd, SysV shm, ptys and locks are "
                           "not filtered (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
+        missing = [name for name in ("memory_cgroup", "pids_cgroup") if not layers.get(name, False)]
+        if missing and layers.get("user_namespace", False):
+            warnings.warn(f"the code sandbox has no per-execution cgroup here ({', '.join(missing)}: needs root and "
+                          "a writable /sys/fs/cgroup): an execution's memory is bounded per process only "
+                          "(RLIMIT_AS x max_processes), its kernel memory not at all, its processes by "
+                          "RLIMIT_NPROC (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
 
     def _execute(self, key: str, code: str, program: TestProgram, preamble: str) -> ExecutionResult:
         """Runs in a pool thread; never raises. The result is cached before the key stops being 'running'."""

@@ -34,6 +34,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import accounting  # noqa: E402
 import candidate  # noqa: E402
 import isolation  # noqa: E402
 import judge  # noqa: E402
@@ -59,6 +60,7 @@ def _tree(job: dict, fds: list[int]) -> None:
     try:
         os.setsid()
         isolation.close_fds_except(set(fds))
+        accounting.join(job["cgroup"]["procs"], job["cgroup"]["dirs"], layers)  # while still root, if we are
         strict = not job["fallback"]
         isolation.enter_namespaces(strict, layers)
         if os.fork() == 0:
@@ -174,6 +176,7 @@ class Worker:
         theirs.close()
         self.zygote_pid, self.channel = pid, ours
         ours.settimeout(30)
+        self.group = accounting.Group()  # one execution at a time: one cgroup, limits set per job
 
     @property
     def broken(self) -> bool:
@@ -198,7 +201,9 @@ class Worker:
                 ends[name] = os.pipe()  # (read, write)
             tree_fds = [ends["requests"][0], ends["replies"][1], ends["stdout"][1], ends["stderr"][1],
                         ends["tree"][1], ends["source"][0]]
-            tree_job = {"limits": limits, "fallback": bool(job.get("fallback")), "workdir": workdir}
+            self.group.set_limits(limits["memory_bytes"], limits["disk_bytes"], limits["max_processes"])
+            tree_job = {"limits": limits, "fallback": bool(job.get("fallback")), "workdir": workdir,
+                        "cgroup": {"procs": self.group.procs_files(), "dirs": dict(self.group.dirs)}}
             source = json.dumps({"code": job["code"], "setup": job["program"].get("setup", "")}).encode()
             data = json.dumps(tree_job).encode()
             socket.send_fds(self.channel, [struct.pack("!I", len(data))], tree_fds)
@@ -435,13 +440,16 @@ def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     worker = Worker()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    while True:
-        job = _read_message(stdin)
-        if job is None:
-            return
-        _write_message(stdout, worker.run(job))
-        if worker.broken:
-            return  # the pool sees the pipe close and starts a clean worker
+    try:
+        while True:
+            job = _read_message(stdin)
+            if job is None:
+                return
+            _write_message(stdout, worker.run(job))
+            if worker.broken:
+                return  # the pool sees the pipe close and starts a clean worker
+    finally:
+        worker.group.remove()  # empty: every process of the last job was killed and reaped
 
 
 if __name__ == "__main__":
