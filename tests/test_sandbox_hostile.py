@@ -561,3 +561,24 @@ def test_an_execution_cannot_hold_more_than_its_limit_across_processes(layers):
         assert box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"])).status == "pass"
     finally:
         box.close()
+
+
+# ------------------------------------------------- throughput under attack
+
+def test_a_slow_completion_holds_one_worker_not_its_neighbours():
+    """While one completion spins to its wall clock, a neighbour asked for from another thread is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    box = Sandbox(workers=2, limits=replace(LIMITS, wall_seconds=8.0, test_seconds=8.0, cpu_seconds=9), cache_size=0)
+    try:
+        box.run("def f():\n    return 1\n", assert_program(["assert f() == 1"]))  # probed, workers started
+        with ThreadPoolExecutor(2) as threads:
+            slow = threads.submit(box.run, "while True:\n    pass\n", assert_program(["assert f() == 1"]))
+            neighbours = [box.run(f"def f():\n    return {n}\n", assert_program([f"assert f() == {n}"]))
+                          for n in range(3)]
+            assert not slow.done()  # three neighbours in turn, all while the slow one still runs
+            assert [r.status for r in neighbours] == ["pass"] * 3
+            assert slow.result().status == "timeout"
+    finally:
+        box.close()
