@@ -6,7 +6,8 @@
     result.status, result.fraction_passed  # ('pass', 1.0)
 
 worker.py is the process that forks each execution's tree; isolation.py the
-namespaces, mounts, rlimits and seccomp; candidate.py the only code in the
+namespaces and rlimits; world.py the root built for the candidate; seccomp.py
+its syscall allowlist; accounting.py the per-execution cgroup; candidate.py the only code in the
 process with the model's code; judge.py the separate process that runs the
 tests and decides the verdicts; wire.py the plain data between them; pool.py
 the host side (pre-started workers, cache, one run per distinct job);

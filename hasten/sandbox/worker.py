@@ -2,21 +2,22 @@
 
 Started by `hasten.sandbox.pool` as `python -I -S worker.py` with a scrubbed
 environment, it imports only the standard library and its sibling modules
-(wire, isolation, candidate, judge; no torch, no hasten), reads
-length-prefixed JSON jobs on stdin and answers each with one JSON result on
-stdout. Per job:
+(wire, isolation, world, seccomp, accounting, candidate, judge; no torch, no
+hasten), reads length-prefixed JSON jobs on stdin and answers each with one
+JSON result on stdout. Per job:
 
     worker (subreaper: enforces the wall clock, caps output, kills and reaps everything after)
       ├─ J  the judge: runs the tests, calls the candidate through a pipe (judge.py)
-      └─ A  forked by the zygote; setsid; root -> nobody; unshare(user, mount, pid, net, ipc, uts)
-           └─ B  pid 1 of the new pid namespace: own /proc, tmpfs /tmp, host dirs hidden, rest read-only
-                 └─ C  rlimits, no capabilities, no_new_privs, seccomp; runs the code, serves J (candidate.py)
+      └─ A  forked by the zygote; joins the worker's cgroup; setsid; root -> nobody; unshare(user, mount, ...)
+           └─ B  pid 1 of the new pid namespace: builds the root (world.py), reports C's layers from /proc
+                 └─ C  rlimits, no capabilities, no_new_privs, syscall allowlist; reads its code; serves J
 
 The zygote is forked at start, before any job is read, and only ever gets the
-code and the setup: the tests and their expected values never enter the
-memory C is forked from. Every process of a job is killed and reaped in a
-`finally` (the worker is a child subreaper, so orphans come back to it), and
-whatever bytes the tree sends are handled. docs/sandbox.md has the threat model.
+limits and pipe ends: C reads the code and setup from its own pipe after the
+last fork, so neither an earlier job's code nor any test is in the memory C
+is forked from. Every process of a job is killed and reaped in a `finally`
+(the worker is a child subreaper, so orphans come back to it), and whatever
+bytes the tree sends are handled. docs/sandbox.md has the threat model.
 """
 
 from __future__ import annotations
