@@ -582,3 +582,17 @@ def test_a_slow_completion_holds_one_worker_not_its_neighbours():
             assert slow.result().status == "timeout"
     finally:
         box.close()
+
+
+def test_the_judge_sees_a_built_root_too(sandbox, layers):
+    """The tests run in a world without the project or task data (the judge is trusted; this is a second line)."""
+    if not layers.get("judge_root"):
+        pytest.skip(f"the judge's root was refused here (layers {layers})")
+    import hasten
+
+    problems = Path(hasten.__file__).resolve().parent / "tasks" / "data" / "code_problems.jsonl"
+    program = assert_program(["assert f() == 1", f"assert not os.path.exists({str(problems)!r})",
+                              "assert not os.path.exists('/work') and not os.path.exists('/proc/1')",
+                              "assert fractions.Fraction(1, 2) * 2 == f()"], setup="")
+    result = sandbox.run("def f():\n    return 1\n", program, "import os, fractions\n")
+    assert result.status == "pass", result.summary()

@@ -109,23 +109,59 @@ def setup_filesystem(disk_bytes: int, inodes: int, layers: dict, strict: bool) -
         return ""
     layers.update(private_proc=False, tmpfs_workdir=False)
     layers["built_root"] = world.build(disk_bytes, inodes, layers)
+    layers["read_only_root"] = _read_only_but_work()
+    needed = ("private_proc", "tmpfs_workdir", "built_root", "read_only_root")
+    if strict and not all(layers[name] for name in needed):
+        raise Refused("mount setup incomplete: " + ", ".join(name for name in needed if not layers[name]))
+    return WORKDIR
+
+
+def enter_judge_world(layers: dict) -> None:
+    """In J: a mount namespace (and a user namespace unless root) with the same built root, no /proc.
+
+    J runs only trusted code (the row's tests and preamble), so this is a second line: tests never
+    see task data or the project either. Refusals leave J where it is (layers["judge_root"] False).
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    flags = CLONE_NEWNS if uid == 0 else CLONE_NEWUSER | CLONE_NEWNS
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # writing our own uid_map needs it
+    layers["judge_root"] = False
+    if libc.unshare(flags) != 0:
+        return
+    try:
+        if flags & CLONE_NEWUSER:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as file:
+                    file.write(text)
+    except OSError:
+        return
+    if not mount("none", "/", None, MS_REC | MS_PRIVATE):
+        return
+    scratch = {"pid_namespace": False}  # no pid namespace of its own: no /proc at all
+    built = world.build(1 << 20, 256, scratch)  # its binds are read-only as they are made
+    layers["judge_root"] = built and scratch.get("tmpfs_workdir", False) and remount_read_only("/")
+
+
+def _read_only_but_work() -> bool:
+    """Remount every mount but the work dir and /proc read-only; True if all held."""
     failed = 0
     with open("/proc/self/mountinfo") as file:
         points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in file]
     for point in points:
         if point == WORKDIR or point == "/proc" or point.startswith("/proc/"):
             continue
-        try:
-            flags = os.statvfs(point).f_flag
-        except OSError:
-            continue
-        locked = sum(mount_flag for stat_flag, mount_flag in _LOCKED_FLAGS if flags & stat_flag)
-        failed += not mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
-    layers["read_only_root"] = failed == 0
-    needed = ("private_proc", "tmpfs_workdir", "built_root", "read_only_root")
-    if strict and not all(layers[name] for name in needed):
-        raise Refused("mount setup incomplete: " + ", ".join(name for name in needed if not layers[name]))
-    return WORKDIR
+        failed += not remount_read_only(point)
+    return failed == 0
+
+
+def remount_read_only(point: str) -> bool:
+    """Remount one mount read-only, keeping the flags a user namespace may not clear."""
+    try:
+        flags = os.statvfs(point).f_flag
+    except OSError:
+        return True  # gone (a detached path): nothing to make read-only
+    locked = sum(mount_flag for stat_flag, mount_flag in _LOCKED_FLAGS if flags & stat_flag)
+    return mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
 
 
 def drop_privileges(limits: dict) -> None:

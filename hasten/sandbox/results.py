@@ -112,7 +112,7 @@ def crash_result(program: TestProgram, reason: str) -> ExecutionResult:
     return ExecutionResult("crash", reason, loaded=False, tests=tests)
 
 
-_SOURCES = {"judge": ("loaded", "test", "tests_aborted", "done", "lost", "internal", "malformed"),
+_SOURCES = {"judge": ("loaded", "test", "tests_aborted", "done", "lost", "internal", "malformed", "judge_layers"),
             "tree": ("layers", "exit", "refused", "internal", "malformed")}
 _TEST_STATUSES = ("pass", "fail", "error", "timeout")
 
@@ -129,7 +129,8 @@ def _interpret(raw: dict[str, Any], program: TestProgram, limits: Limits) -> Exe
         return malformed_result(program, f"malformed event from the {broken.get('source')}: {broken.get('reason')}")
     layers: dict[str, bool] = {}
     for event in events:
-        if event.get("event") in ("layers", "exit", "refused") and event.get("source") == "tree" \
+        if (event.get("event") in ("layers", "exit", "refused") and event.get("source") == "tree"
+                or event.get("event") == "judge_layers" and event.get("source") == "judge") \
                 and isinstance(event.get("layers"), dict):
             layers.update({str(k): v for k, v in event["layers"].items() if isinstance(v, bool)})
     verdicts: dict[int, tuple[str, str]] = {}

@@ -7,7 +7,8 @@ hasten), reads length-prefixed JSON jobs on stdin and answers each with one
 JSON result on stdout. Per job:
 
     worker (subreaper: enforces the wall clock, caps output, kills and reaps everything after)
-      ├─ J  the judge: runs the tests, calls the candidate through a pipe (judge.py)
+      ├─ J  forked by the zygote; own mount namespace and built root; reads this job's tests; runs them,
+      │     calls the candidate through a pipe (judge.py)
       └─ A  forked by the zygote; joins the worker's cgroup; setsid; root -> nobody; unshare(user, mount, ...)
            └─ B  pid 1 of the new pid namespace: builds the root (world.py), reports C's layers from /proc
                  └─ C  rlimits, no capabilities, no_new_privs, syscall allowlist; reads its code; serves J
@@ -126,10 +127,10 @@ def _read_source(fd: int) -> dict:
 
 
 def _zygote(channel: socket.socket) -> None:
-    """Forks a tree per request; forked before any job was read, and never sent a job's code or tests.
+    """Forks a tree or a judge per request; forked before any job was read, and never sent code or tests.
 
-    It gets the limits and six pipe ends; C reads the code from one of them after every fork, so
-    no earlier job's bytes sit in the memory a later C is forked from.
+    It gets the limits and the pipe ends; C reads its code, and J its tests, from one of them after
+    the last fork, so no earlier job's bytes sit in the memory either is forked from.
     """
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -151,9 +152,10 @@ def _zygote(channel: socket.socket) -> None:
         except OSError:
             os._exit(0)
         middle = os.fork()
-        if middle == 0:  # double fork: A is re-parented to the worker (a subreaper), which reaps it
+        if middle == 0:  # double fork: A (or J) is re-parented to the worker (a subreaper), which reaps it
+            job["middle"] = os.getpid()
             if os.fork() == 0:
-                _tree(job, fds)
+                (_judge_process if job.get("role") == "judge" else _tree)(job, fds)
             os._exit(0)
         os.waitpid(middle, 0)
         for fd in fds:
@@ -190,7 +192,6 @@ class Worker:
         limits = job["limits"]
         workdir = ""
         ends: dict[str, tuple[int, int]] = {}
-        judge_pid = 0
         try:
             if self.channel is None:
                 raise OSError("the zygote is gone")
@@ -198,7 +199,7 @@ class Worker:
                 workdir = tempfile.mkdtemp(prefix="hasten-sandbox-")
                 if os.geteuid() == 0:
                     os.chown(workdir, isolation.NOBODY, isolation.NOBODY)
-            for name in ("requests", "replies", "stdout", "stderr", "tree", "verdicts", "source"):
+            for name in ("requests", "replies", "stdout", "stderr", "tree", "verdicts", "source", "tests"):
                 ends[name] = os.pipe()  # (read, write)
             tree_fds = [ends["requests"][0], ends["replies"][1], ends["stdout"][1], ends["stderr"][1],
                         ends["tree"][1], ends["source"][0]]
@@ -206,22 +207,19 @@ class Worker:
             tree_job = {"limits": limits, "fallback": bool(job.get("fallback")), "workdir": workdir,
                         "cgroup": {"procs": self.group.procs_files(), "dirs": dict(self.group.dirs)}}
             source = json.dumps({"code": job["code"], "setup": job["program"].get("setup", "")}).encode()
-            data = json.dumps(tree_job).encode()
-            socket.send_fds(self.channel, [struct.pack("!I", len(data))], tree_fds)
-            self.channel.sendall(data)
-            if self.channel.recv(1) != b"k":
-                raise OSError("the zygote is gone")
-            judge_pid = os.fork()
-            if judge_pid == 0:
-                _judge_process(job, ends)
-            for name, (read, write) in ends.items():  # keep only the read ends we collect, and the source's write end
-                for fd in ((read, write) if name in ("requests", "replies") else (read,) if name == "source"
+            self._fork(tree_job, tree_fds)
+            judge_fds = [ends["requests"][1], ends["replies"][0], ends["verdicts"][1], ends["tests"][0]]
+            self._fork({"role": "judge", "limits": limits}, judge_fds)
+            tests = json.dumps({"program": job["program"], "preamble": job.get("preamble", ""),
+                                "limits": limits}).encode()
+            for name, (read, write) in ends.items():  # keep the read ends we collect, the write ends we feed
+                for fd in ((read, write) if name in ("requests", "replies") else (read,) if name in ("source", "tests")
                            else (write,)):
                     os.close(fd)
             keep = {name: ends[name][0] for name in ("stdout", "stderr", "tree", "verdicts")}
-            keep["source"] = ends["source"][1]
+            feed = {ends["source"][1]: source, ends["tests"][1]: tests}
             ends.clear()
-            collected = _collect(keep, started + float(limits["wall_seconds"]), int(limits["output_bytes"]), source)
+            collected = _collect(keep, started + float(limits["wall_seconds"]), int(limits["output_bytes"]), feed)
         except BaseException:  # noqa: BLE001 - the worker must answer every job
             collected = {"events": [{"event": "internal", "reason": traceback.format_exc(limit=3)[-500:]}],
                          "stdout": b"", "stderr": b"", "truncated": False, "timed_out": False}
@@ -233,7 +231,7 @@ class Worker:
                         os.close(fd)
                     except OSError:
                         pass  # closed before the failure
-            if not self._reap(judge_pid):
+            if not self._reap():
                 collected["events"].append({"event": "internal", "reason": "processes survived the kill loop"})
             if workdir:
                 import shutil
@@ -248,6 +246,14 @@ class Worker:
             "seconds": time.monotonic() - started,
         }
 
+    def _fork(self, request: dict, fds: list[int]) -> None:
+        """Ask the zygote for a tree (A) or a judge (J) holding these pipe ends."""
+        data = json.dumps(request).encode()
+        socket.send_fds(self.channel, [struct.pack("!I", len(data))], fds)
+        self.channel.sendall(data)
+        if self.channel.recv(1) != b"k":
+            raise OSError("the zygote is gone")
+
     def _drop_zygote(self) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -259,7 +265,7 @@ class Worker:
                 pass
             self.zygote_pid = 0
 
-    def _reap(self, judge_pid: int) -> bool:
+    def _reap(self) -> bool:
         """SIGKILL every child but the zygote (A, J, orphans that came back to us), until none is left."""
         for _ in range(10000):
             children = _children() - {self.zygote_pid}
@@ -296,27 +302,32 @@ def _children() -> set[int]:
     return found
 
 
-def _judge_process(job: dict, ends: dict) -> None:
-    """Body of J (never returns): trusted, but kept small and apart from the worker's pipes."""
+def _judge_process(request: dict, fds: list[int]) -> None:
+    """Body of J (never returns): forked by the zygote, in a root of its own, reads only this job's tests."""
+    requests, replies, report, tests = fds
     try:
+        while os.getppid() == request["middle"]:  # until the zygote's middle child is gone, the worker our parent
+            time.sleep(0.0002)
         isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # the tests' own prints go nowhere
-        # Bounded too: what the judge holds beyond the worker's own footprint is memory_bytes at most.
-        with open("/proc/self/statm") as file:
+        isolation.close_fds_except({requests, replies, report, tests})
+        with open("/proc/self/statm") as file:  # read before the judge's world, which has no /proc
             footprint = int(file.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        layers: dict = {}
+        isolation.enter_judge_world(layers)
+        isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)
+        job = _read_source(tests)
+        # Bounded too: what the judge holds beyond the zygote's own footprint is memory_bytes at most.
         ceiling = footprint + int(job["limits"]["memory_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (ceiling, ceiling))
-        requests, replies, report = ends["requests"][1], ends["replies"][0], ends["verdicts"][1]
-        isolation.close_fds_except({requests, replies, report})
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        os.write(report, wire.dumps({"event": "judge_layers", "layers": layers}))
         judge.judge(job, requests, replies, report)
     except BaseException:  # noqa: BLE001
         try:
-            os.write(ends["verdicts"][1], wire.dumps({"event": "internal",
-                                                      "reason": traceback.format_exc(limit=2)[-300:]}))
+            os.write(report, wire.dumps({"event": "internal", "reason": traceback.format_exc(limit=2)[-300:]}))
         except OSError:
             pass
     os._exit(0)
@@ -339,18 +350,18 @@ def _parse(lines: list[bytes], source: str) -> list[dict]:
     return events
 
 
-def _collect(fds: dict[str, int], deadline: float, cap: int, source: bytes) -> dict:
-    """Feed C its source; read the pipes until the judge is done (and the tree reported) or the deadline."""
-    writer = fds.pop("source")
-    pending = memoryview(source)
+def _collect(fds: dict[str, int], deadline: float, cap: int, feed: dict[int, bytes]) -> dict:
+    """Feed C its code and J its tests; read the pipes until J is done (and B reported) or the deadline."""
+    pending = {fd: memoryview(data) for fd, data in feed.items()}
     buffers = {name: bytearray() for name in fds}
     limits = {"stdout": cap, "stderr": cap, "tree": 1 << 16, "verdicts": 1 << 22}
     truncated = timed_out = False
     selector = selectors.DefaultSelector()
     for name, fd in fds.items():
         selector.register(fd, selectors.EVENT_READ, name)
-    os.set_blocking(writer, False)
-    selector.register(writer, selectors.EVENT_WRITE, "source")
+    for writer in pending:
+        os.set_blocking(writer, False)
+        selector.register(writer, selectors.EVENT_WRITE, "feed")
     open_names = set(fds)
     try:
         while open_names:
@@ -363,17 +374,17 @@ def _collect(fds: dict[str, int], deadline: float, cap: int, source: bytes) -> d
                 break
             for key, _ in selector.select(remaining):
                 name = key.data
-                if name == "source":
+                if name == "feed":
                     try:
-                        pending = pending[os.write(writer, pending[:1 << 16]):]
+                        pending[key.fd] = pending[key.fd][os.write(key.fd, pending[key.fd][:1 << 16]):]
                     except BlockingIOError:
                         continue
                     except OSError:
-                        pending = pending[:0]  # C is gone
-                    if not pending:
-                        selector.unregister(writer)
-                        os.close(writer)
-                        writer = -1  # EOF: C has the whole source
+                        pending[key.fd] = pending[key.fd][:0]  # the reader is gone
+                    if not pending[key.fd]:
+                        selector.unregister(key.fd)
+                        del pending[key.fd]
+                        os.close(key.fd)  # EOF: the reader has it all
                     continue
                 chunk = os.read(key.fd, 65536)
                 room = limits[name] - len(buffers[name])
@@ -392,9 +403,8 @@ def _collect(fds: dict[str, int], deadline: float, cap: int, source: bytes) -> d
                 pass
     finally:
         selector.close()
-        for fd in [*fds.values(), writer]:
-            if fd >= 0:
-                os.close(fd)
+        for fd in [*fds.values(), *pending]:
+            os.close(fd)
     events = _parse(bytes(buffers["verdicts"]).split(b"\n"), "judge") + \
         _parse(bytes(buffers["tree"]).split(b"\n"), "tree")
     return {"events": events, "stdout": bytes(buffers["stdout"]), "stderr": bytes(buffers["stderr"]),

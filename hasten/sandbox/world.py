@@ -51,7 +51,8 @@ def _bind(source: str, stage: str, layers: dict) -> bool:
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         open(target, "w").close()
-    return isolation.mount(source, target, None, isolation.MS_BIND | isolation.MS_REC)
+    return isolation.mount(source, target, None, isolation.MS_BIND | isolation.MS_REC) and \
+        isolation.remount_read_only(target)
 
 
 def _interpreter_prefix() -> str | None:
@@ -63,7 +64,10 @@ def _interpreter_prefix() -> str | None:
 
 
 def build(disk_bytes: int, inodes: int, layers: dict) -> bool:
-    """In B: build the root, pivot into it, and make everything but /tmp and /proc read-only."""
+    """In B (and J): build the root with read-only binds, and pivot into it; the caller seals "/".
+
+    layers["pid_namespace"] False (J): no /proc is mounted.
+    """
     flags = isolation.MS_NOSUID | isolation.MS_NODEV
     if not isolation.mount("tmpfs", STAGE, "tmpfs", flags, "size=1m,nr_inodes=1024,mode=0755"):
         return False
