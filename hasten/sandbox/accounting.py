@@ -73,7 +73,8 @@ class Group:
         if os.path.exists(f"{ROOT}/cgroup.controllers") and "" in own:  # the unified (v2) hierarchy
             base = ROOT + own[""]
             try:
-                delegated = open(f"{base}/cgroup.subtree_control").read().split()
+                with open(f"{base}/cgroup.subtree_control") as file:
+                    delegated = file.read().split()
             except OSError:
                 delegated = []
             if {"memory", "pids"} <= set(delegated) and self._make(base, name, ("memory", "pids")):

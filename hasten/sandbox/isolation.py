@@ -227,8 +227,8 @@ def inspect(pid: int, limits: dict, layers: dict, seconds: float = 5.0) -> dict[
     try:
         with open(f"/proc/{pid}/limits") as file:
             text = file.read()
-        address = re.search(r"^Max address space\s+(\S+)\s+(\S+)", text, re.M)
-        processes = re.search(r"^Max processes\s+(\S+)\s+(\S+)", text, re.M)
+        address = re.search(r"^Max address space\s+(\S+)\s+(\S+)", text, re.MULTILINE)
+        processes = re.search(r"^Max processes\s+(\S+)\s+(\S+)", text, re.MULTILINE)
         found["rlimits"] = bool(address and processes) and address.group(2).isdigit() and \
             int(address.group(2)) <= int(limits["memory_bytes"]) and processes.group(2).isdigit() and \
             int(processes.group(2)) <= int(limits["max_processes"])

@@ -23,8 +23,8 @@ only, so nothing it or its children can read holds the trainer's secrets.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
