@@ -534,16 +534,14 @@ for _ in range(3):
         try:
             block = b"x" * (150 << 20)  # touched: every page is really held
             os.write(done, b"1")
+            os.close(done)  # the parent reads to EOF: every child has written, or died
             time.sleep(3)
         finally:
             os._exit(0)
     children.append(pid)
 os.close(done)
-held, deadline = 0, time.monotonic() + 2.5
-while time.monotonic() < deadline and held < 3:
-    chunk = os.read(ready, 1)
-    if not chunk:
-        break
+held = 0
+while chunk := os.read(ready, 1):
     held += len(chunk)
 print(json.dumps({"held": held}))
 '''
