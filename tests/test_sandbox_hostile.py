@@ -595,3 +595,45 @@ def test_the_judge_sees_a_built_root_too(sandbox, layers):
                               "assert fractions.Fraction(1, 2) * 2 == f()"], setup="")
     result = sandbox.run("def f():\n    return 1\n", program, "import os, fractions\n")
     assert result.status == "pass", result.summary()
+
+
+FALLBACK_RUN = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import isolation, worker
+class Refusing:
+    def __init__(self, real):
+        self.real = real
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+    def unshare(self, flags):
+        return -1  # as in a container that forbids every namespace
+isolation.libc = Refusing(isolation.libc)
+job = json.loads(sys.argv[2])
+box = worker.Worker()
+try:
+    print(json.dumps(box.run(job)))
+finally:
+    box.group.remove()
+'''
+
+
+def test_the_fallback_runs_with_the_layers_that_hold():
+    """Where every namespace is refused and the fallback is opted in, a job still runs and says what held."""
+    import subprocess
+    import sys
+
+    from hasten.sandbox.pool import WORKER_SCRIPT
+    from hasten.sandbox.results import interpret
+
+    program = assert_program(["assert f() == 1"])
+    job = {"code": "def f():\n    return 1\n", "program": program.as_dict(), "preamble": "",
+           "limits": LIMITS.as_dict(), "fallback": True}
+    completed = subprocess.run([sys.executable, "-I", "-S", "-c", FALLBACK_RUN, str(WORKER_SCRIPT.parent),
+                                json.dumps(job)], capture_output=True, text=True, timeout=60, check=False)
+    assert completed.returncode == 0, completed.stderr[-1000:]
+    result = interpret(json.loads(completed.stdout.splitlines()[-1]), program, LIMITS)
+    assert result.status == "pass", result.summary()
+    assert result.layers["user_namespace"] is False and result.layers["built_root"] is False
+    assert result.layers["no_new_privs"] and result.layers["no_capabilities"] and result.layers["rlimits"]
+    assert result.layers.get("seccomp") is (os.uname().machine == "x86_64")

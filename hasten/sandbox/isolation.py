@@ -222,8 +222,10 @@ def inspect(pid: int, limits: dict, layers: dict, seconds: float = 5.0) -> dict[
         time.sleep(0.001)
     found["seccomp"] = fields.get("Seccomp", "0").strip() == "2"
     found["no_new_privs"] = fields.get("NoNewPrivs", "0").strip() == "1"
+    # Held capabilities; the bounding set only limits what execve could add, which no_new_privs forbids
+    # (and nobody, in the fallback, may not empty it).
     found["no_capabilities"] = all(int(fields.get(name, "1"), 16) == 0 for name in ("CapInh", "CapPrm", "CapEff",
-                                                                                   "CapBnd", "CapAmb"))
+                                                                                   "CapAmb"))
     try:
         with open(f"/proc/{pid}/limits") as file:
             text = file.read()
