@@ -637,3 +637,51 @@ def test_the_fallback_runs_with_the_layers_that_hold():
     assert result.layers["user_namespace"] is False and result.layers["built_root"] is False
     assert result.layers["no_new_privs"] and result.layers["no_capabilities"] and result.layers["rlimits"]
     assert result.layers.get("seccomp") is (os.uname().machine == "x86_64")
+
+
+def _run_filter(program: list[tuple], arch: int, number: int, args: tuple[int, ...] = ()) -> int:
+    """A classic-BPF interpreter for the few opcodes seccomp.py uses: the filter's answer for one call."""
+    import struct
+
+    words = list(args) + [0] * (6 - len(args))
+    data = struct.pack("<iIQ6Q", number, arch, 0, *words)
+    accumulator, position = 0, 0
+    while True:
+        code, jump_true, jump_false, constant = program[position]
+        position += 1
+        if code == 0x20:
+            accumulator = struct.unpack_from("<I", data, constant)[0]
+        elif code == 0x06:
+            return constant
+        else:
+            taken = {0x15: accumulator == constant, 0x35: accumulator >= constant,
+                     0x45: bool(accumulator & constant)}[code]
+            position += jump_true if taken else jump_false
+
+
+def test_the_syscall_filter_decides_as_documented():
+    """seccomp.py's program, run here: the table in its docstring, whatever machine runs the tests."""
+    from hasten.sandbox import seccomp
+
+    program = seccomp.program()
+    assert len(program) < 4096 and all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in program)
+    allow, eperm, enosys = seccomp.RET_ALLOW, seccomp.RET_ERRNO | seccomp.EPERM, seccomp.RET_ERRNO | seccomp.ENOSYS
+    x86 = seccomp.AUDIT_ARCH_X86_64
+    cases = [
+        ((x86, 0), allow), ((x86, 1), allow), ((x86, 231), allow),  # read, write, exit_group
+        ((x86, 41, (2, 1)), allow), ((x86, 41, (10, 1)), allow), ((x86, 41, (1, 1)), eperm),  # inet ok, unix no
+        ((x86, 41, (16, 3)), eperm),  # netlink
+        ((x86, 53, (1, 1)), enosys), ((x86, 46), enosys), ((x86, 47), enosys),  # socketpair, sendmsg, recvmsg
+        ((x86, 44, (3, 0, 1, 0, 0)), allow), ((x86, 44, (3, 0, 1, 0, 0x7FFF0000)), eperm),  # sendto to an address
+        ((x86, 44, (3, 0, 1, 0, 1 << 40)), eperm),  # an address above 4 GiB: the high word counts
+        ((x86, 56, (0x003D0F00,)), allow), ((x86, 56, (0x10000000 | 17,)), eperm),  # threads ok; CLONE_NEWUSER no
+        ((x86, 435), enosys), ((x86, 272), enosys), ((x86, 308), enosys),  # clone3, unshare, setns
+        ((x86, 319), enosys), ((x86, 29), enosys), ((x86, 73), enosys),  # memfd_create, shmget, flock
+        ((x86, 72, (3, 6)), eperm), ((x86, 72, (3, 37)), eperm), ((x86, 72, (3, 1)), allow),  # F_SETLK, OFD, F_GETFD
+        ((x86, 16, (3, 0x40045431)), eperm), ((x86, 16, (3, 0x5401)), allow),  # TIOCSPTLCK; TCGETS
+        ((x86, 101), enosys), ((x86, 425), enosys), ((x86, 165), enosys),  # ptrace, io_uring_setup, mount
+        ((x86, 0x40000000 | 1), eperm), ((0x40000003, 1), eperm),  # x32 and i386 calls
+    ]
+    wrong = [(call, hex(expected), hex(_run_filter(program, *call))) for call, expected in cases
+             if _run_filter(program, *call) != expected]
+    assert wrong == []
