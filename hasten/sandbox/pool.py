@@ -238,7 +238,7 @@ class Sandbox:
                           "seccomp.py knows x86-64): unix socket pairs, memfd, SysV shm, ptys and locks are "
                           "not filtered (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
         missing = [name for name in ("memory_cgroup", "pids_cgroup") if not layers.get(name, False)]
-        if missing and layers.get("user_namespace", False):
+        if missing:
             warnings.warn(f"the code sandbox has no per-execution cgroup here ({', '.join(missing)}: needs root and "
                           "a writable /sys/fs/cgroup): an execution's memory is bounded per process only "
                           "(RLIMIT_AS x max_processes), its kernel memory not at all, its processes by "
