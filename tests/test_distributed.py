@@ -74,30 +74,39 @@ def test_config_that_does_not_split_over_ranks_is_one_error(monkeypatch, tmp_pat
     assert not any(tmp_path.iterdir())
 
 
-def launch(tmp_path: Path, name: str, ranks: int, extra: list[str]) -> Path:
-    """`hasten train` on the tiny model, in 1 process or under torchrun with `ranks` gloo ranks."""
+def launch_args(tmp_path: Path, name: str, extra: list[str]) -> list[str]:
+    """`hasten train` arguments on the tiny model (a letters reward on a jsonl task), writing runs/NAME."""
     data = tmp_path / "data.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"prompt": f"write letters {i}:"}) + "\n" for i in range(40)))
         (tmp_path / "rewards.py").write_text(LETTERS)
-    args = ["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data}",
+    return ["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data}",
             "--reward", f"{tmp_path / 'rewards.py'}:letters", "--train.prompts_per_step=4",
             "--generation.num_generations=4", "--generation.max_new_tokens=10", "--train.lr=3e-3",
             "--eval.num_examples=4", "--eval.max_new_tokens=6", "--train.num_threads=1",
             f"--output.dir={tmp_path / 'runs'}", f"--output.name={name}", "--output.progress=off",
             "--output.plot=false", *extra]
-    hasten(ranks, args)
+
+
+def launch(tmp_path: Path, name: str, ranks: int, extra: list[str]) -> Path:
+    """`hasten train` on the tiny model, in 1 process or under torchrun with `ranks` gloo ranks."""
+    hasten(ranks, launch_args(tmp_path, name, extra))
     return tmp_path / "runs" / name
+
+
+def child_env() -> dict[str, str]:
+    """This worktree's hasten and the tests' helpers first on the path, one thread per rank, no inherited rank."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return env
 
 
 def hasten(ranks: int, args: list[str]) -> None:
     """`hasten ARGS` in one process, or under torchrun with `ranks` gloo ranks; it must succeed."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                 if ranks > 1 else [sys.executable])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run([*launcher, "-m", "hasten.cli", *args], capture_output=True, text=True, env=env,
+    done = subprocess.run([*launcher, "-m", "hasten.cli", *args], capture_output=True, text=True, env=child_env(),
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -171,3 +180,34 @@ def test_sft_on_two_gloo_ranks_matches_one_process(tmp_path):
     (weights_file,) = (runs[1] / "checkpoint").glob("*.safetensors")
     before, after = load_file(str(weights_file)), load_file(str(runs[2] / "checkpoint" / weights_file.name))
     assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_localhost_learn_what_one_process_learns(tmp_path):
+    """README's multi-node command, run as two "nodes" (one process each) meeting at a c10d rendezvous."""
+    one = launch(tmp_path, "one", 1, ["--train.steps=3", "--algo.loss=dapo"])
+    name, port = "nodes", free_port()
+    args = launch_args(tmp_path, name, ["--train.steps=3", "--algo.loss=dapo"])
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hasten-nodes",
+            "-m", "hasten.cli", *args]
+    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+             for _ in range(2)]
+    outputs = [process.communicate(timeout=240)[0] for process in nodes]
+    assert [process.returncode for process in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    two = tmp_path / "runs" / name
+    single, double = records(one), records(two)
+    assert len(single) == len(double) == 3
+    for a, b in zip(single, double):
+        for key in ("loss", "reward_mean", "completion_length", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), (a["step"], key)
+    before, after = weights(one), weights(two)
+    assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
+    # --nnodes 2 holds each node at the rendezvous until the other arrives: the run had 2 ranks
