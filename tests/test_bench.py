@@ -212,7 +212,7 @@ def test_ratio_is_median_of_pairs_and_json_is_strict():
     hasten = Row("hasten", "hasten", "s/step", [1.0, 2.0, 3.0], flops=[2e9, 2e9, 2e9])
     peer = Row("peer", "peer", "s/step", [2.0, 2.0, 9.0])
     assert pair_ratio(peer, hasten) == 2.0  # pairs 2, 1, 3
-    assert mfu(hasten, peak_gflops=2.0) == pytest.approx(0.5)  # median rate 1 GFLOP/s of 2
+    assert mfu(hasten, 2.0) == pytest.approx(0.5)  # median rate 1 GFLOP/s of 2
     result = Result("B1", "test", [hasten, peer], notes=[])
     hasten.extra["reward_mean"] = float("nan")
     payload = json.loads(to_json([result], 2.0, {"model": "tiny"}))

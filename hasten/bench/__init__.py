@@ -221,25 +221,27 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
             from ..kernels.allocator import ensure
 
             ensure(load_config(opts.config, []).speed.allocator)
-        results, header, peak = run(opts)
+        results, header, limits = run(opts)
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)
         return 2
     from .report import format_table, to_json
 
     if not args.json_only:
-        print(format_table(results, peak, header))
-    print(to_json(results, peak, header), flush=True)
+        print(format_table(results, limits, header))
+    print(to_json(results, limits, header), flush=True)
     return 0
 
 
-def run(opts) -> tuple[list, dict[str, Any], float]:
-    """Measure the peak, run the chosen workloads in order (each contention level), measure the peak again."""
+def run(opts) -> tuple[list, dict[str, Any], Any]:
+    """Measure the peak, run the chosen workloads in order (each contention level), measure the peak again,
+    then the rates at the model's shapes and the memory bandwidth: the run's hardware limits (cost.Limits)."""
     import torch
     import transformers
 
     from ..kernels.allocator import loaded as loaded_allocator
-    from .machine import matmul_at_shapes
+    from .cost import Limits
+    from .machine import best_rates, matmul_at_shapes, memory_bandwidth
     from .report import matmul_peak
     from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
 
@@ -294,8 +296,10 @@ def run(opts) -> tuple[list, dict[str, Any], float]:
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         **machine_figures(), "allocator": loaded_allocator(),
         "matmul_gflops_at_model_shapes": matmul_at_shapes(config, opts.quick),
+        "memory_gbs": memory_bandwidth(opts.quick),
     }
-    return results, header, max(peak_start, peak_end)
+    header["best_gflops"] = best_rates(header["matmul_gflops_at_model_shapes"], max(peak_start, peak_end))
+    return results, header, Limits(header["best_gflops"], header["memory_gbs"]["best"])
 
 
 def _model_config(opts) -> Any:

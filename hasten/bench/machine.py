@@ -117,3 +117,40 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
             per_shape[f"{name} {k}x{n}"] = {kernel: round(rate, 1) for kernel, rate in rates.items()}
         out[f"M={count}"] = per_shape
     return out
+
+
+def memory_bandwidth(quick: bool = False) -> dict[str, float]:
+    """GB/s of a STREAM-like probe in torch on all threads: read (a sum), copy (b -> a), triad (a = b + s c).
+
+    Arrays of 64 MiB each (quick: 4 MiB), well past the last-level cache; each figure is the best of a
+    few passes. STREAM's byte counts: read 1, copy 2, triad 3 arrays (write-allocate traffic not counted).
+    Decode mostly reads (weights, KV cache), so the denominator the fractions use is the best of the three.
+    """
+    import torch
+
+    elements = (1 << 20) if quick else (16 << 20)
+    a, b, c = torch.zeros(elements), torch.rand(elements), torch.rand(elements)
+    size = elements * 4
+    probes = {"read": (lambda: b.sum(), size), "copy": (lambda: a.copy_(b), 2 * size),
+              "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3 * size)}
+    out = {}
+    for name, (call, moved) in probes.items():
+        out[name] = round(_best_rate(call, moved, budget=0.02 if quick else 0.5, repeats=3 if quick else 10), 2)
+    out["best"] = max(out.values())
+    return out  # _best_rate's "GFLOP/s" of bytes: GB/s
+
+
+def best_rates(at_shapes: dict[str, dict[str, dict[str, float]]], square_fp32: float) -> dict[str, float]:
+    """The best matmul GFLOP/s per precision over every kernel and shape measured: the peak a phase divides by.
+
+    fp32: MKL (the square peak and F.linear at the model's shapes) and oneDNN (fast_linear's plain weights,
+    the lean engine's packed ones); bf16: F.linear in bf16. The best, not MKL's alone: a learning pass on
+    oneDNN at 470 GFLOP/s divided by MKL's 210 read 116% (issue 33).
+    """
+    best = {"fp32": square_fp32, "bf16": 0.0}
+    for per_shape in at_shapes.values():
+        for rates in per_shape.values():
+            for kernel, rate in rates.items():
+                precision = "bf16" if kernel == "bf16" else "fp32"
+                best[precision] = max(best[precision], rate)
+    return {precision: round(rate, 1) for precision, rate in best.items() if rate > 0}

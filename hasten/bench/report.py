@@ -8,9 +8,13 @@ is the median over pairs of peer seconds / hasten seconds: above 1 means
 hasten is faster. Pairs, not medians of each side, because the machine is
 shared and its speed drifts; a pair saw the same drift.
 
-MFU (model FLOPs utilisation) is the model FLOPs a run needed divided by its
-seconds and by the matmul peak measured in the same process. Model FLOPs
-count the work a workload needs, not what an engine chooses to do (a peer
+The "limit" column is the fraction of the hardware limit a run reached: its
+floor (cost.py, docs/cost-model.md: FLOPs at the best matmul rate measured at
+the run's precision, bytes at the measured memory bandwidth, the larger of
+the two per phase, summed over phases) divided by its seconds. It cannot
+exceed 100% unless a denominator is wrong: such a figure is flagged ("!"),
+never shown as if it meant something. MFU (JSON only) is model FLOPs /
+seconds / that same best peak. Model FLOPs count the work a workload needs, not what an engine chooses to do (a peer
 that prefills a prompt once per sample gets no credit for the repeats):
 - N_body = every weight applied at every position, i.e. all parameters but
   the input embedding (a lookup) and the LM head; N_head = the LM head's
@@ -35,6 +39,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import cost
+
+
+@dataclass(frozen=True)
+class Work:
+    """The model work of one phase of one run, which its floor is computed from (cost.py)."""
+
+    flops: float
+    moved: float = 0.0  # bytes it must move (decode: weights + KV cache per step)
+    precision: str = "fp32"
+
 
 @dataclass
 class Row:
@@ -46,6 +61,8 @@ class Row:
     seconds: list[float]  # one per measured run, in round order
     work: list[float] | None = None  # tokens per run, for tok/s
     flops: list[float] | None = None  # model FLOPs per run, for MFU
+    phases: list[dict[str, Work]] | None = None  # per run, each phase's work: the floor (the "limit" column)
+    precision: str = "fp32"  # the learning precision: MFU's peak when `phases` is absent
     baseline: str | None = None  # peer rows: the hasten row they are compared with (None = the first)
     extra: dict[str, Any] = field(default_factory=dict)  # split times, reward, first step, ...
 
@@ -97,11 +114,13 @@ def model_size(model) -> ModelSize:
 
 
 def generation_flops(size: ModelSize, prompt_tokens: float, generated_tokens: float) -> float:
+    """cost.generation_flops without attention: 2 N_body per position + 2 N_head per generated token."""
     return 2 * size.body * (prompt_tokens + generated_tokens) + 2 * size.head * generated_tokens
 
 
-def learning_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) -> float:
-    return 6 * size.body * (prompt_tokens + completion_tokens) + 6 * size.head * completion_tokens
+def learning_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float, lora: bool = False) -> float:
+    """cost.learning_flops without attention: 6N per token (4N with LoRA)."""
+    return cost.learning_multiplier(lora) * generation_flops(size, prompt_tokens, completion_tokens)
 
 
 def matmul_peak(size: int, repeats: int) -> float:
@@ -126,12 +145,53 @@ def pair_ratio(peer: Row, hasten: Row) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
-def mfu(row: Row, peak_gflops: float) -> float | None:
-    """Median over runs of (model FLOPs / seconds) / peak."""
-    if not row.flops or peak_gflops <= 0:
+def as_limits(limits: cost.Limits | float) -> cost.Limits:
+    """A bare number is an fp32 peak with no bandwidth measured (older callers, tests)."""
+    return limits if isinstance(limits, cost.Limits) else cost.Limits({"fp32": float(limits)}, 0.0)
+
+
+def mfu(row: Row, limits: cost.Limits | float) -> float | None:
+    """Median over runs of (model FLOPs / seconds) / the best peak at the row's precision."""
+    limits = as_limits(limits)
+    if not row.flops or limits.gflops.get(row.precision, 0) <= 0:
         return None
     rates = [flops / seconds for flops, seconds in zip(row.flops, row.seconds) if seconds > 0]
-    return statistics.median(rates) / (peak_gflops * 1e9) if rates else None
+    return statistics.median(rates) / (limits.peak(row.precision) * 1e9) if rates else None
+
+
+def run_floor(limits: cost.Limits, work: dict[str, Work]) -> float:
+    return sum(cost.floor_seconds(limits, part.flops, part.moved, part.precision) for part in work.values())
+
+
+def limit(row: Row, limits: cost.Limits | float) -> float | None:
+    """Median over runs of floor seconds / measured seconds; rows without `phases` use their FLOPs
+    at the row's precision. Over 1 means a wrong denominator: `limit_flag` says so."""
+    limits = as_limits(limits)
+    works = row.phases or ([{"all": Work(flops, 0.0, row.precision)} for flops in row.flops] if row.flops else None)
+    if not works or any(limits.gflops.get(part.precision, 0) <= 0 for work in works for part in work.values()):
+        return None
+    fractions = [run_floor(limits, work) / seconds for work, seconds in zip(works, row.seconds) if seconds > 0]
+    return statistics.median(fractions) if fractions else None
+
+
+def phase_limits(row: Row, limits: cost.Limits | float) -> dict[str, float]:
+    """Per phase whose median seconds the row carries in `extra` (B1: generate, learn): median floor / that."""
+    limits = as_limits(limits)
+    out = {}
+    for phase in (row.phases or [{}])[0]:
+        seconds = row.extra.get(phase)
+        parts = [work[phase] for work in row.phases or [] if phase in work]
+        if isinstance(seconds, (int, float)) and seconds > 0 and limits.gflops.get(parts[0].precision, 0) > 0:
+            floors = [cost.floor_seconds(limits, part.flops, part.moved, part.precision) for part in parts]
+            out[phase] = statistics.median(floors) / seconds
+    return out
+
+
+def limit_flag(value: float | None) -> str:
+    """The limit column's text: over 100% is flagged, never shown as a result."""
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" + ("!" if value > 1.0 else "")
 
 
 # ------------------------------------------------------------------ the table
@@ -161,7 +221,7 @@ def _compact(value: Any) -> str:
     return " ".join(f"{key}={item}" for key, item in value.items()) if isinstance(value, dict) else str(value)
 
 
-def format_table(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
+def format_table(results: list[Result], limits: cost.Limits | float, header: dict[str, Any]) -> str:
     """The human-readable report: one table over all workloads, then settings and notes."""
     scalars = {key: value for key, value in header.items() if not isinstance(value, dict)}
     lines = ["hasten bench  " + "  ".join(f"{key}={value}" for key, value in scalars.items())]
@@ -171,13 +231,17 @@ def format_table(results: list[Result], peak_gflops: float, header: dict[str, An
                 lines.append(f"{key} {part}: " + "  ".join(f"{name} {_compact(item)}" for name, item in items.items()))
         elif isinstance(value, dict):
             lines.append(f"{key}: {_compact(value) or '(none set)'}")
+    limits = as_limits(limits)
     lines += [
-        f"matmul peak: {peak_gflops:.1f} GFLOP/s (fp32, all threads, best of several; the MFU denominator)",
+        "hardware limit: best matmul " + ", ".join(f"{precision} {rate:.1f}" for precision, rate in
+                                                   limits.gflops.items()) + " GFLOP/s (over MKL, oneDNN, bf16 at "
+        f"the model's shapes), memory {limits.bandwidth_gbs:.1f} GB/s; limit = floor / seconds (docs/cost-model.md)",
         "ratio = median over A B pairs of peer seconds / hasten seconds (> 1: hasten faster)",
         "",
         f"{'workload':<8} {'engine/peer':<34} {'median':>9} {'min':>9} {'max':>9} {'unit':<7} "
-        f"{'ratio':>7} {'vs':<22} {'MFU':>6}  notes",
+        f"{'ratio':>7} {'vs':<22} {'limit':>7}  notes",
     ]
+    flagged = 0
     for result in results:
         for row in result.rows:
             values = row.values()
@@ -187,15 +251,20 @@ def format_table(results: list[Result], peak_gflops: float, header: dict[str, An
                 ratio = pair_ratio(row, base) if base else None
                 ratio_text = f"{ratio:.2f}x" if ratio is not None else "-"
                 versus = base.name if base else "-"
-            utilisation = mfu(row, peak_gflops)
+            reached, by_phase = limit(row, limits), phase_limits(row, limits)
+            flagged += sum(value > 1.0 for value in [reached or 0.0, *by_phase.values()])
+            phase_text = " ".join(f"limit_{phase}={limit_flag(value)}" for phase, value in by_phase.items())
             lines.append(
                 f"{result.workload:<8} {row.name:<34} {_number(statistics.median(values))} {_number(min(values))} "
                 f"{_number(max(values))} {row.unit:<7} {ratio_text:>7} {versus:<22} "
-                f"{'-' if utilisation is None else f'{100 * utilisation:.1f}%':>6}  {_extra_text(row.extra)}"
+                f"{limit_flag(reached):>7}  {' '.join(filter(None, [phase_text, _extra_text(row.extra)]))}"
             )
         if not result.rows:
             lines.append(f"{result.workload:<8} (no rows: see notes)")
     lines.append("")
+    if flagged:
+        lines.append(f"WARNING: {flagged} limit figure(s) over 100% (marked !): a peak or the bandwidth measured "
+                     "here is below what a run did, so those fractions mean nothing")
     for result in results:
         all_pairs = all_ratios(result)
         if len(all_pairs) > 1:
@@ -225,7 +294,7 @@ def all_ratios(result: Result) -> dict[str, float]:
 # ------------------------------------------------------------------ the JSON line
 
 
-def _row_json(result: Result, row: Row, peak_gflops: float) -> dict[str, Any]:
+def _row_json(result: Result, row: Row, limits: cost.Limits) -> dict[str, Any]:
     values = row.values()
     out: dict[str, Any] = {
         "name": row.name,
@@ -235,7 +304,9 @@ def _row_json(result: Result, row: Row, peak_gflops: float) -> dict[str, Any]:
         "min": min(values),
         "max": max(values),
         "seconds": row.seconds,
-        "mfu": mfu(row, peak_gflops),
+        "mfu": mfu(row, limits),
+        "limit": limit(row, limits),
+        "phase_limits": phase_limits(row, limits),
     }
     if row.side == "peer":
         base = result.baseline_of(row)
@@ -247,15 +318,17 @@ def _row_json(result: Result, row: Row, peak_gflops: float) -> dict[str, Any]:
     return out
 
 
-def to_json(results: list[Result], peak_gflops: float, header: dict[str, Any]) -> str:
+def to_json(results: list[Result], limits: cost.Limits | float, header: dict[str, Any]) -> str:
     """One line: every number of the run, keyed by workload."""
+    limits = as_limits(limits)
     payload = {
         **header,
-        "peak_gflops": peak_gflops,
+        "peak_gflops": limits.gflops.get("fp32"),
+        "limits": {"gflops": limits.gflops, "bandwidth_gbs": limits.bandwidth_gbs},
         "workloads": {
             result.workload: {
                 "title": result.title,
-                "rows": [_row_json(result, row, peak_gflops) for row in result.rows],
+                "rows": [_row_json(result, row, limits) for row in result.rows],
                 "ratios": all_ratios(result),
                 "settings": result.settings,
                 "notes": result.notes,

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .machine import minor_faults
-from .report import ModelSize, Result, Row, generation_flops, learning_flops, model_size
+from . import cost
+from .report import ModelSize, Result, Row, Work, generation_flops, learning_flops, model_size
 
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "b1.yaml"
 # --quick: the tiny model at toy sizes, so tests run every path in seconds.
@@ -121,6 +122,10 @@ class HastenSide:
         session = prepare(cfg, log=opts.log)
         return cls(cfg, session, Learner.from_config(session.policy, cfg, None), model_size(session.policy.model))
 
+    @property
+    def shape(self) -> cost.Shape:
+        return cost.Shape.from_config(self.session.policy.model.config)
+
     def prompts(self, count: int) -> tuple[list[dict], list[list[int]]]:
         """The first `count` rows of B1's prompt stream and their token ids (both sides get these)."""
         from ..rollout.prompts import encode_prompt
@@ -175,9 +180,22 @@ def hasten_settings(cfg) -> dict[str, Any]:
     return {section: settings[section] for section in ("model", "task", "generation", "algo", "train", "speed")}
 
 
-def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float) -> float:
+def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float, lora: bool = False) -> float:
     return generation_flops(size, prompt_tokens, completion_tokens) + learning_flops(size, prompt_tokens,
-                                                                                    completion_tokens)
+                                                                                    completion_tokens, lora)
+
+
+def step_work(size: ModelSize, shape: cost.Shape, prompt_tokens: float, completion_tokens: float, steps: float,
+              shortest_prompt: float, precisions: tuple[str, str], lora: bool = False) -> dict[str, Work]:
+    """One GRPO step's work by phase (report.py's floor): generation (prefill + decode: FLOPs, and the
+    weights read once per decode step plus each token's KV read) and the learning pass (FLOPs, weights,
+    optimizer). precisions: (generation, learning)."""
+    generate, learn = precisions
+    return {"generate": Work(generation_flops(size, prompt_tokens, completion_tokens),
+                             cost.decode_floor_bytes(shape, int(steps), completion_tokens, shortest_prompt, generate),
+                             generate),
+            "learn": Work(learning_flops(size, prompt_tokens, completion_tokens, lora),
+                          cost.learning_bytes(shape, lora, learn), learn)}
 
 
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
@@ -195,8 +213,11 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     cfg, session, rounds, levels = side.cfg, side.session, opts.rounds("B1"), opts.contention
     steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
+    precisions = (cfg.speed.generation_precision, cfg.speed.precision)
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
-                          f"max {cfg.generation.max_new_tokens} new tokens, full fine-tune, fp32)")
+                          f"max {cfg.generation.max_new_tokens} new tokens, "
+                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {cfg.speed.precision}, "
+                          f"generation {cfg.speed.generation_precision})")
     result.settings["hasten"] = hasten_settings(cfg)
     rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
     prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
@@ -204,6 +225,8 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     workers: dict[str, TrlProcess] = {}
     records: dict[int, list[dict]] = {level: [] for level in levels}  # hasten's step records per level
     flops: dict[int, list[float]] = {level: [] for level in levels}
+    works: dict[int, list[dict[str, Work]]] = {level: [] for level in levels}
+    shape, lora = side.shape, cfg.model.lora
     peer_steps: dict[tuple[str, int], list[dict]] = {}
     loads: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
     with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
@@ -240,7 +263,10 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                     loads[level].append((neighbours.load_before, neighbours.load_after))
                     rollout = recorder.last
                     flops[level].append(b1_flops(side.size, float(rollout.prompt_mask.sum()),
-                                                 float(rollout.completion_mask.sum())))
+                                                 float(rollout.completion_mask.sum()), lora))
+                    works[level].append(step_work(side.size, shape, float(rollout.prompt_mask.sum()),
+                                                  float(rollout.completion_mask.sum()), rollout.completion_ids.shape[1],
+                                                  float(rollout.prompt_mask.sum(1).min()), precisions, lora))
         finally:
             session.engine = recorder.engine
             sampler.close()  # the prefetch thread
@@ -253,7 +279,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
         load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
         result.rows.append(Row(
             f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
-            flops=flops[level][measured],
+            flops=flops[level][measured], phases=works[level][measured], precision=cfg.speed.precision,
             extra={
                 **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
                    for part in ("generate", "reward", "learn")},
@@ -275,8 +301,14 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
             result.rows.append(Row(
                 f"{name}{label(level)}", "peer", "s/step", [m["seconds"] for m in messages[measured]],
                 baseline=f"hasten{label(level)}",
-                flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"])
+                flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"], lora)
                        for m in messages[measured]],
+                phases=[step_work(side.size, shape, prompt_tokens[m["step"] - 1], m["completion_tokens"],
+                                  m["completion_tokens"] / max(m["num_samples"], 1),  # mean length <= steps taken
+                                  min(len(ids) for ids in prompt_ids[(m["step"] - 1) * per_step:m["step"] * per_step]),
+                                  ("bf16", "bf16") if opts.trl_bf16 else ("fp32", "fp32"), lora)
+                        for m in messages[measured]],
+                precision="bf16" if opts.trl_bf16 else "fp32",
                 extra={
                     "first_step": messages[0]["seconds"],
                     "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
@@ -437,12 +469,23 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
             tokens[name].append(run(sampling, round_index))
             seconds[name].append(time.perf_counter() - started)
     prompt_tokens = sum(len(p) for p in prompts)
+    # weight reads at least: one per step, or one per k+1 tokens where a drafter lets a step verify k (a bound)
+    reads = {name: new_tokens / ((opts.speculative_tokens + 1) if "+" in name else 1) for name in runners}
     for name, (role, _) in runners.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=tokens[name],
                                flops=[generation_flops(side.size, prompt_tokens, t) for t in tokens[name]],
+                               phases=[{"decode": decode_work(side, prompts, t, reads[name], name)} for t in tokens[name]],
                                extra=spec_extra(last.get(name, [])[1:])))  # [0]: the warm-up
     result.notes.append("seed r for round r on every engine; rounds alternate engines")
     return result
+
+
+def decode_work(side: HastenSide, prompts: list[list[int]], generated: float, reads: float, engine: str) -> Work:
+    """B2's decode: FLOPs, and the weights read `reads` times plus each token's KV read (report.py's floor)."""
+    precision = "bf16" if engine.endswith("bf16") else "fp32"
+    return Work(generation_flops(side.size, sum(len(p) for p in prompts), generated),
+                cost.decode_floor_bytes(side.shape, int(reads), generated, min(len(p) for p in prompts), precision),
+                precision)
 
 
 def run_b2_batches(side: HastenSide, opts: BenchOptions) -> Result:
@@ -570,9 +613,11 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                 model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
             if round_index >= 0:
                 seconds[name].append(elapsed)
-    flops = learning_flops(side.size, prompt_tokens, completion_tokens)
+    flops = learning_flops(side.size, prompt_tokens, completion_tokens, cfg.model.lora)
+    moved = cost.learning_bytes(side.shape, cfg.model.lora, cfg.speed.precision, optimizer=False)  # no optimizer step
+    work = {"learn": Work(flops, moved, cfg.speed.precision)}
     for name, (role, _) in variants.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=[completion_tokens] * rounds,
-                               flops=[flops] * rounds))
+                               flops=[flops] * rounds, phases=[work] * rounds, precision=cfg.speed.precision))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
