@@ -5,6 +5,9 @@
                  [--speculative ngram,layers:8] [--speculative-tokens K] [--batch-sizes 1,4,16,64]
     hasten bench --workloads B5 [--b5-config configs/demo.yaml] [--seeds 0,1,2] [--profiles balanced]
                  [--b5-minutes 15] [--b5-mark-minutes 1] [--b5-dir DIR]     (time to accuracy; b5.py)
+    hasten bench --workloads B8 [--b8-lengths 64,256,1024] [--b8-models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b]
+                 [--b8-steps 3] [--b8-step-cap 600] [--b8-memory-gib G]   (scaling grid; scaling.py)
+    hasten bench ... --report DIR      (also write DIR/results.md, DIR/results.json and the PNGs)
     hasten bench --ablate [--steps N] [--rounds R]      (each speed feature off alone; ablate.py)
 
 The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
@@ -53,7 +56,8 @@ from ..errors import UserError
 from .contention import Neighbours, label, parse_levels
 from .machine import machine_figures
 
-WORKLOADS = ("B1", "B2", "B3", "B4", "B5", "B6")  # B5: time to accuracy (b5.py); B6: fruit-catcher (games.py)
+WORKLOADS = ("B1", "B2", "B3", "B4", "B5", "B6", "B8")  # B5: time to accuracy (b5.py); B6: fruit-catcher
+# (games.py); B8: the scaling grid (scaling.py), asked for by name: it runs for hours at full size
 DEFAULT_WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B5 trains for minutes per side: asked for by name
 PEERS = ("trl", "hf", "vllm")
 PEER_MODULES = {"trl": "trl", "hf": "transformers", "vllm": "vllm"}
@@ -107,6 +111,16 @@ def _parser() -> argparse.ArgumentParser:
     b5.add_argument("--b5-keep-checkpoints", action="store_true", help="keep the weight files once scored")
     b5.add_argument("--b5-only-profiles", action="store_true",
                     help="hasten runs only for --profiles and --b5-variant, not for the config as it is")
+    b8 = parser.add_argument_group("B8, the scaling grid (scaling.py)")
+    b8.add_argument("--b8-lengths", help="comma list of completion lengths (default 64,256,1024; --quick 4,8)")
+    b8.add_argument("--b8-models", help="comma list of smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, tiny, qwen-tiny "
+                                        "(default the first three; --quick tiny,qwen-tiny)")
+    b8.add_argument("--b8-steps", type=int, default=3, help="steps per cell and side (median over 2..N; default 3)")
+    b8.add_argument("--b8-step-cap", type=float, default=600.0, help="seconds a step may take (default 600)")
+    b8.add_argument("--b8-memory-gib", type=float,
+                    help="memory budget for the full-or-LoRA choice and the OOM estimate (default: available now)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="also write the run's table (results.md), JSON line (results.json) and plots into DIR")
     parser.add_argument("--ablate", action="store_true",
                         help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
@@ -149,6 +163,12 @@ def _options(args) -> Any:
     except ValueError as error:
         raise BenchError(f"bench error: --contention: {error}") from None
     b5 = _b5_options(args) if "B5" in workloads else None
+    b8 = _b8_options(args) if "B8" in workloads else None
+    report = Path(args.report) if args.report else None
+    if report is not None and report.exists() and not report.is_dir():
+        raise BenchError(f"bench error: --report '{report}' exists and is not a directory")
+    if b8 is not None and report is not None:
+        b8.plot_dir = report
 
     def log(text: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
@@ -157,7 +177,37 @@ def _options(args) -> Any:
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
                         trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
                         contention=contention, b5=b5, trl_bf16=args.trl_bf16, speculative=speculative,
-                        speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes)
+                        speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes, b8=b8,
+                        report=report)
+
+
+def _integers(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise BenchError(f"bench error: {option} must be a comma list of integers (got '{text}')") from None
+    if not values or any(value < 1 for value in values):
+        raise BenchError(f"bench error: {option} needs integers >= 1 (got '{text}')")
+    return values
+
+
+def _b8_options(args) -> Any:
+    from .scaling import MODELS, SHAPES, B8Options
+
+    lengths = _integers(args.b8_lengths or ("4,8" if args.quick else "64,256,1024"), "--b8-lengths")
+    known = (*MODELS, *SHAPES, "tiny")
+    models = tuple(dict.fromkeys(name.strip().lower() for name in
+                                 (args.b8_models or ("tiny,qwen-tiny" if args.quick else ",".join(MODELS))).split(",")
+                                 if name.strip()))
+    unknown = [name for name in models if name not in known]
+    if unknown or not models:
+        raise BenchError(f"bench error: --b8-models: unknown model {', '.join(unknown) or '(none)'} "
+                         f"(available: {', '.join(dict.fromkeys(known))})")
+    if args.b8_steps < 1 or args.b8_step_cap <= 0 or (args.b8_memory_gib is not None and args.b8_memory_gib <= 0):
+        raise BenchError(f"bench error: --b8-steps must be >= 1, --b8-step-cap and --b8-memory-gib > 0 "
+                         f"(got {args.b8_steps}, {args.b8_step_cap:g}, {args.b8_memory_gib})")
+    return B8Options(lengths=tuple(sorted(set(lengths))), models=models, steps=args.b8_steps,
+                     step_cap=args.b8_step_cap, memory_gib=args.b8_memory_gib)
 
 
 def _b5_options(args) -> Any:
@@ -225,11 +275,14 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)
         return 2
-    from .report import format_table, to_json
+    from .report import format_table, to_json, write_report
 
+    table, line = format_table(results, limits, header), to_json(results, limits, header)
     if not args.json_only:
-        print(format_table(results, limits, header))
-    print(to_json(results, limits, header), flush=True)
+        print(table)
+    if opts.report is not None:
+        write_report(opts.report, table, line, results)
+    print(line, flush=True)
     return 0
 
 
@@ -261,6 +314,10 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
             from .b5 import run_b5
 
             return run_b5(opts)
+        if workload == "B8":  # each cell in its own processes: its own module
+            from .scaling import run_b8
+
+            return run_b8(opts)
         if workload == "B6":  # no language model: its own module
             from .games import run_b6
 
@@ -298,7 +355,11 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
         "matmul_gflops_at_model_shapes": matmul_at_shapes(config, opts.quick),
         "memory_gbs": memory_bandwidth(opts.quick),
     }
-    header["best_gflops"] = best_rates(header["matmul_gflops_at_model_shapes"], max(peak_start, peak_end))
+    measured = dict(header["matmul_gflops_at_model_shapes"])
+    for result in results:  # B8 measured each of its models' shapes too: the best over all of them
+        for model, rates in result.settings.get("matmul_gflops_at_model_shapes", {}).items():
+            measured.update({f"{model} {part}": per_shape for part, per_shape in rates.items()})
+    header["best_gflops"] = best_rates(measured, max(peak_start, peak_end))
     return results, header, Limits(header["best_gflops"], header["memory_gbs"]["best"])
 
 

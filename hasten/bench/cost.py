@@ -202,3 +202,34 @@ def predict_step(shape: Shape, limits: Limits, gpus: int, samples: int, prompt_t
     trained = 0.01 * shape.parameters() if lora else shape.parameters()  # LoRA: adapters, ~1% (rank 16 order)
     reduce = 2 * (gpus - 1) / gpus * trained * BYTES[precision] / (NVLINK_GBS * 1e9) if gpus > 1 else 0.0
     return {"generate_s": generate, "learn_s": learn, "all_reduce_s": reduce, "step_s": generate + learn + reduce}
+
+
+# ------------------------------------------------------------------ memory (B8's full-or-LoRA choice and OOM estimate)
+
+
+def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens: int, completion_tokens: int,
+                          lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0) -> dict[str, float]:
+    """An estimate (fp32, no activation checkpointing) of a GRPO step's resident memory, by part.
+
+    - model: every parameter once (tied head: one matrix); full fine-tune adds its gradient and AdamW's
+      two moments (4 x the parameters in all); LoRA adds nothing that counts (< 1%);
+    - activations kept for the backward, per token and layer: ~10 hidden-wide tensors (norm inputs and
+      outputs, q, attention output, o projection, residuals) + 4 intermediate-wide (gate, up, their
+      product, the activation) + k and v;
+    - logits: the log-softmax over the vocabulary kept for the backward, three (tokens, vocab) tensors
+      (logits, log-probs, their gradient) for every completion token, or for `logits_chunk` tokens at a
+      time where the pass chunks them (hasten's speed.logit_chunk_tokens);
+    - KV cache of the decode: every row's positions.
+    prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
+    """
+    parameters = shape.parameters(tied=True) * 4
+    model = parameters * (1 if lora else 4)
+    prompts = samples if prompt_per_sample else samples // max(group, 1)
+    tokens = prompts * prompt_tokens + samples * completion_tokens
+    per_token = shape.layers * (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
+    logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
+    parts = {"model": float(model), "activations": float(tokens * per_token),
+             "logits": float(3 * logit_tokens * shape.vocab * 4),
+             "kv_cache": float(samples * (prompt_tokens + completion_tokens) * kv_bytes_per_position(shape))}
+    parts["total"] = sum(parts.values())
+    return parts

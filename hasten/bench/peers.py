@@ -240,6 +240,20 @@ class RewardLog:
         return out
 
 
+def timed_generate(model, total: list[float]) -> None:
+    """Wrap `model.generate` (the object TRL's generation calls on the CPU) to add its seconds to total[0]."""
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - started
+
+    model.generate = generate
+
+
 def _trl_worker() -> None:
     spec = json.loads(sys.stdin.readline())
     started = time.perf_counter()
@@ -250,6 +264,7 @@ def _trl_worker() -> None:
 
     imported = time.perf_counter()
     rewards = RewardLog(spec["rewards"])
+    generating = [0.0]  # seconds in the model's generate() this step (the step's generation share)
 
     class Gate(TrainerCallback):
         """Wait for the parent before each optimizer step; report each step's seconds."""
@@ -258,20 +273,27 @@ def _trl_worker() -> None:
             _emit({"event": "ready", "step": state.global_step + 1})
             if sys.stdin.readline().strip() != "go":
                 os._exit(0)  # the parent is done with this worker
-            self.started, self.faults = time.perf_counter(), minor_faults()
+            self.started, self.faults, generating[0] = time.perf_counter(), minor_faults(), 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.started
-            _emit({"event": "step", "step": state.global_step, "seconds": seconds,
+            _emit({"event": "step", "step": state.global_step, "seconds": seconds, "generate": generating[0],
+                   "learn": seconds - generating[0],  # everything but generate(): rewards, log-probs, backward, step
                    "page_faults": minor_faults() - self.faults, "peak_rss_mib": peak_rss_mib(), **rewards.take()})
 
     output_dir = tempfile.mkdtemp(prefix="hasten-bench-trl-")
     try:
         config = GRPOConfig(output_dir=output_dir, **spec["config"])
+        peft = {}
+        if spec.get("lora"):  # B8: LoRA where the full fine-tune does not fit, as hasten's model.lora
+            from peft import LoraConfig
+
+            peft = {"peft_config": LoraConfig(task_type="CAUSAL_LM", **spec["lora"])}
         trainer = GRPOTrainer(
             model=spec["model_dir"], reward_funcs=rewards.functions, args=config,
-            train_dataset=Dataset.from_list(spec["rows"]), callbacks=[Gate()],
+            train_dataset=Dataset.from_list(spec["rows"]), callbacks=[Gate()], **peft,
         )
+        timed_generate(trainer.model, generating)
         built = time.perf_counter()
         _emit({"event": "built", "import_seconds": imported - started, "construct_seconds": built - imported})
         if spec.get("construct_only"):

@@ -53,6 +53,8 @@ class BenchOptions:
     speculative: tuple[str, ...] = ()  # B2: extra lean+speculative rows: "ngram", "layers:N" or a draft model
     speculative_tokens: int = 4  # their k
     batch_sizes: tuple[int, ...] = ()  # B2: also the sweep over decode batch sizes (sampled and greedy)
+    b8: Any = None  # scaling.B8Options when B8 is asked for
+    report: Path | None = None  # --report DIR: the table, the JSON line and the plots are written there too
 
     def rounds(self, workload: str) -> int:
         if self.repeats is not None:

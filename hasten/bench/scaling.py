@@ -1,0 +1,446 @@
+"""B8, the scaling grid: how a GRPO step's cost grows with completion length and model size.
+
+Grid: completion length {64, 256, 1024} x model {smollm2-135m, and the shapes
+of Qwen2.5-0.5B and Qwen2.5-1.5B with random weights built here from their
+published configs: for speed only, never for quality}. Both sides generate a
+fixed number of new tokens (EOS cannot end a row: hasten's engine is built
+with no EOS ids, TRL's generate gets min_new_tokens), on B1's prompts,
+rewards and hyperparameters.
+
+Why each side runs in its own process, one after the other (not alternated
+as B1 is): the peak resident memory of a side is a result here, and two
+1.5B-parameter trainers side by side would measure each other. Each process
+reports its own peak RSS (getrusage of itself) after every step.
+
+Full fine-tune or LoRA is decided once per model, from cost.training_memory_bytes
+at the shortest length asked for, against the memory budget (--b8-memory-gib,
+default: what the machine has available at the start): both sides train the
+same way, and the cell says which. A cell a side cannot run says why instead
+of a number: its memory estimate over the budget, a step over the cap
+(--b8-step-cap, default 600 s: the process is killed), or its error.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import cost
+from .report import ModelSize, Result, Row
+
+LENGTHS = (64, 256, 1024)
+MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b")
+# Published configs (config.json on the hub), the fields that decide the cost; weights are random.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "qwen-tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=300, tie_word_embeddings=True),  # tests: the same path, tiny
+}
+QWEN_COMMON = dict(max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+                   hidden_act="silu")
+GIB = 1024**3
+
+
+@dataclass
+class B8Options:
+    lengths: tuple[int, ...] = LENGTHS
+    models: tuple[str, ...] = MODELS
+    steps: int = 3  # per cell and side; the median is over steps 2..N (step 1 pays one-off allocation)
+    step_cap: float = 600.0  # seconds: a step past it is killed and the cell says so
+    memory_gib: float | None = None  # budget; None: MemAvailable at the start
+    plot_dir: Path | None = None  # where b8-scaling.png goes (None: a temporary directory, named in the notes)
+
+
+@dataclass
+class Cell:
+    model: str
+    length: int
+    side: str  # "hasten" | "trl"
+    mode: str  # "full" | "lora"
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    skipped: str | None = None  # why there is no number
+    estimate_gib: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "length": self.length, "side": self.side, "mode": self.mode,
+                               "estimate_gib": round(self.estimate_gib, 2)}
+        if self.skipped:
+            return {**out, "skipped": self.skipped}
+        measured = self.steps[1:] or self.steps
+        seconds = statistics.median(step["seconds"] for step in measured)
+        tokens = statistics.median(step["completion_tokens"] for step in measured)
+        return {**out, "s_per_step": seconds, "generate_s": statistics.median(s["generate"] for s in measured),
+                "learn_s": statistics.median(s["learn"] for s in measured), "tokens_per_s": tokens / seconds,
+                "peak_rss_mib": max(step["peak_rss_mib"] for step in self.steps), "steps": len(self.steps)}
+
+
+def available_gib() -> float:
+    """MemAvailable from /proc/meminfo (Linux), else the total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def model_dir(name: str, workdir: Path) -> str:
+    """A directory (or registry name) both sides load: random-weight shapes are built once into the cache."""
+    if name not in SHAPES:
+        from .workloads import peer_model_dir
+
+        return peer_model_dir(name, workdir)
+    from ..models.smollm2 import cache_root
+
+    target = cache_root() / "b8" / name
+    if (target / "config.json").is_file():
+        return str(target)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = b8_tokenizer(name)
+    config = Qwen2Config(**SHAPES[name], **QWEN_COMMON, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    building = target.with_name(name + ".part")
+    Qwen2ForCausalLM(config).save_pretrained(building)  # random weights: speed only
+    tokenizer.save_pretrained(building)
+    building.rename(target)
+    return str(target)
+
+
+def b8_tokenizer(name: str):
+    """SmolLM2's tokenizer for the published shapes (prompts of realistic token counts), the tiny one in tests."""
+    if name == "qwen-tiny":
+        from ..models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    from ..models.smollm2 import converted_dir
+
+    return AutoTokenizer.from_pretrained(str(converted_dir()))
+
+
+def cell_config(opts, directory: str, length: int, lora: bool, steps: int):
+    """configs/b1.yaml (quick: toy sizes) with the cell's model, completion length and training mode."""
+    from ..config import load_config
+    from .workloads import QUICK_OVERRIDES
+
+    overrides = [(key, value) for key, value in QUICK_OVERRIDES if key != "model.name"] if opts.quick else []
+    overrides += [("model.name", directory), ("generation.max_new_tokens", length), ("model.lora", lora),
+                  ("train.steps", steps)]
+    return load_config(opts.config, overrides)
+
+
+def memory_estimate(shape: cost.Shape, cfg, side: str) -> dict[str, float]:
+    samples = cfg.train.prompts_per_step * cfg.generation.num_generations
+    return cost.training_memory_bytes(
+        shape, samples, cfg.generation.num_generations, PROMPT_TOKENS, cfg.generation.max_new_tokens, cfg.model.lora,
+        prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0)
+
+
+PROMPT_TOKENS = 48  # B1's chat prompts are ~40-50 tokens (SmolLM2's tokenizer): the estimate's prompt length
+
+
+def choose_mode(shape: cost.Shape, cfg, budget_gib: float) -> tuple[bool, str]:
+    """LoRA where the full fine-tune's estimate at this length exceeds the budget on hasten's side."""
+    full = memory_estimate(shape, cfg, "hasten")["total"] / GIB
+    if full <= budget_gib:
+        return False, f"full fine-tune (estimate {full:.1f} GiB <= budget {budget_gib:.1f})"
+    return True, f"LoRA r={cfg.model.lora_r} (full fine-tune estimate {full:.1f} GiB > budget {budget_gib:.1f})"
+
+
+# ------------------------------------------------------------------ the grid
+
+
+def run_b8(opts) -> Result:
+    """Every (model, length) cell, hasten's process then TRL's; a row per side and cell that ran."""
+    from .machine import matmul_at_shapes
+
+    b8: B8Options = opts.b8 or B8Options()
+    budget = b8.memory_gib if b8.memory_gib is not None else available_gib()
+    result = Result("B8", f"scaling grid: completion length {list(b8.lengths)} x model {list(b8.models)}, "
+                          "fixed new tokens (EOS ignored on both sides), each side in its own process")
+    cells: list[Cell] = []
+    rates: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="hasten-bench-b8-") as workdir:
+        for model in b8.models:
+            opts.log(f"B8: {model}: model directory")
+            directory = model_dir(model, Path(workdir))
+            shape = cost.Shape.from_config(model_config(directory))
+            lora, why = choose_mode(shape, cell_config(opts, directory, min(b8.lengths), False, b8.steps), budget)
+            result.settings[model] = {"directory": directory, "mode": why, "parameters": shape.parameters(),
+                                      "random_weights": model in SHAPES, "shape": vars(shape)}
+            rates[model] = matmul_at_shapes(model_config(directory), opts.quick)
+            for length in b8.lengths:
+                cfg = cell_config(opts, directory, length, lora, b8.steps)
+                for side in ["hasten"] + (["trl"] if "trl" in opts.peers else []):
+                    opts.log(f"B8: {model} length {length} {side} ({'LoRA' if lora else 'full'})")
+                    cells.append(run_cell(opts, b8, cfg, shape, model, length, side, budget))
+                    result.rows.extend(cell_rows(cells[-1], cfg, shape, opts))
+    result.settings["grid"] = [cell.summary() for cell in cells]
+    result.settings["matmul_gflops_at_model_shapes"] = rates  # folded into the header's best rates
+    result.settings["memory_budget_gib"] = round(budget, 1)
+    result.settings["step_cap_s"] = b8.step_cap
+    for cell in cells:
+        if cell.skipped:
+            result.notes.append(f"{cell.model} length {cell.length} {cell.side}: no number: {cell.skipped}")
+    if "trl" not in opts.peers:
+        result.notes.append("trl not measured: not among --peers, or the `trl` package does not import here "
+                            "(pip install 'hasten[bench]')")
+    result.notes.append(f"median over steps 2..{b8.steps} of each process (step 1 pays one-off allocation); "
+                        "sides run one after the other, not alternated: each one's peak RSS is its own; "
+                        "TRL's generate = its model.generate() calls, its learn = the rest of the step")
+    plot_dir = b8.plot_dir or Path(tempfile.mkdtemp(prefix="hasten-bench-b8-plot-"))
+    result.settings["plot"] = str(plot_grid(result.settings["grid"], plot_dir / "b8-scaling.png"))
+    return result
+
+
+def model_config(directory: str):
+    """The model's config without loading its weights (a registry name: its directory's config)."""
+    from transformers import AutoConfig
+
+    from ..models import ALIASES
+
+    if ALIASES.get(directory.lower()) == "tiny":
+        from ..models.tiny import tiny_model, tiny_tokenizer
+
+        return tiny_model(len(tiny_tokenizer())).config
+    return AutoConfig.from_pretrained(directory)
+
+
+def run_cell(opts, b8: B8Options, cfg, shape: cost.Shape, model: str, length: int, side: str,
+             budget: float) -> Cell:
+    """One side of one cell: its memory estimate first (over the budget: no run), then its process."""
+    estimate = memory_estimate(shape, cfg, side)["total"] / GIB
+    cell = Cell(model, length, side, "lora" if cfg.model.lora else "full", estimate_gib=estimate)
+    if estimate > budget:
+        cell.skipped = f"out of memory by estimate: {estimate:.1f} GiB > budget {budget:.1f} GiB"
+        return cell
+    try:
+        if side == "hasten":
+            overrides = [list(pair) for pair in cell_overrides(cfg)]
+            cell.steps = run_hasten_cell({"config": str(opts.config), "overrides": overrides}, b8.step_cap)
+        else:
+            cell.steps = run_trl_cell(trl_cell_spec(cfg, length), b8.steps, b8.step_cap)
+    except RuntimeError as error:
+        cell.skipped = str(error)
+    if not cell.skipped and not cell.steps:
+        cell.skipped = "no step finished"
+    return cell
+
+
+def cell_overrides(cfg) -> list[tuple[str, Any]]:
+    return [("model.name", cfg.model.name), ("generation.max_new_tokens", cfg.generation.max_new_tokens),
+            ("model.lora", cfg.model.lora), ("train.steps", cfg.train.steps),
+            ("train.prompts_per_step", cfg.train.prompts_per_step),
+            ("generation.num_generations", cfg.generation.num_generations)]
+
+
+def trl_cell_spec(cfg, length: int) -> dict[str, Any]:
+    """B1's TRL spec (gc off: its CPU best) on the cell's model, min_new_tokens = length, LoRA as hasten's."""
+    from ..tasks import make_task
+    from ..tasks.sampler import PromptSampler
+    from ..train.trainer import build_rewards
+    from .workloads import trl_spec
+
+    task = make_task(cfg.task)
+    rows = PromptSampler(task.train_rows, cfg.train.seed).next(cfg.train.prompts_per_step * cfg.train.steps)
+    directory = cfg.model.name
+    if directory.lower() == "tiny":
+        directory = model_dir("tiny", Path(tempfile.mkdtemp(prefix="hasten-bench-b8-tiny-")))
+    spec = trl_spec(cfg, rows, build_rewards(cfg, task), directory, False, cfg.train.steps)
+    spec["config"]["generation_kwargs"] = {"min_new_tokens": length}  # EOS cannot end a row
+    if cfg.model.lora:
+        spec["lora"] = {"r": cfg.model.lora_r, "lora_alpha": cfg.model.lora_alpha,
+                        "lora_dropout": cfg.model.lora_dropout, "target_modules": list(cfg.model.lora_target_modules)}
+    return spec
+
+
+def cell_rows(cell: Cell, cfg, shape: cost.Shape, opts) -> list[Row]:
+    """The cell as a report row (s/step, its phases' work for the limit column); none when skipped."""
+    from .workloads import step_work
+
+    if cell.skipped:
+        return []
+    measured = cell.steps[1:] or cell.steps
+    summary = cell.summary()
+    size = ModelSize(shape.body, shape.head)
+    name = f"{cell.side} {cell.model} L={cell.length}" + (" lora" if cell.mode == "lora" else "")
+    hasten = cell.side == "hasten"
+    precisions = (cfg.speed.generation_precision, cfg.speed.precision) if hasten else ("fp32", "fp32")
+    # The floor counts the completions' work alone (no prompt tokens, no KV read of the prompt): a lower bound
+    phases = [step_work(size, shape, 0.0, step["completion_tokens"], cell.length, 0.0, precisions, cfg.model.lora)
+              for step in measured]
+    return [Row(name, "hasten" if cell.side == "hasten" else "peer", "s/step", [s["seconds"] for s in measured],
+                phases=phases, baseline=None if cell.side == "hasten" else name.replace("trl ", "hasten ", 1),
+                extra={"generate": summary["generate_s"], "learn": summary["learn_s"],  # medians: the phase limits
+                       "tokens_per_s": summary["tokens_per_s"], "peak_rss_mib": summary["peak_rss_mib"],
+                       "mode": cell.mode})]
+
+
+def plot_grid(grid: list[dict[str, Any]], target: Path) -> Path:
+    """s/step against completion length, one panel per model, a line per side (skipped cells left out)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    models = list(dict.fromkeys(cell["model"] for cell in grid))
+    figure = Figure(figsize=(4.5 * max(len(models), 1), 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    for index, model in enumerate(models):
+        axes = figure.add_subplot(1, max(len(models), 1), index + 1)
+        for side, color in (("hasten", "tab:blue"), ("trl", "tab:orange")):
+            points = [(c["length"], c["s_per_step"]) for c in grid if c["model"] == model and c["side"] == side
+                      and "s_per_step" in c]
+            if points:
+                axes.plot(*zip(*points), marker="o", color=color, label=side)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize="small")
+        mode = next((c["mode"] for c in grid if c["model"] == model), "")
+        axes.set_xscale("log", base=2)
+        lengths = sorted({c["length"] for c in grid if c["model"] == model})
+        axes.set_xticks(lengths, [str(length) for length in lengths])
+        axes.set_title(f"{model} ({mode})")
+        axes.set_xlabel("completion length (new tokens)")
+        axes.set_ylabel("s/step")
+        axes.grid(alpha=0.3)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, format="png", dpi=100)
+    return target
+
+
+# ------------------------------------------------------------------ running a side
+
+
+class Watchdog:
+    """Kills `process` when a step takes longer than `cap` seconds; `fired` says it did."""
+
+    def __init__(self, process: subprocess.Popen, cap: float):
+        self.process, self.cap, self.fired, self.timer = process, cap, False, None
+
+    def arm(self) -> None:
+        self.disarm()
+        self.timer = threading.Timer(self.cap, self._kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _kill(self) -> None:
+        self.fired = True
+        self.process.kill()
+
+
+def run_hasten_cell(spec: dict[str, Any], cap: float) -> list[dict[str, Any]]:
+    """hasten's side in a fresh process (this module's worker); its step records, or RuntimeError(why)."""
+    from ..kernels.allocator import loaded
+    from .peers import PREFIX, peer_env
+
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        process = subprocess.Popen([sys.executable, "-m", "hasten.bench.scaling", "hasten"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=errors, text=True, env=peer_env(loaded()))  # the allocator this bench runs on
+        watchdog, steps = Watchdog(process, cap), []
+        process.stdin.write(json.dumps(spec) + "\n")
+        process.stdin.close()
+        watchdog.arm()  # building counts against the cap too: a cell that cannot start in it says so
+        try:
+            for line in process.stdout:
+                if line.startswith(PREFIX):
+                    steps.append(json.loads(line[len(PREFIX):]))
+                    watchdog.arm()
+        finally:
+            watchdog.disarm()
+            process.wait()
+        if watchdog.fired:
+            raise RuntimeError(f"a step ran past the {cap:.0f} s cap (killed)")
+        if process.returncode != 0:
+            errors.seek(0)
+            tail = [line for line in errors.read().splitlines() if line.strip()][-2:]
+            raise RuntimeError(f"exited with code {process.returncode}: {' | '.join(tail)}")
+    return steps
+
+
+def run_trl_cell(spec: dict[str, Any], steps: int, cap: float) -> list[dict[str, Any]]:
+    """TRL's side in a fresh gated process (peers.TrlProcess), one step per `go`, under the same cap."""
+    from .peers import PeerError, TrlProcess
+
+    worker = TrlProcess("trl", spec)
+    watchdog, records = Watchdog(worker.process, cap), []
+    try:
+        for _ in range(steps):
+            watchdog.arm()
+            try:
+                message = worker.step()
+            except PeerError as error:
+                raise RuntimeError(f"a step ran past the {cap:.0f} s cap (killed)" if watchdog.fired
+                                   else str(error)) from None
+            finally:
+                watchdog.disarm()
+            records.append({"seconds": message["seconds"], "generate": message.get("generate", float("nan")),
+                            "learn": message.get("learn", float("nan")),
+                            "completion_tokens": message["completion_tokens"],
+                            "num_samples": message["num_samples"], "peak_rss_mib": message["peak_rss_mib"]})
+    finally:
+        worker.close()
+    return records
+
+
+class WithoutEos:
+    """The policy as the engine factory sees it, with no EOS ids: nothing ends a row early (the pad id kept)."""
+
+    eos_token_ids: list[int] = []
+
+    def __init__(self, policy):
+        self.policy, self.pad_token_id = policy, policy.pad_token_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+def hasten_worker(spec: dict[str, Any]) -> None:
+    """The child: B1's step on the cell's config, EOS unable to end a row; a JSON line per step."""
+    from ..config import load_config
+    from ..rollout.factory import make_engine
+    from ..train.feeder import make_feeder
+    from ..train.learner import Learner
+    from ..train.trainer import grpo_step, prepare
+    from .machine import peak_rss_mib
+    from .peers import _emit
+
+    cfg = load_config(spec["config"], [tuple(pair) for pair in spec["overrides"]])
+    session = prepare(cfg, log=lambda text: None)
+    session.engine = make_engine(cfg, WithoutEos(session.policy), log=lambda text: None)  # fixed new tokens
+    learner = Learner.from_config(session.policy, cfg, None)
+    feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            record = grpo_step(session, learner, feeder, step)
+            samples = cfg.train.prompts_per_step * cfg.generation.num_generations
+            _emit({"seconds": record["time/step"], "generate": record["time/generate"], "learn": record["time/learn"],
+                   "completion_tokens": record["completion_length"] * samples, "num_samples": samples,
+                   "peak_rss_mib": peak_rss_mib()})
+    finally:
+        feeder.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["hasten"]:
+        sys.exit("usage: python -m hasten.bench.scaling hasten   (started by `hasten bench --workloads B8`)")
+    hasten_worker(json.loads(sys.stdin.readline()))

@@ -1,0 +1,117 @@
+"""B8, the scaling grid (bench/scaling.py): its cells, its reasons for a missing number, its outputs.
+
+Tiny configurations only (the tiny Llama and a tiny Qwen2 shape built the way
+the 0.5B/1.5B shapes are, lengths 4 and 8): what is checked is that every
+cell runs in its own process to a fixed number of new tokens, that a cell a
+side cannot run says why, and that --report writes the page, the JSON and
+the plot. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from hasten.bench import cost, main
+from hasten.bench.scaling import SHAPES, choose_mode, memory_estimate
+
+trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL side: needs `trl` (hasten[bench])")
+
+
+def run(capsys, *argv: str) -> tuple[str, dict]:
+    code = main(["--quick", "--workloads", "B8", *argv])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.strip().splitlines()
+    return "\n".join(lines[:-1]), json.loads(lines[-1])
+
+
+def test_quick_grid_runs_every_cell_to_the_fixed_length_and_writes_the_report(capsys, tmp_path):
+    table, payload = run(capsys, "--peers", "none", "--b8-steps", "2", "--report", str(tmp_path / "page"))
+    b8 = payload["workloads"]["B8"]
+    grid = b8["settings"]["grid"]
+    assert [(c["model"], c["length"], c["side"]) for c in grid] == [
+        ("tiny", 4, "hasten"), ("tiny", 8, "hasten"), ("qwen-tiny", 4, "hasten"), ("qwen-tiny", 8, "hasten")]
+    samples = 2 * 4  # --quick: 2 prompts x 4 generations
+    for cell in grid:
+        assert "skipped" not in cell and cell["mode"] == "full" and cell["steps"] == 2
+        # EOS cannot end a row: every sample generated exactly `length` tokens
+        assert cell["tokens_per_s"] * cell["s_per_step"] == pytest.approx(samples * cell["length"])
+        assert cell["peak_rss_mib"] > 0 and cell["generate_s"] > 0 and cell["learn_s"] > 0
+    rows = {row["name"]: row for row in b8["rows"]}
+    assert set(rows) == {"hasten tiny L=4", "hasten tiny L=8", "hasten qwen-tiny L=4", "hasten qwen-tiny L=8"}
+    assert all(set(row["phase_limits"]) == {"generate", "learn"} for row in rows.values())
+    assert b8["settings"]["qwen-tiny"]["random_weights"] is True
+    assert b8["settings"]["qwen-tiny"]["shape"]["attention_bias"] is True  # a Qwen2 model, built locally
+    page = tmp_path / "page"
+    assert (page / "b8-scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((page / "results.json").read_text()) == payload
+    markdown = (page / "results.md").read_text()
+    assert "hasten tiny L=8" in markdown and "![b8-scaling.png](b8-scaling.png)" in markdown
+    assert "B8       hasten qwen-tiny L=8" in table
+
+
+def test_a_cell_over_the_memory_budget_or_the_step_cap_says_why(capsys):
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4",
+                     "--b8-memory-gib", "0.000001")
+    (cell,) = payload["workloads"]["B8"]["settings"]["grid"]
+    assert cell["skipped"].startswith("out of memory by estimate") and "s_per_step" not in cell
+    assert payload["workloads"]["B8"]["rows"] == []
+    assert any("no number: out of memory" in note for note in payload["workloads"]["B8"]["notes"])
+
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-step-cap", "0.01")
+    (cell,) = payload["workloads"]["B8"]["settings"]["grid"]
+    assert cell["skipped"] == "a step ran past the 0 s cap (killed)"
+
+
+@trl
+def test_quick_grid_against_trl_generates_the_same_tokens(capsys):
+    _, payload = run(capsys, "--peers", "trl", "--b8-models", "tiny", "--b8-lengths", "6", "--b8-steps", "2")
+    hasten, peer = payload["workloads"]["B8"]["settings"]["grid"]
+    assert (hasten["side"], peer["side"]) == ("hasten", "trl") and "skipped" not in peer
+    for cell in (hasten, peer):
+        assert cell["tokens_per_s"] * cell["s_per_step"] == pytest.approx(8 * 6)  # min_new_tokens on TRL's side
+        assert cell["peak_rss_mib"] > 0
+    (row,) = [row for row in payload["workloads"]["B8"]["rows"] if row["side"] == "peer"]
+    assert row["baseline"] == "hasten tiny L=6" and row["ratio"] is not None
+
+
+def test_full_fine_tune_where_it_fits_lora_otherwise():
+    from transformers import LlamaConfig, Qwen2Config
+
+    from hasten.config import load_config
+
+    cfg = load_config(None, [("generation.max_new_tokens", 256)])  # B1's 4 x 8 samples
+    small = cost.Shape.from_config(LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                               num_key_value_heads=3, intermediate_size=1536, vocab_size=49152))
+    large = cost.Shape.from_config(Qwen2Config(**SHAPES["qwen2.5-1.5b"]))
+    assert choose_mode(small, cfg, budget_gib=24)[0] is False
+    lora, why = choose_mode(large, cfg, budget_gib=24)
+    assert lora is True and why.startswith("LoRA r=16 (full fine-tune estimate")
+    # the estimate: AdamW + gradients are 3x the weights on top of them; TRL repeats the prompt per sample
+    # and keeps every completion token's logits, hasten chunks them
+    hasten, peer = memory_estimate(large, cfg, "hasten"), memory_estimate(large, cfg, "trl")
+    assert hasten["model"] == 4 * 4 * large.parameters()
+    assert peer["logits"] > hasten["logits"] and peer["activations"] > hasten["activations"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workloads", "B8", "--b8-models", "gpt5"], "--b8-models: unknown model gpt5"),
+    (["--workloads", "B8", "--b8-lengths", "0"], "--b8-lengths needs integers >= 1"),
+    (["--workloads", "B8", "--b8-lengths", "a"], "--b8-lengths must be a comma list of integers"),
+    (["--workloads", "B8", "--b8-step-cap", "0"], "--b8-step-cap and --b8-memory-gib > 0"),
+])
+def test_bad_b8_arguments_are_one_line_errors(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_report_refuses_a_file_in_the_way(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert main(["--workloads", "B8", "--report", str(tmp_path / "f")]) == 2
+    assert "--report" in capsys.readouterr().err
+    assert Path(tmp_path / "f").read_text() == "x"
