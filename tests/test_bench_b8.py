@@ -64,7 +64,7 @@ def test_a_cell_over_the_memory_budget_or_the_step_cap_says_why(capsys):
 
     _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-step-cap", "0.01")
     (cell,) = payload["workloads"]["B8"]["settings"]["grid"]
-    assert cell["skipped"] == "a step ran past the 0 s cap (killed)"
+    assert cell["skipped"] == "a step ran past the 0.01 s cap (killed)"
 
 
 @trl

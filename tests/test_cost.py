@@ -14,7 +14,15 @@ import torch
 
 from hasten.bench import cost
 from hasten.bench.machine import best_rates, memory_bandwidth
-from hasten.bench.report import Result, Row, Work, format_table, limit, mfu, phase_limits
+from hasten.bench.report import (
+    Result,
+    Row,
+    Work,
+    format_table,
+    limit,
+    mfu,
+    phase_limits,
+)
 
 TOY = cost.Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
 

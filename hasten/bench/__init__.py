@@ -70,7 +70,7 @@ class BenchError(UserError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hasten bench",
-        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B6).",
+        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B8).",
         epilog="Prints a table, the settings of both sides, then one JSON line last.",
     )
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
@@ -163,7 +163,12 @@ def _options(args) -> Any:
     except ValueError as error:
         raise BenchError(f"bench error: --contention: {error}") from None
     b5 = _b5_options(args) if "B5" in workloads else None
-    b8 = _b8_options(args) if "B8" in workloads else None
+    if "B8" in workloads:
+        from .scaling import parse_options
+
+        b8 = parse_options(args, BenchError)
+    else:
+        b8 = None
     report = Path(args.report) if args.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise BenchError(f"bench error: --report '{report}' exists and is not a directory")
@@ -179,35 +184,6 @@ def _options(args) -> Any:
                         contention=contention, b5=b5, trl_bf16=args.trl_bf16, speculative=speculative,
                         speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes, b8=b8,
                         report=report)
-
-
-def _integers(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise BenchError(f"bench error: {option} must be a comma list of integers (got '{text}')") from None
-    if not values or any(value < 1 for value in values):
-        raise BenchError(f"bench error: {option} needs integers >= 1 (got '{text}')")
-    return values
-
-
-def _b8_options(args) -> Any:
-    from .scaling import MODELS, SHAPES, B8Options
-
-    lengths = _integers(args.b8_lengths or ("4,8" if args.quick else "64,256,1024"), "--b8-lengths")
-    known = (*MODELS, *SHAPES, "tiny")
-    models = tuple(dict.fromkeys(name.strip().lower() for name in
-                                 (args.b8_models or ("tiny,qwen-tiny" if args.quick else ",".join(MODELS))).split(",")
-                                 if name.strip()))
-    unknown = [name for name in models if name not in known]
-    if unknown or not models:
-        raise BenchError(f"bench error: --b8-models: unknown model {', '.join(unknown) or '(none)'} "
-                         f"(available: {', '.join(dict.fromkeys(known))})")
-    if args.b8_steps < 1 or args.b8_step_cap <= 0 or (args.b8_memory_gib is not None and args.b8_memory_gib <= 0):
-        raise BenchError(f"bench error: --b8-steps must be >= 1, --b8-step-cap and --b8-memory-gib > 0 "
-                         f"(got {args.b8_steps}, {args.b8_step_cap:g}, {args.b8_memory_gib})")
-    return B8Options(lengths=tuple(sorted(set(lengths))), models=models, steps=args.b8_steps,
-                     step_cap=args.b8_step_cap, memory_gib=args.b8_memory_gib)
 
 
 def _b5_options(args) -> Any:

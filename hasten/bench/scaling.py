@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +162,34 @@ def choose_mode(shape: cost.Shape, cfg, budget_gib: float) -> tuple[bool, str]:
     if full <= budget_gib:
         return False, f"full fine-tune (estimate {full:.1f} GiB <= budget {budget_gib:.1f})"
     return True, f"LoRA r={cfg.model.lora_r} (full fine-tune estimate {full:.1f} GiB > budget {budget_gib:.1f})"
+
+
+def _integers(text: str, option: str, error: type[Exception]) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise error(f"bench error: {option} must be a comma list of integers (got '{text}')") from None
+    if not values or any(value < 1 for value in values):
+        raise error(f"bench error: {option} needs integers >= 1 (got '{text}')")
+    return values
+
+
+def parse_options(args, error: type[Exception]) -> B8Options:
+    """The --b8-* arguments of `hasten bench`; a bad one raises `error` (BenchError) with a one-line message."""
+    lengths = _integers(args.b8_lengths or ("4,8" if args.quick else "64,256,1024"), "--b8-lengths", error)
+    known = (*MODELS, *SHAPES, "tiny")
+    models = tuple(dict.fromkeys(name.strip().lower() for name in
+                                 (args.b8_models or ("tiny,qwen-tiny" if args.quick else ",".join(MODELS))).split(",")
+                                 if name.strip()))
+    unknown = [name for name in models if name not in known]
+    if unknown or not models:
+        raise error(f"bench error: --b8-models: unknown model {', '.join(unknown) or '(none)'} "
+                         f"(available: {', '.join(dict.fromkeys(known))})")
+    if args.b8_steps < 1 or args.b8_step_cap <= 0 or (args.b8_memory_gib is not None and args.b8_memory_gib <= 0):
+        raise error(f"bench error: --b8-steps must be >= 1, --b8-step-cap and --b8-memory-gib > 0 "
+                         f"(got {args.b8_steps}, {args.b8_step_cap:g}, {args.b8_memory_gib})")
+    return B8Options(lengths=tuple(sorted(set(lengths))), models=models, steps=args.b8_steps,
+                     step_cap=args.b8_step_cap, memory_gib=args.b8_memory_gib)
 
 
 # ------------------------------------------------------------------ the grid
@@ -369,7 +396,7 @@ def run_hasten_cell(spec: dict[str, Any], cap: float) -> list[dict[str, Any]]:
             watchdog.disarm()
             process.wait()
         if watchdog.fired:
-            raise RuntimeError(f"a step ran past the {cap:.0f} s cap (killed)")
+            raise RuntimeError(f"a step ran past the {cap:g} s cap (killed)")
         if process.returncode != 0:
             errors.seek(0)
             tail = [line for line in errors.read().splitlines() if line.strip()][-2:]
@@ -389,7 +416,7 @@ def run_trl_cell(spec: dict[str, Any], steps: int, cap: float) -> list[dict[str,
             try:
                 message = worker.step()
             except PeerError as error:
-                raise RuntimeError(f"a step ran past the {cap:.0f} s cap (killed)" if watchdog.fired
+                raise RuntimeError(f"a step ran past the {cap:g} s cap (killed)" if watchdog.fired
                                    else str(error)) from None
             finally:
                 watchdog.disarm()
@@ -405,10 +432,12 @@ def run_trl_cell(spec: dict[str, Any], steps: int, cap: float) -> list[dict[str,
 class WithoutEos:
     """The policy as the engine factory sees it, with no EOS ids: nothing ends a row early (the pad id kept)."""
 
-    eos_token_ids: list[int] = []
-
     def __init__(self, policy):
         self.policy, self.pad_token_id = policy, policy.pad_token_id
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.policy, name)
