@@ -115,3 +115,34 @@ def test_report_refuses_a_file_in_the_way(capsys, tmp_path):
     assert main(["--workloads", "B8", "--report", str(tmp_path / "f")]) == 2
     assert "--report" in capsys.readouterr().err
     assert Path(tmp_path / "f").read_text() == "x"
+
+
+def test_a_model_whose_full_fine_tune_does_not_fit_trains_lora(capsys, tmp_path):
+    from hasten.bench.scaling import GIB, cell_config, model_config, model_dir
+    from hasten.bench.workloads import BenchOptions
+
+    opts = BenchOptions(workloads=["B8"], peers=[], model="tiny", quick=True)
+    shape = cost.Shape.from_config(model_config(model_dir("tiny", tmp_path)))
+    full = memory_estimate(shape, cell_config(opts, "tiny", 4, False, 2), "hasten")["total"]
+    lora = memory_estimate(shape, cell_config(opts, "tiny", 4, True, 2), "hasten")["total"]
+    assert lora < full
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-steps", "2",
+                     "--b8-memory-gib", str((lora + full) / 2 / GIB))
+    b8 = payload["workloads"]["B8"]
+    assert b8["settings"]["tiny"]["mode"].startswith("LoRA r=16 (full fine-tune estimate")
+    (cell,) = b8["settings"]["grid"]
+    assert cell["mode"] == "lora" and "skipped" not in cell and cell["steps"] == 2
+    assert [row["name"] for row in b8["rows"]] == ["hasten tiny L=4 lora"]
+
+
+@trl
+def test_trl_side_trains_lora_with_hastens_adapter_settings_to_the_fixed_length():
+    from hasten.bench.scaling import cell_config, run_trl_cell, trl_cell_spec
+    from hasten.bench.workloads import BenchOptions
+
+    cfg = cell_config(BenchOptions(workloads=["B8"], peers=["trl"], model="tiny", quick=True), "tiny", 5, True, 2)
+    spec = trl_cell_spec(cfg, 5)
+    assert spec["lora"]["r"] == cfg.model.lora_r and spec["config"]["generation_kwargs"] == {"min_new_tokens": 5}
+    records = run_trl_cell(spec, steps=2, cap=300)
+    assert [record["completion_tokens"] for record in records] == [8 * 5, 8 * 5]
+    assert all(record["generate"] > 0 and record["peak_rss_mib"] > 0 for record in records)
