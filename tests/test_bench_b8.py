@@ -146,3 +146,27 @@ def test_trl_side_trains_lora_with_hastens_adapter_settings_to_the_fixed_length(
     records = run_trl_cell(spec, steps=2, cap=300)
     assert [record["completion_tokens"] for record in records] == [8 * 5, 8 * 5]
     assert all(record["generate"] > 0 and record["peak_rss_mib"] > 0 for record in records)
+
+
+def test_activation_checkpointing_is_chosen_for_a_cell_only_where_it_is_needed(capsys, tmp_path):
+    from hasten.bench.scaling import (
+        GIB,
+        cell_config,
+        model_config,
+        model_dir,
+        with_checkpointing,
+    )
+    from hasten.bench.workloads import BenchOptions
+
+    opts = BenchOptions(workloads=["B8"], peers=[], model="tiny", quick=True)
+    shape = cost.Shape.from_config(model_config(model_dir("tiny", tmp_path)))
+    short, long = (cell_config(opts, "tiny", length, False, 2) for length in (4, 32))
+    plain = memory_estimate(shape, long, "hasten")["total"]
+    lean = memory_estimate(shape, with_checkpointing(long), "hasten")["total"]
+    assert lean < plain and memory_estimate(shape, short, "hasten")["total"] < lean
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4,32", "--b8-steps", "2",
+                     "--b8-memory-gib", str((lean + plain) / 2 / GIB))
+    grid = payload["workloads"]["B8"]["settings"]["grid"]
+    assert [(cell["length"], cell["mode"]) for cell in grid] == [(4, "full"), (32, "full+gc")]
+    assert all("skipped" not in cell for cell in grid)
+    assert grid[1]["tokens_per_s"] * grid[1]["s_per_step"] == pytest.approx(8 * 32)

@@ -208,14 +208,16 @@ def predict_step(shape: Shape, limits: Limits, gpus: int, samples: int, prompt_t
 
 
 def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens: int, completion_tokens: int,
-                          lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0) -> dict[str, float]:
-    """An estimate (fp32, no activation checkpointing) of a GRPO step's resident memory, by part.
+                          lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0,
+                          checkpointing: bool = False) -> dict[str, float]:
+    """An estimate (fp32) of a GRPO step's resident memory, by part.
 
     - model: every parameter once (tied head: one matrix); full fine-tune adds its gradient and AdamW's
       two moments (4 x the parameters in all); LoRA adds nothing that counts (< 1%);
     - activations kept for the backward, per token and layer: ~10 hidden-wide tensors (norm inputs and
       outputs, q, attention output, o projection, residuals) + 4 intermediate-wide (gate, up, their
-      product, the activation) + k and v;
+      product, the activation) + k and v; with activation checkpointing, each layer's input alone
+      (one hidden-wide tensor per token and layer) plus one layer's full set while it is recomputed;
     - logits: the log-softmax over the vocabulary kept for the backward, three (tokens, vocab) tensors
       (logits, log-probs, their gradient) for every completion token, or for `logits_chunk` tokens at a
       time where the pass chunks them (hasten's speed.logit_chunk_tokens);
@@ -226,7 +228,8 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     model = parameters * (1 if lora else 4)
     prompts = samples if prompt_per_sample else samples // max(group, 1)
     tokens = prompts * prompt_tokens + samples * completion_tokens
-    per_token = shape.layers * (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
+    per_layer = (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
+    per_token = (shape.layers * shape.hidden * 4 + per_layer) if checkpointing else shape.layers * per_layer
     logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
     parts = {"model": float(model), "activations": float(tokens * per_token),
              "logits": float(3 * logit_tokens * shape.vocab * 4),

@@ -12,6 +12,8 @@ as B1 is): the peak resident memory of a side is a result here, and two
 1.5B-parameter trainers side by side would measure each other. Each process
 reports its own peak RSS (getrusage of itself) after every step.
 
+Activation checkpointing is chosen per cell and side: on only where the
+estimate without it exceeds the budget and with it does not (mode "full+gc").
 Full fine-tune or LoRA is decided once per model, from cost.training_memory_bytes
 at the shortest length asked for, against the memory budget (--b8-memory-gib,
 default: what the machine has available at the start): both sides train the
@@ -150,7 +152,15 @@ def memory_estimate(shape: cost.Shape, cfg, side: str) -> dict[str, float]:
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
     return cost.training_memory_bytes(
         shape, samples, cfg.generation.num_generations, PROMPT_TOKENS, cfg.generation.max_new_tokens, cfg.model.lora,
-        prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0)
+        prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0,
+        checkpointing=cfg.speed.gradient_checkpointing)
+
+
+def with_checkpointing(cfg):
+    """The cell's config with activation checkpointing on (speed.gradient_checkpointing; TRL's own switch)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, speed=dataclasses.replace(cfg.speed, gradient_checkpointing=True))
 
 
 PROMPT_TOKENS = 48  # B1's chat prompts are ~40-50 tokens (SmolLM2's tokenizer): the estimate's prompt length
@@ -253,11 +263,18 @@ def model_config(directory: str):
 
 def run_cell(opts, b8: B8Options, cfg, shape: cost.Shape, model: str, length: int, side: str,
              budget: float) -> Cell:
-    """One side of one cell: its memory estimate first (over the budget: no run), then its process."""
+    """One side of one cell: its memory estimate first, then its process. Activation checkpointing is
+    chosen per cell and side, where it pays: only when the estimate without it exceeds the budget and
+    the estimate with it does not (it costs ~a third more compute). Over the budget either way: no run."""
     estimate = memory_estimate(shape, cfg, side)["total"] / GIB
-    cell = Cell(model, length, side, "lora" if cfg.model.lora else "full", estimate_gib=estimate)
+    lean = memory_estimate(shape, with_checkpointing(cfg), side)["total"] / GIB
+    if estimate > budget and not cfg.speed.gradient_checkpointing:
+        cfg, estimate = (with_checkpointing(cfg), lean) if lean <= budget else (cfg, estimate)
+    mode = ("lora" if cfg.model.lora else "full") + ("+gc" if cfg.speed.gradient_checkpointing else "")
+    cell = Cell(model, length, side, mode, estimate_gib=estimate)
     if estimate > budget:
-        cell.skipped = f"out of memory by estimate: {estimate:.1f} GiB > budget {budget:.1f} GiB"
+        cell.skipped = (f"out of memory by estimate: {estimate:.1f} GiB > budget {budget:.1f} GiB "
+                        f"({lean:.1f} GiB with activation checkpointing)")
         return cell
     try:
         if side == "hasten":
@@ -275,12 +292,14 @@ def run_cell(opts, b8: B8Options, cfg, shape: cost.Shape, model: str, length: in
 def cell_overrides(cfg) -> list[tuple[str, Any]]:
     return [("model.name", cfg.model.name), ("generation.max_new_tokens", cfg.generation.max_new_tokens),
             ("model.lora", cfg.model.lora), ("train.steps", cfg.train.steps),
+            ("speed.gradient_checkpointing", cfg.speed.gradient_checkpointing),
             ("train.prompts_per_step", cfg.train.prompts_per_step),
             ("generation.num_generations", cfg.generation.num_generations)]
 
 
 def trl_cell_spec(cfg, length: int) -> dict[str, Any]:
-    """B1's TRL spec (gc off: its CPU best) on the cell's model, min_new_tokens = length, LoRA as hasten's."""
+    """B1's TRL spec on the cell's model (gc off, its CPU best, unless the cell needs it), min_new_tokens =
+    length, LoRA as hasten's."""
     from ..tasks import make_task
     from ..tasks.sampler import PromptSampler
     from ..train.trainer import build_rewards
@@ -291,7 +310,7 @@ def trl_cell_spec(cfg, length: int) -> dict[str, Any]:
     directory = cfg.model.name
     if directory.lower() == "tiny":
         directory = model_dir("tiny", Path(tempfile.mkdtemp(prefix="hasten-bench-b8-tiny-")))
-    spec = trl_spec(cfg, rows, build_rewards(cfg, task), directory, False, cfg.train.steps)
+    spec = trl_spec(cfg, rows, build_rewards(cfg, task), directory, cfg.speed.gradient_checkpointing, cfg.train.steps)
     spec["config"]["generation_kwargs"] = {"min_new_tokens": length}  # EOS cannot end a row
     if cfg.model.lora:
         spec["lora"] = {"r": cfg.model.lora_r, "lora_alpha": cfg.model.lora_alpha,
@@ -308,7 +327,7 @@ def cell_rows(cell: Cell, cfg, shape: cost.Shape, opts) -> list[Row]:
     measured = cell.steps[1:] or cell.steps
     summary = cell.summary()
     size = ModelSize(shape.body, shape.head)
-    name = f"{cell.side} {cell.model} L={cell.length}" + (" lora" if cell.mode == "lora" else "")
+    name = f"{cell.side} {cell.model} L={cell.length}" + (" lora" if cell.mode.startswith("lora") else "")
     hasten = cell.side == "hasten"
     precisions = (cfg.speed.generation_precision, cfg.speed.precision) if hasten else ("fp32", "fp32")
     # The floor counts the completions' work alone (no prompt tokens, no KV read of the prompt): a lower bound
