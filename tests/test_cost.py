@@ -129,3 +129,13 @@ def test_memory_probe_reports_each_kernel_and_the_best():
     assert set(figures) == {"read", "copy", "triad", "best"}
     assert figures["best"] == max(figures["read"], figures["copy"], figures["triad"])
     assert torch.get_num_threads() >= 1
+
+
+def test_b8_qwen_shapes_have_the_published_parameter_counts():
+    from transformers import Qwen2Config
+
+    from hasten.bench.scaling import QWEN_COMMON, SHAPES
+
+    counts = {name: cost.Shape.from_config(Qwen2Config(**SHAPES[name], **QWEN_COMMON)).parameters(tied=True)
+              for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+    assert counts == {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}  # 0.49B and 1.54B

@@ -17,7 +17,9 @@ construction, B5 time to accuracy against TRL (b5.py, not in the default
 set: it trains for --b5-minutes per side). Runs of hasten and its peer alternate (A B A B) and every ratio
 is a median over such pairs, because the machines are shared and noisy; the
 fp32 matmul peak is measured in the same run (start and end, the better one
-kept) so MFU means something here. Output: a table, the exact settings of
+kept), with the rates at the model's shapes and the memory bandwidth, so the
+`limit` column (fraction of the hardware limit, bench/cost.py and
+docs/cost-model.md) means something here. Output: a table, the exact settings of
 both sides, then one JSON line, last.
 
 --contention 0,1 measures with 0, then 1 busy neighbour process

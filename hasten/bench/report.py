@@ -1,4 +1,4 @@
-"""Records and output of `hasten bench`: measured rows, ratios, MFU, the table and the JSON line.
+"""Records and output of `hasten bench`: measured rows, ratios, limits and MFU, the table and the JSON line.
 
 A `Row` is one engine or peer on one workload: its wall-clock seconds per
 measured run, in the order they were taken. Rows of one workload are measured

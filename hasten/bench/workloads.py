@@ -13,8 +13,8 @@ B4  startup, each in a fresh process: `hasten --help`; launch to the end of
     Learner against TRL import + GRPOTrainer construction. B4 measures the
     command line itself, so it lives next to `main` in __init__.py.
 
-Every row carries the model FLOPs of each run for MFU; what counts is
-defined in report.py.
+Every row carries the model work of each run (FLOPs, and bytes per phase) for the
+`limit` column; what counts is defined in report.py and cost.py.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 "peak_rss_mib": round(level_records[-1]["memory/peak_mib"]),  # the bench process, so far
                 "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
                 "completion_length": statistics.mean(r["completion_length"] for r in level_records),
-                # speed.skip_zero_advantage: samples with no gradient left out of the pass (MFU counts them all)
+                # speed.skip_zero_advantage: samples with no gradient left out of the pass (the limit counts them all)
                 "skipped_samples": statistics.mean(r.get("learn/skipped_samples", 0.0)
                                                    for r in level_records[measured]),
                 **load,
@@ -330,7 +330,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         f"{'2' if rounds > 1 else '1'}..{rounds}; both sides get the same prompt rows; "
                         "samples differ (different random streams), so completion lengths differ a little")
     if any(r.get("learn/skipped_samples", 0.0) for level in levels for r in records[level]):
-        result.notes.append("MFU counts the model FLOPs of every sample; hasten's learning pass left out the "
+        result.notes.append("the limit counts the model FLOPs of every sample; hasten's learning pass left out the "
                             "samples that cannot have a gradient (skipped_samples, speed.skip_zero_advantage), "
                             "TRL's ran them")
     return result
@@ -495,7 +495,7 @@ def run_b2_batches(side: HastenSide, opts: BenchOptions) -> Result:
 
     `sampled b=N`: N rows, groups of min(8, N) samples, B2's sampling, EOS ignored.
     `greedy b=N`: N prompts x 1, greedy, EOS ends a row (as the held-out eval runs).
-    FLOPs per token do not count the drafts or the rejected positions: MFU is the useful work.
+    FLOPs per token do not count the drafts or the rejected positions: the limit counts the useful work.
     """
     from ..rollout import SamplingParams
     from ..rollout.lean import LeanEngine
