@@ -206,10 +206,12 @@ def predict_step(shape: Shape, limits: Limits, gpus: int, samples: int, prompt_t
 
 # ------------------------------------------------------------------ memory (B8's full-or-LoRA choice and OOM estimate)
 
+RUNTIME_BYTES = 512 * 1024**2  # a Python process with torch and transformers imported, before any model
+
 
 def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens: int, completion_tokens: int,
                           lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0,
-                          checkpointing: bool = False) -> dict[str, float]:
+                          checkpointing: bool = False, weight_copy: bool = False) -> dict[str, float]:
     """An estimate (fp32) of a GRPO step's resident memory, by part.
 
     - model: every parameter once (tied head: one matrix); full fine-tune adds its gradient and AdamW's
@@ -221,7 +223,9 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     - logits: the log-softmax over the vocabulary kept for the backward, three (tokens, vocab) tensors
       (logits, log-probs, their gradient) for every completion token, or for `logits_chunk` tokens at a
       time where the pass chunks them (hasten's speed.logit_chunk_tokens);
-    - KV cache of the decode: every row's positions.
+    - KV cache of the decode: every row's positions;
+    - runtime: the interpreter, torch and its libraries (~0.5 GiB), and with weight_copy a second copy of
+      the weights (hasten's lean engine samples from its own packed weights).
     prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
     """
     parameters = shape.parameters(tied=True) * 4
@@ -233,6 +237,7 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
     parts = {"model": float(model), "activations": float(tokens * per_token),
              "logits": float(3 * logit_tokens * shape.vocab * 4),
-             "kv_cache": float(samples * (prompt_tokens + completion_tokens) * kv_bytes_per_position(shape))}
+             "kv_cache": float(samples * (prompt_tokens + completion_tokens) * kv_bytes_per_position(shape)),
+             "runtime": float(RUNTIME_BYTES + (parameters if weight_copy else 0))}
     parts["total"] = sum(parts.values())
     return parts

@@ -153,7 +153,7 @@ def memory_estimate(shape: cost.Shape, cfg, side: str) -> dict[str, float]:
     return cost.training_memory_bytes(
         shape, samples, cfg.generation.num_generations, PROMPT_TOKENS, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0,
-        checkpointing=cfg.speed.gradient_checkpointing)
+        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten")
 
 
 def with_checkpointing(cfg):
@@ -240,7 +240,8 @@ def run_b8(opts) -> Result:
     if "trl" not in opts.peers:
         result.notes.append("trl not measured: not among --peers, or the `trl` package does not import here "
                             "(pip install 'hasten[bench]')")
-    result.notes.append(f"median over steps 2..{b8.steps} of each process (step 1 pays one-off allocation); "
+    steps = f"steps 2..{b8.steps}" if b8.steps > 1 else "step 1 (it pays one-off allocation: ask for --b8-steps 3)"
+    result.notes.append(f"median over {steps} of each process (step 1 pays one-off allocation); "
                         "sides run one after the other, not alternated: each one's peak RSS is its own; "
                         "TRL's generate = its model.generate() calls, its learn = the rest of the step")
     plot_dir = b8.plot_dir or Path(tempfile.mkdtemp(prefix="hasten-bench-b8-plot-"))
