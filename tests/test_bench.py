@@ -22,7 +22,7 @@ from hasten.bench import main
 from hasten.bench.report import Result, Row, mfu, pair_ratio, to_json
 
 slow = pytest.mark.skipif(not os.environ.get("HASTEN_SLOW"), reason="a benchmark run in extra processes; HASTEN_SLOW=1")
-ROW_KEYS = {"name", "side", "unit", "median", "min", "max", "seconds", "mfu"}
+ROW_KEYS = {"name", "side", "unit", "median", "min", "max", "seconds", "mfu", "limit", "phase_limits"}
 
 
 def run_bench(capsys, *argv: str) -> tuple[str, dict]:
