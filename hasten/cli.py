@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         else:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
-    commands.add_parser("bench", help="measure hasten against its peers (BENCH.md workloads)", add_help=False)
+    commands.add_parser("bench", help="measure hasten against its peers (docs/benchmarks.md workloads)", add_help=False)
     play = commands.add_parser("play", help="watch a trained game policy play (text frames, optional PNG strip)")
     play.add_argument("--task", default="fruit-catcher", choices=["fruit-catcher"], help="the game")
     play.add_argument("--checkpoint", required=True, help="a game run's checkpoint directory (or its policy.pt)")

@@ -10,7 +10,7 @@ compiled graphs) must not leak from one profile into the next, and peak
 memory is then the run's own. With --rounds R
 the whole profile sequence repeats R times (A B C D, A B C D, ...) and the
 speed-up is the median over rounds of baseline seconds / profile seconds, the
-pairing shared/BENCH.md asks for on a noisy shared machine.
+pairing docs/benchmarks.md asks for on a noisy shared machine.
 
 Per run: median step seconds over steps 2..N (step 1 pays one-off warm-up),
 mean training reward over all steps, held-out accuracy after the last step

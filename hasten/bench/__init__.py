@@ -10,7 +10,7 @@
     hasten bench ... --report DIR      (also write DIR/results.md, DIR/results.json and the PNGs)
     hasten bench --ablate [--steps N] [--rounds R]      (each speed feature off alone; ablate.py)
 
-The workloads and rules are shared/BENCH.md's: B1 one GRPO step against
+The workloads and rules are docs/benchmarks.md's: B1 one GRPO step against
 TRL's GRPOTrainer, B2 decode against transformers' generate (and vLLM), B3
 the learning pass packed against padded, B4 startup against TRL's import and
 construction, B5 time to accuracy against TRL (b5.py, not in the default
@@ -72,7 +72,7 @@ class BenchError(UserError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hasten bench",
-        description="Measure hasten against its peers side by side on this machine (shared/BENCH.md B1-B8).",
+        description="Measure hasten against its peers side by side on this machine (docs/benchmarks.md B1-B8).",
         epilog="Prints a table, the settings of both sides, then one JSON line last.",
     )
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),

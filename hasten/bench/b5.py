@@ -1,4 +1,4 @@
-"""B5 of shared/BENCH.md: time to accuracy, hasten against TRL's GRPOTrainer.
+"""B5 of docs/benchmarks.md: time to accuracy, hasten against TRL's GRPOTrainer.
 
     hasten bench --workloads B5 [--b5-config configs/demo.yaml] [--seeds 0,1,2] [--profiles balanced,...]
                  [--b5-minutes 15] [--b5-mark-minutes 1] [--b5-dir DIR] [--peers trl|none]

@@ -1,4 +1,4 @@
-"""The workloads of `hasten bench` (shared/BENCH.md B1-B4) and hasten's side of each.
+"""The workloads of `hasten bench` (docs/benchmarks.md B1-B4) and hasten's side of each.
 
 B1  one GRPO step with hasten's own prepare / Learner / grpo_step on
     configs/b1.yaml, alternated step by step with TRL processes (peers.py);

@@ -6,7 +6,7 @@ next; same records, seed, learning rate, epochs and batch size for all.
 With `--rounds N` the profiles run N times, in reverse order on odd
 rounds (A B C, C B A, ...), and each speed-up is the median over rounds of
 (plain's time / the profile's time in the same round): the machine is
-shared, so only ratios of neighbouring runs mean much (shared/BENCH.md).
+shared, so only ratios of neighbouring runs mean much (docs/benchmarks.md).
 Time is the optimizer steps only (no model load, no eval). Each profile's
 own checkpoint is then tested on the held-out questions: since profiles
 only change how the same training runs, their accuracies should agree up
