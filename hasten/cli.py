@@ -107,7 +107,7 @@ def _resume_config(args, extra):
 
 
 # main() was called with no argv: this is the `hasten` process itself, which `hasten train`, `bench`,
-# `sft` and `rft` may re-execute on another allocator (speed/allocator.py). False when called from Python.
+# `sft` and `rft` may re-execute on another allocator (kernels/allocator.py). False when called from Python.
 _PROCESS_ENTRY = False
 
 

@@ -149,19 +149,19 @@ class SpeedConfig:
     vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
     model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
-    allocator: str = "auto"  # auto (tcmalloc, else mimalloc, else glibc) | tcmalloc | mimalloc | glibc: the malloc (speed/allocator.py)
+    allocator: str = "auto"  # auto (tcmalloc, else mimalloc, else glibc) | tcmalloc | mimalloc | glibc: the malloc (kernels/allocator.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
-    grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (speed/grouped_attention.py)
-    shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (speed/shared_prefix.py)
-    skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (speed/zero_advantage.py)
+    grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (kernels/grouped_attention.py)
+    shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (kernels/shared_prefix.py)
+    skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (algo/zero_advantage.py)
     token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
-    fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (train/fast_linear.py)
+    fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (kernels/fast_linear.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine
     speculative_tokens: int = 4  # k: tokens drafted per verify forward (rollout/speculative.py)
     draft_model: str = "layers:8"  # speculative=draft: a model name/path with the policy's vocabulary, or layers:N (self-draft)
     ngram_size: int = 3  # speculative=ngram: longest suffix looked up in prompt + completion
-    # The keys below are hasten/speed/ (docs/speedups.md has one section per feature). The defaults
+    # Each key below maps to one module in hasten/features.py (docs/speedups.md: what each does). The defaults
     # equal the `conservative` profile (hasten/profiles.py): nothing here changes what is learned
     # unless its comment says so.
     min_pack_ratio: float = 0.0  # packed pass only when its rows are at least this full (real / slots); 0 = always
@@ -179,7 +179,7 @@ class SpeedConfig:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
     dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
     precision: str = "fp32"  # fp32 | bf16 | fp16 autocast in the learning pass (fp16 adds a GradScaler); changes numerics
-    attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (speed/precision.py)
+    attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune

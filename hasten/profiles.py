@@ -16,7 +16,7 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   (where the GPU has it), TF32 and torch.compile; on a CPU with
                   native bf16 (AVX512-BF16 or AMX): sampling in bf16
                   (speed.generation_precision, importance-weighted), measured
-                  to learn as fp32 sampling does on B5 (docs/speedups.md)
+                  to learn as fp32 sampling does on B5 (docs/results/speedups-notes.md)
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum
 
@@ -119,7 +119,7 @@ BALANCED: dict[str, Value] = {
     "speed.dynamic_sampling": True,
     "speed.dynamic_sampling_max_rounds": 1,
     # CPU: fp32. bf16 autocast measured 1.6x faster here (AVX512-BF16) but changes numerics and is
-    # slower on CPUs without native bf16; opt in with --speed.precision=bf16 (docs/speedups.md).
+    # slower on CPUs without native bf16; opt in with --speed.precision=bf16 (docs/results/speedups-notes.md).
     # A GPU without native bf16 (before Ampere) stays fp32 too: fp16 needs a loss scaler's care.
     "speed.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
     "speed.generation_precision": _bf16_sampling,

@@ -1,4 +1,4 @@
-"""speed/adamw.py: FusedAdamW is torch's fused AdamW update, bit for bit; Schedule is LambdaLR's lr."""
+"""kernels/adamw.py: FusedAdamW is torch's fused AdamW update, bit for bit; Schedule is LambdaLR's lr."""
 
 from __future__ import annotations
 

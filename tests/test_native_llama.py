@@ -218,7 +218,7 @@ print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if
 """
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    # Nor torch._dynamo (~1 s): torch.optim imports it on first use; speed/adamw.py does not.
+    # Nor torch._dynamo (~1 s): torch.optim imports it on first use; kernels/adamw.py does not.
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"code": 0, "transformers": [], "dynamo": False}
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

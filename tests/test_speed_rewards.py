@@ -1,4 +1,4 @@
-"""Reward pool, cache and gate (hasten/speed/): same scores as the plain runner, in order,
+"""Reward pool, cache and gate (hasten/rewards/): same scores as the plain runner, in order,
 errors naming the function and sample, and the gate skipping exactly the failing samples."""
 
 from __future__ import annotations

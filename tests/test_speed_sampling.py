@@ -1,5 +1,5 @@
 """Curriculum ordering, prefetch keeping the row stream exact, and dynamic sampling
-never handing the learner a zero-variance group (hasten/speed/)."""
+never handing the learner a zero-variance group (hasten/algo/, hasten/tasks/curriculum.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""speed.adaptive_threads (speed/threads.py): intra-op threads follow the cores other processes leave free."""
+"""speed.adaptive_threads (kernels/threads.py): intra-op threads follow the cores other processes leave free."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """speed.skip_zero_advantage: samples whose loss has no gradient are left out of the learning pass,
-and the loss, the gradients, the metrics and AdamW's state are the plain pass's (speed/zero_advantage.py)."""
+and the loss, the gradients, the metrics and AdamW's state are the plain pass's (algo/zero_advantage.py)."""
 
 from __future__ import annotations
 

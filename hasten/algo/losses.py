@@ -56,7 +56,7 @@ class LossInputs:
     num_chunks: int = 1  # chunks the batch is split into (bnpo averages chunks)
     importance_weights: torch.Tensor | None = None  # (N, T) detached per-token weights (vLLM's TIS), None = 1
     # The chunk's whole loss mask when some of its samples were left out of the pass (they cannot have a
-    # gradient: speed/zero_advantage.py); bnpo and the clip metrics count its tokens. None = completion_mask.
+    # gradient: algo/zero_advantage.py); bnpo and the clip metrics count its tokens. None = completion_mask.
     chunk_mask: torch.Tensor | None = None
 
     @property

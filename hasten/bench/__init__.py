@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
     """Run the benchmark; print the table (unless --json-only) and the JSON line. Returns the exit code.
 
     process: this is the `hasten bench` command's own process, which may re-execute itself on the
-    allocator the B1 config's speed.allocator asks for (speed/allocator.py); hasten's side runs here."""
+    allocator the B1 config's speed.allocator asks for (kernels/allocator.py); hasten's side runs here."""
     if argv and "--ablate" in argv:  # a different measurement with its own options (ablate.py)
         from .ablate import main as ablate_main
 

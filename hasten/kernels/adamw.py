@@ -21,7 +21,7 @@ torch.optim.AdamW.
 torch.optim.AdamW's; fused is FusedAdamW here (torch.optim's under the fp16
 GradScaler, which steps torch.optim optimizers only). Every choice gives the
 same update up to rounding; the fused kernel measured several times faster
-per step on CPU (docs/speedups.md).
+per step on CPU (docs/results/speedups-notes.md).
 """
 
 from __future__ import annotations

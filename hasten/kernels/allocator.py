@@ -12,7 +12,7 @@ the cause; bucketing the shapes only halved the growth. tcmalloc keeps
 freed memory in size classes, so those sizes find their pages again:
 14 bf16 steps grew 5640 -> 6021 MiB (one growth step), learning passes
 2.8-3.2 s against glibc's 2.9-3.1 s (4.0 s on growth steps); fp32 stayed
-flat at 6732 MiB against glibc's 7375 (docs/speedups.md has the table).
+flat at 6732 MiB against glibc's 7375 (docs/results/speedups-notes.md has the table).
 
 tcmalloc is a system library that fresh machines lack, so `auto` falls back
 on mimalloc from the `cmeel-mimalloc` wheel (a default dependency on Linux

@@ -13,7 +13,7 @@ When it cannot help it says why and runs eager:
 Errors while compiling a graph fall back to eager for that graph
 (torch._dynamo.config.suppress_errors), so a model dynamo cannot trace still
 trains. On a 2-core CPU the compile time (minutes for 135M) is rarely paid
-back in a short run; docs/speedups.md has the measurement.
+back in a short run; docs/results/speedups-notes.md has the measurement.
 """
 
 from __future__ import annotations

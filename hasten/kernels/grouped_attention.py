@@ -19,7 +19,7 @@ With speed.shared_prefix the prompts' common prefix sits once, at the start
 of row 0 (segment -2), and every row's prompt keys are that prefix's keys
 followed by its own prompt's: the gathers read across rows.
 Both are one `scaled_dot_product_attention` call each, per layer (fp32 under
-CPU autocast: speed/precision.py's `attention`); queries, keys and values are
+CPU autocast: kernels/precision.py's `attention`); queries, keys and values are
 gathered into those batches and every packed position gathers its output
 back, all under autograd, with gathers whose backward is index_add_ (`_Rows`:
 autograd's own accumulating index_put is serial on the CPU). Every query sees exactly
@@ -73,7 +73,7 @@ class GroupedLayout:
 
 def build_layout(segments: torch.Tensor) -> GroupedLayout:
     """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding, and
-    SHARED_SEGMENT (-2) = the prompts' common prefix, at the start of row 0 (speed/shared_prefix.py).
+    SHARED_SEGMENT (-2) = the prompts' common prefix, at the start of row 0 (kernels/shared_prefix.py).
 
     A row's prompt keys are the shared prefix's (row 0's) and then its own prompt's; its prompt queries
     are its own prompt tokens (row 0: the prefix's too), so the prefix is computed once."""

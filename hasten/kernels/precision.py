@@ -10,7 +10,7 @@ precision:
           unscaled before clipping, and a step whose gradients overflowed is
           skipped by the scaler, which then lowers the scale
 On CPUs with AVX512-BF16 or AMX, bf16 autocast is a real speed-up of the
-learning pass (measured 1.6x on this AMD EPYC, docs/speedups.md); elsewhere
+learning pass (measured 1.6x on this AMD EPYC, docs/results/speedups-notes.md); elsewhere
 bf16 is emulated and slower.
 tf32: on CUDA, lets fp32 matmuls and convolutions use TF32 tensor cores
 (Ampere and newer); it changes numerics slightly and does nothing on a CPU.
@@ -24,7 +24,7 @@ Xeon AMX): 0.9 of a 4.1 s bf16 learning pass was attention backward. The
 attention FLOPs are ~2% of the pass, so fp32 costs little forward, and it
 is the more exact choice. On CUDA bf16 flash attention is the fast one.
 
-The AdamW kernel (speed.optimizer) is speed/adamw.py; train/optimization.py
+The AdamW kernel (speed.optimizer) is kernels/adamw.py; train/optimization.py
 combines both with the schedule, clipping and the NaN guard.
 """
 

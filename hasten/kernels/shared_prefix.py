@@ -9,7 +9,7 @@ forward (and, when learning, backward) of those tokens.
 
 Where it applies:
 - the packed learning pass with grouped attention (train/packing.py,
-  speed/grouped_attention.py): the prefix sits once, at the start of the
+  kernels/grouped_attention.py): the prefix sits once, at the start of the
   first packed row; every row's prompt and completions attend to its keys
   and values (gathered across rows), so gradients from every group flow
   back into the one copy. Positions are unchanged: each row's own prompt

@@ -23,7 +23,7 @@ from pathlib import Path
 EXIT_USER_ERROR = 2
 
 # main() was given process=True: this is the `hasten` process itself, which sft, datagen and test may
-# re-execute on the allocator their config asks for (speed/allocator.py). False when called from Python.
+# re-execute on the allocator their config asks for (kernels/allocator.py). False when called from Python.
 _PROCESS_ENTRY = False
 
 # flag -> config key; values stay text and are typed by the config (one-line errors).

@@ -16,7 +16,7 @@ measurements):
 - packing: packed rows + completion-only logits (batches.py) instead of a
   padded batch with full logits;
 - gradient_checkpointing: recompute decoder activations in backward;
-- adamw: fused | foreach | plain (speed/adamw.py's kernels: FusedAdamW,
+- adamw: fused | foreach | plain (kernels/adamw.py's kernels: FusedAdamW,
   torch.optim's foreach and for-loop);
 - compile: torch.compile(dynamic=True) of the decoder (`on`, or `gpu` = only
   on CUDA); if compiling or the first compiled call fails, the run logs why

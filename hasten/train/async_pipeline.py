@@ -20,7 +20,7 @@ every draw exact. It costs one model's memory and one weight copy per step.
 
 What it buys depends on the hardware. On a GPU with a second device or a
 vLLM server the halves run on different silicon and overlap; on a 2-core
-CPU they compete for the same cores (docs/speedups.md has the measurement).
+CPU they compete for the same cores (docs/results/speedups-notes.md has the measurement).
 What it changes: learning is one update off-policy, so it is not the
 synchronous run's result (speed.async_steps=0 is, bit for bit).
 

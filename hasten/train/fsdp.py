@@ -21,7 +21,7 @@ this module changes where the weights live and how gradients meet:
                  same on every rank (speed.token_budget, whose splits depend on the data,
                  is rejected)
     clipping     clip_grad_norm_ over the DTensor gradients computes the global norm
-                 (DTensor reduces across shards); AdamW (speed/adamw.py, any kernel) is
+                 (DTensor reduces across shards); AdamW (kernels/adamw.py, any kernel) is
                  elementwise and runs on the shards as they are, its moments DTensors too
     generation   the engine needs whole weights: `full_weights` all-gathers every unit
                  (every rank, a collective) around generation and held-out eval, tells the

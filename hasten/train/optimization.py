@@ -1,13 +1,13 @@
 """The optimization layer: one `Optimization` for every training loop (GRPO, game policy, SFT).
 
 What it owns, written once (STYLE.md 18):
-    AdamW            the kernel speed.optimizer picks (speed/adamw.py)
+    AdamW            the kernel speed.optimizer picks (kernels/adamw.py)
     schedule         linear warmup, then cosine or linear decay to min_lr_ratio (or constant);
                      one schedule step per optimizer step. Warmup starts at (1 / warmup) of the
                      peak by default; warmup_from_zero starts at 0 as transformers' schedules do
-    precision        autocast and the fp16 GradScaler (speed/precision.py)
+    precision        autocast and the fp16 GradScaler (kernels/precision.py)
     clipping         the global gradient norm, at max_grad_norm (0 = no clipping, norm still logged)
-    NaN guard        an update from a non-finite loss or gradient is skipped (speed/nan_guard.py)
+    NaN guard        an update from a non-finite loss or gradient is skipped (kernels/nan_guard.py)
 
 A loop calls `autocast()` around its forward, `backward(loss)` per
 micro-batch and `step(loss)` once per optimizer step. Under torchrun `step`
@@ -108,7 +108,7 @@ class OptimizerSettings:
     kernel: str = "auto"  # speed.optimizer: auto | fused | foreach | for_loop
     precision: str = "fp32"  # fp32 | bf16 | fp16
     tf32: bool = False
-    attention_fp32: bool | str = "auto"  # speed.attention_fp32 (speed/precision.py)
+    attention_fp32: bool | str = "auto"  # speed.attention_fp32 (kernels/precision.py)
 
     @classmethod
     def for_training(cls, cfg: Config) -> OptimizerSettings:

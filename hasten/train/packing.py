@@ -17,7 +17,7 @@ More savings come with it:
 - with grouped attention (speed.grouped_attention) the rows are not padded
   to the longest: all their real tokens run as one row (without_padding),
   and the prompts' common prefix is held once (speed.shared_prefix,
-  speed/shared_prefix.py);
+  kernels/shared_prefix.py);
 - a completion's last token is only ever a target, never an input, so it is
   left out of the row;
 - logits are computed only at positions that predict a completion token, in

@@ -264,7 +264,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         "time/step": finished - started,
         "tokens_per_second": tokens / (finished - started),
         # The process's peak RSS on a CPU (peak allocated memory on a GPU) so far: a run whose memory
-        # keeps growing shows it here, step by step, before the machine runs out (docs/speedups.md).
+        # keeps growing shows it here, step by step, before the machine runs out (docs/results/speedups-notes.md).
         "memory/peak_mib": peak_memory_mib(next(session.policy.model.parameters()).device),
         **(phase_threads if threads.enabled else {}),  # speed.adaptive_threads' choice per phase
     }
