@@ -100,7 +100,7 @@ def test_environment_adds_and_strips_only_allocators(monkeypatch):
     assert base["LD_PRELOAD"] == "/opt/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4"  # a copy, not in place
     on_mimalloc = allocator.environment("mimalloc", base)  # one allocator at a time: tcmalloc goes
     assert on_mimalloc["LD_PRELOAD"] == "/venv/lib/libmimalloc.so /opt/libfoo.so"
-    assert on_mimalloc["MIMALLOC_PURGE_DELAY"] == "-1"  # freed pages stay (docs/speedups.md)
+    assert on_mimalloc["MIMALLOC_PURGE_DELAY"] == "-1"  # freed pages stay (docs/results/speedups-notes.md)
     assert allocator.environment("mimalloc", {"MIMALLOC_PURGE_DELAY": "10"})["MIMALLOC_PURGE_DELAY"] == "10"
     assert allocator.environment("tcmalloc", on_mimalloc)["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libfoo.so"
     assert "LD_PRELOAD" not in allocator.environment("glibc", {"LD_PRELOAD": "/x/libmimalloc.so.3"})

@@ -62,7 +62,7 @@ def converted_dir(log=print) -> Path:
     if _is_complete(target):
         return target
     gguf_dir()  # a missing package is the user's to fix: FileNotFoundError here, not from the child
-    log(f"converting {GGUF_FILE} to safetensors in {target} (once, ~30 s)")
+    log(f"converting the GGUF ({GGUF_FILE}) once into {target} (~30 s; later runs load it from there) ...")
     # The child must import this same hasten, wherever the parent found it (a worktree on
     # PYTHONPATH, an editable install): put its root first on the child's path.
     root = str(Path(__file__).resolve().parents[2])

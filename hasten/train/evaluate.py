@@ -10,7 +10,7 @@ weights, not of a sampling seed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,12 +34,14 @@ def evaluate(
     reward_kwargs: dict | None = None,
     stop_strings: list[str] | None = None,
     agent: Any = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Returns (metrics, samples); samples hold each question and completion.
 
     template_kwargs: generation.chat_template_kwargs; reward_kwargs: TRL's trainer_state, log_metric,
     log_extra; stop_strings: generation.stop_strings, cut as in training; agent: the run's tool loop
-    (agent/loop.py), which then generates each completion, tool calls and all.
+    (agent/loop.py), which then generates each completion, tool calls and all; progress: called
+    with (questions done, questions in all) after each batch.
     """
     rows = task.eval_rows[:num_examples]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -71,6 +73,8 @@ def evaluate(
                 correct += verdict.correct
             samples.append({"question": row.get("question", row["prompt"]), "completion": text,
                             "correct": None if verdict is None else verdict.correct})
+        if progress is not None:
+            progress(len(samples), len(rows))
     metrics: dict[str, float] = {"num_examples": len(rows)}
     if judged:
         metrics["accuracy"] = correct / judged

@@ -121,6 +121,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     parts = make_agent(cfg, task, tools, environment)  # tools and environments checked before the model loads
     rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
+        log(f"loading model {cfg.model.name} ...")  # the first line of a run: the load (and a first conversion) take seconds
         policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
@@ -288,7 +289,8 @@ class GRPOJob:
 
     def __init__(self, session: Session, log: Callable[[str], None]):
         cfg = self.cfg = session.cfg
-        self.session = session
+        self.session, self.log = session, log
+        self.announced = False  # the first step of this process says what it is doing (nothing is drawn yet)
         reference = Reference(session.policy) if cfg.algo.beta > 0 else None  # a full copy, before any sharding
         if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
             fsdp.shard(session.policy.model)
@@ -307,6 +309,11 @@ class GRPOJob:
                                           session.task.train_rows)
 
     def step(self, step: int) -> dict[str, Any]:
+        if not self.announced:
+            self.announced = True
+            generation = self.cfg.generation
+            self.log(f"training {self.total_steps} steps; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
+                     f"{generation.num_generations} completions, scoring, learning ...")
         before = shared_stats()
         record = self._step(step)
         after = shared_stats()  # code tasks: this step's sandbox runs (malformed reports scored 0, counted here)
@@ -336,11 +343,17 @@ class GRPOJob:
     def _evaluate(self, step: int, run: RunDir) -> dict[str, Any]:
         cfg, session = self.cfg, self.session
         started = time.perf_counter()
+        count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+        counter = None
+        if step == 0:  # before training, nothing else is on screen yet: say what the wait is for
+            self.log(f"evaluating {count} held-out questions (greedy, up to {cfg.eval.max_new_tokens} new tokens) ...")
+            counter = lambda done, total: self.log(f"  evaluated {done}/{total}")  # noqa: E731
         metrics, samples = evaluate(
             session.task, session.engine, session.policy.tokenizer, session.rewards,
-            min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens, cfg.eval.batch_size,
+            count, cfg.eval.max_new_tokens, cfg.eval.batch_size,
             cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
             agent=session.agent,
+            progress=counter,
         )
         metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
