@@ -301,10 +301,10 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
 
 # Defaults that differ per task, applied over the code defaults and under any
 # YAML file or override. The game trains a small MLP: lr 1e-6 would never move
-# it; 4 clipped passes per epoch learn ~5x more per epoch than 1 for ~3x the
-# time; one thread, because its ops are small and a second thread's sync cost
-# more than it saved (docs/games.md). Chess completions are a whole FEN (~55
-# tokens) plus tags, and P rows cost ~25 ms each to label.
+# it; 4 clipped passes per epoch learn more per unit of time than 1; one thread,
+# because its ops are small and a second thread's sync cost more than it saved
+# (docs/games.md). Chess completions are a whole FEN (~55 tokens) plus tags, and
+# P rows are slow to label.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "fruit-catcher": {"train.steps": 100, "train.lr": 3e-3, "train.min_lr_ratio": 0.1, "train.num_threads": 1,
                       "algo.num_iterations": 4, "eval.every": 25},

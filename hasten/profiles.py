@@ -59,9 +59,8 @@ def _bf16(cfg: Config) -> bool:
 def _bf16_sampling(cfg: Config) -> str:
     """speed.generation_precision for balanced: bf16 where the lean engine samples on a CPU with bf16 matmuls.
 
-    Measured on B5 (9 seed-runs, 2026-11-23/24): the same steps to +20 points and the same
-    final accuracy as fp32 sampling, at 15% less time a step. Not on a GPU (not measured there)
-    nor where bf16 is emulated (slower than fp32)."""
+    On B5 it learned as fp32 sampling does, in less time a step (docs/results/, B5).
+    Not on a GPU (not measured there) nor where bf16 is emulated (slower than fp32)."""
     from .device import cpu_has_native_bf16
 
     lean = cfg.speed.engine in ("auto", "lean")
@@ -118,8 +117,8 @@ BALANCED: dict[str, Value] = {
     "speed.gate_reward": lambda cfg: cfg.speed.gate_reward,  # early termination as configured (off unless set)
     "speed.dynamic_sampling": True,
     "speed.dynamic_sampling_max_rounds": 1,
-    # CPU: fp32. bf16 autocast measured 1.6x faster here (AVX512-BF16) but changes numerics and is
-    # slower on CPUs without native bf16; opt in with --speed.precision=bf16 (docs/results/speedups-notes.md).
+    # CPU: fp32. bf16 autocast is faster on CPUs with native bf16 but changes numerics (it learned
+    # less per step on B5) and is slower on CPUs without it; opt in with --speed.precision=bf16 (docs/results/speedups-notes.md).
     # A GPU without native bf16 (before Ampere) stays fp32 too: fp16 needs a loss scaler's care.
     "speed.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
     "speed.generation_precision": _bf16_sampling,

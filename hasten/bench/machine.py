@@ -52,8 +52,8 @@ def peak_rss_mib() -> float:
 def minor_faults() -> int:
     """Minor page faults of this process so far (each B1 side counts its own around a step).
 
-    A fresh page cost 7-17 us of system time on the 2026-11-23 VM, so a step whose
-    allocations outgrow the heap pays seconds (B1 rows print faults per step).
+    Each fresh page costs system time, so a step whose allocations outgrow the heap
+    pays seconds (B1 rows print faults per step).
     """
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 

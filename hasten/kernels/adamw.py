@@ -2,10 +2,9 @@
 
 Why not torch.optim.AdamW(fused=True)? It runs the very same kernel, but
 torch.optim wraps its methods in `torch._disable_dynamo`, which imports
-torch._dynamo on the first call: 1.0-1.3 s of a 2-core box's startup (sympy,
-torch.fx, torch.distributed.tensor ...), about a third of the time from
-`hasten train` to its first step. Nothing in a plain hasten step needs dynamo
-otherwise, so the import is pure startup cost.
+torch._dynamo on the first call (sympy, torch.fx, torch.distributed.tensor
+...), a large share of the time from `hasten train` to its first step. Nothing
+in a plain hasten step needs dynamo otherwise, so the import is pure startup cost.
 
 `FusedAdamW` keeps torch's state layout (per parameter: `step` as a float32
 scalar tensor, `exp_avg`, `exp_avg_sq`) and does what torch's `_fused_adam`
@@ -76,9 +75,8 @@ class FusedAdamW:
         """Allocate every trainable parameter's state now (zeros, step 0) instead of at its first update.
 
         Allocated lazily, the state (2x the parameters) lands in the addresses the first
-        backward just freed, and the second step's activations must grow the heap: on
-        B1 that was 348k fresh page faults and +3.3 s on the second learning pass (9.6
-        against 6.3 s, fp32; 4.6 against 3.1 s in bf16). The update is the same: a zero
+        backward just freed, and the second step's activations must grow the heap: seconds
+        of fresh page faults on the second learning pass. The update is the same: a zero
         state with step 0 is what the lazy path creates.
         """
         for param in self.param_groups[0]["params"]:
@@ -155,7 +153,7 @@ class _Handle:
 def adamw_kernel(choice: str, device: torch.device) -> dict[str, bool]:
     """AdamW keyword arguments for speed.optimizer on `device`."""
     if choice == "auto":
-        # Fused where torch has the kernel (CUDA and CPU): 5.4x faster per step than for-loop here.
+        # Fused where torch has the kernel (CUDA and CPU): several times faster per step than for-loop.
         # On the CPU it leaves the parameters' _version alone, which is why the trainer tells the
         # lean engine about every update (LeanEngine.weights_changed) instead of relying on it.
         choice = "fused" if device.type in ("cuda", "cpu") else "foreach"

@@ -3,23 +3,18 @@
 Why: the learning pass allocates a few GB of activations and logits whose
 sizes change every step (packed width, completion lengths, token count).
 With glibc and speed.keep_freed_memory (everything in the heap, never
-trimmed) those changing sizes fragment the heap: in a bf16 B1 run the heap
-grew by 200-600 MB about every other step (6.1 -> 12.7 GB resident over 59
-steps) while the memory in use stayed at 4.5-5 GB, and each growing step
-paid 0.5-1.7 s of page faults. Fed the same rollout every step (same
-shapes) glibc's heap stopped growing after two steps, so shape variety is
-the cause; bucketing the shapes only halved the growth. tcmalloc keeps
-freed memory in size classes, so those sizes find their pages again:
-14 bf16 steps grew 5640 -> 6021 MiB (one growth step), learning passes
-2.8-3.2 s against glibc's 2.9-3.1 s (4.0 s on growth steps); fp32 stayed
-flat at 6732 MiB against glibc's 7375 (docs/results/speedups-notes.md has the table).
+trimmed) those changing sizes fragment the heap: in a bf16 run the resident
+memory keeps growing while the memory in use stays flat, and each growing step
+pays seconds of page faults. Fed the same rollout every step (same shapes)
+glibc's heap stops growing, so shape variety is the cause; bucketing the shapes
+only halved the growth. tcmalloc keeps freed memory in size classes, so those
+sizes find their pages again (docs/results/speedups-notes.md has the figures).
 
 tcmalloc is a system library that fresh machines lack, so `auto` falls back
 on mimalloc from the `cmeel-mimalloc` wheel (a default dependency on Linux
 x86-64, 0.5 MB), kept from returning freed pages (MIMALLOC_PURGE_DELAY=-1):
-with its default purging every learning pass re-faulted 114-198k pages
-(6.8-8.7 s against 2.4-3.3); kept, 60 bf16 B1 passes took 2.35-3.27 s like
-tcmalloc's. The wheel's library needs libatomic.so.1, so it is tried in a
+with its default purging every learning pass re-faults its pages; kept, its
+learning passes run as tcmalloc's. The wheel's library needs libatomic.so.1, so it is tried in a
 throwaway process first and `auto` passes over it where it does not load.
 
 How: an allocator is chosen when the process starts (LD_PRELOAD), so the

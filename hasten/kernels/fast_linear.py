@@ -1,12 +1,10 @@
 """oneDNN matmuls for the learning pass (speed.fast_linear).
 
-On this machine (AMD EPYC, AVX-512) torch's fp32 `aten::mm` goes to MKL,
-whose sgemm takes a generic code path on non-Intel CPUs: 140-180 GFLOP/s on
-2 cores at the learning pass's shapes (M ~ 1700 packed tokens, K, N = 576 or
-1536 for SmolLM2). oneDNN, also inside torch, runs the same products at
-330-390 GFLOP/s (forward and input gradient) and 160-270 (weight gradient,
-which needs two transposed copies). A profile of the packed learning pass on
-B1 put 77% of its time in `aten::mm`, so this is the largest lever left there.
+torch's fp32 `aten::mm` goes to MKL, whose sgemm takes a generic code path on
+non-Intel CPUs; oneDNN, also inside torch, runs the same products much faster
+there, and the learning pass spends most of its time in `aten::mm`, so this is
+the largest lever left on such CPUs. On Intel CPUs MKL's own tuned path wins.
+(Figures: docs/results/code-notes.md.)
 
 `onednn_linears(model)` is a context manager that, for its duration, routes
 every large `nn.Linear` of the model through `OneDNNLinear`, an autograd
@@ -16,17 +14,11 @@ kernel library, so results match F.linear to float rounding
 (tests/test_fast_linear.py). Frozen weights (LoRA's base) get no weight
 gradient, as with F.linear.
 
-Measured one thread at a time (process CPU time, so other load on the box
-does not count): MKL 84-90 GFLOP/s at the decoder's shapes, oneDNN 180-190
-forward and input gradient, 135-160 weight gradient; at the LM head's shape
-(N = 49k) 71-86 against 120-160.
-
 Left out on purpose:
 - small layers (LoRA's A and B, rank 16): thin matmuls where oneDNN's setup
   cost dominates;
 - the block under CPU autocast (speed.precision=bf16/fp16): there the linears
-  must run in bf16 (on AMX 1250-1430 GFLOP/s a thread at the learning shapes
-  against 160 for either fp32 library), and an autograd Function would keep
+  must run in bf16 (far faster than either fp32 library on AMX), and an autograd Function would keep
   them fp32 unseen; the context then routes nothing;
 - anything not fp32 on the CPU, or a torch build without oneDNN: the context
   manager then leaves the model untouched (`available()` says which), and
@@ -61,11 +53,9 @@ def intel_cpu() -> bool:
 def resolve(setting: bool | str) -> bool:
     """speed.fast_linear: true / false as given; auto = oneDNN unless MKL is on its Intel fast path.
 
-    Measured at the learning shapes of SmolLM2 (M = 1700), 2 threads, GFLOP/s:
-    AMD EPYC (2026-11-22): MKL 140-180, oneDNN 330-390 forward -> oneDNN;
-    Intel Xeon with AMX (2026-11-23): MKL 311-334 forward and 285-315 weight
-    gradient, oneDNN 280-304 and 173-208 -> MKL. Either way the math is the
-    same fp32 product (tests/test_fast_linear.py); only the kernel library differs.
+    On AMD CPUs oneDNN wins at the learning shapes, on Intel CPUs MKL does (measured:
+    docs/results/code-notes.md). Either way the math is the same fp32 product
+    (tests/test_fast_linear.py); only the kernel library differs.
     """
     if isinstance(setting, bool):
         return setting

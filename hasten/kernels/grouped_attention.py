@@ -8,8 +8,7 @@ and hands attention a block mask: completion j sees the prompt and itself,
 never another completion. A dense kernel still scores every (query, key)
 pair of the row, L^2 of them, and the mask throws most away. For B1 (a
 ~50-token prompt, 8 completions of ~46 tokens, L ~ 420) under a sixth of
-those pairs are allowed, and a profile of the pass put ~20% of its time in
-attention.
+those pairs are allowed, and attention is a real share of the pass's time.
 
 Here the same attention is computed on the allowed blocks only:
 - the prompts, one padded batch of R rows: causal self-attention;
@@ -128,9 +127,8 @@ class _Rows(torch.autograd.Function):
     """source[index] along dim 0 (index of any shape), with index_add_ as its backward.
 
     Autograd's backward of source[index] is an accumulating index_put, which
-    torch 2.13 runs serially on the CPU: 30-130 ms per call at B1's sizes,
-    ~0.3 s of a 4 s bf16 learning pass (torch.profiler). index_add_ does the
-    same sum over 576-float rows, vectorized.
+    torch 2.13 runs serially on the CPU, a visible part of a learning pass under
+    torch.profiler. index_add_ does the same sum over the rows, vectorized.
     """
 
     @staticmethod

@@ -10,7 +10,7 @@ precision:
           unscaled before clipping, and a step whose gradients overflowed is
           skipped by the scaler, which then lowers the scale
 On CPUs with AVX512-BF16 or AMX, bf16 autocast is a real speed-up of the
-learning pass (measured 1.6x on this AMD EPYC, docs/results/speedups-notes.md); elsewhere
+learning pass (docs/results/speedups-notes.md has the measurement); elsewhere
 bf16 is emulated and slower.
 tf32: on CUDA, lets fp32 matmuls and convolutions use TF32 tensor cores
 (Ampere and newer); it changes numerics slightly and does nothing on a CPU.
@@ -18,11 +18,9 @@ tf32: on CUDA, lets fp32 matmuls and convolutions use TF32 tensor cores
 attention_fp32 (speed.attention_fp32: auto | true | false): under autocast,
 `attention()` runs scaled_dot_product_attention on fp32 copies of q, k, v
 instead of autocast's bf16. auto = on the CPU only. torch 2.13's CPU flash
-attention backward in bf16 took 28 ms against 11 ms in fp32 at B1's
-completion blocks (32 x 9 heads x 63 queries x 113 keys; 2 threads, Intel
-Xeon AMX): 0.9 of a 4.1 s bf16 learning pass was attention backward. The
-attention FLOPs are ~2% of the pass, so fp32 costs little forward, and it
-is the more exact choice. On CUDA bf16 flash attention is the fast one.
+attention backward in bf16 is slower than in fp32 at B1's completion blocks
+(docs/results/speedups-notes.md), and attention is a small share of the pass's
+FLOPs, so fp32 costs little forward, and it is the more exact choice. On CUDA bf16 flash attention is the fast one.
 
 The AdamW kernel (speed.optimizer) is kernels/adamw.py; train/optimization.py
 combines both with the schedule, clipping and the NaN guard.

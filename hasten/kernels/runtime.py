@@ -4,8 +4,8 @@ keep_freed_memory (speed.keep_freed_memory): glibc serves every allocation
 above 32 MB with a fresh mmap and returns it on free, so each learning pass
 page-faults its activations and logits in again. Telling malloc to never use
 mmap and never trim keeps freed memory in the heap for the next step.
-Measured on SmolLM2-135M, 32 x 114 tokens, 2 cores: forward with grad 16-21 s
--> 6.5-7 s in steady state. Costs: the process keeps its peak memory.
+On a CPU that page-faulting can cost more than the forward itself
+(docs/results/code-notes.md). Costs: the process keeps its peak memory.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
 A step's OpenMP regions end in barriers: with 2 threads on 2 cores and one
 core taken by another process, every region waits for the thread the kernel
-descheduled. Measured on B1 (Intel Xeon, 2 cores, one pure-Python busy
-neighbour, 2026-11-23): hasten's step went from 12.95 to 100.7 s (7.9x;
-generation 5.9 -> 71.6 s, its many small regions suffer most) while TRL's
-went 3.3x. Fewer threads than cores wins there: one thread that owns its core.
+descheduled. With one busy neighbour a step slows several times over, generation
+(many small regions) most of all (docs/results/code-notes.md). Fewer threads than
+cores wins there: one thread that owns its core.
 
 Before each phase of a step (generation, learning) `ThreadGovernor.adjust()`
 counts the runnable threads of other processes (`procs_running` in

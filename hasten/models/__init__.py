@@ -234,10 +234,9 @@ def own_memory(model) -> None:
     the mapped tensors as the parameters when the dtype already matches
     (transformers' from_pretrained; llama.py's `.to(dtype)`, which is the same
     tensor then). The first optimizer step then writes every page of them, one
-    copy-on-write fault per 4 KiB: on SmolLM2 131k faults that took the demo's
-    first AdamW step from 0.08 to 2.4 s (its first learning pass 7.4-8.3 s
-    against 5.5-5.9 s with this copy, 2026-11-24, Intel Xeon VM). One bulk copy
-    here costs ~0.2 s. Only storages torch did not allocate (not resizable: the
+    copy-on-write fault per 4 KiB, which made the first AdamW step and learning
+    pass seconds slower (docs/results/code-notes.md). One bulk copy here costs far
+    less. Only storages torch did not allocate (not resizable: the
     mapping) are copied, so a dtype-converted or in-memory model is not copied twice.
     Assigning `.data` keeps the Parameter objects, so tied weights stay tied; it
     runs before any engine or optimizer holds a reference.

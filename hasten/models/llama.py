@@ -1,8 +1,8 @@
 """A Llama-family causal LM in plain PyTorch, loading and saving Hugging Face checkpoints (speed.model_impl).
 
-Why: importing transformers costs 1.5-2.5 s on this 2-core box (its
-modeling code pulls in torch._dynamo and torch.distributed.tensor), which by
-itself breaks "launch to the first step in 3 s". Everything hasten's fast
+Why: importing transformers costs seconds on a small CPU box (its modeling
+code pulls in torch._dynamo and torch.distributed.tensor), which by itself
+breaks "launch to the first step in 3 s". Everything hasten's fast
 path needs from the model is small: a decoder that takes token ids,
 positions and a ready-made boolean mask, an lm_head, and HF's parameter
 names so checkpoints stay interchangeable. This module is that, and nothing

@@ -52,16 +52,14 @@ PROFILES: dict[str, Profile] = {
         "sft.adamw": "fused", "sft.precision": "auto", "sft.compile": "off", "sft.num_workers": 0,
     }),
     # The default: packed, no checkpointing, 4 micro-batches per step (16 / 4 = 4 examples each).
-    # Small micro-batches are faster on this CPU, not only leaner: one SFT step of 8 SmolLM2
-    # examples took 42-48 s as one micro-batch and 19-23 s as four (A/B, docs/rft.md).
+    # Small micro-batches are faster on a CPU, not only leaner (the A/B measurement: docs/rft.md).
     "balanced": Profile("packed, no checkpointing, 4 micro-batches per step, fused AdamW", {
         "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 4,
         "sft.adamw": "fused", "sft.precision": "auto", "sft.compile": "off", "sft.num_workers": 0,
     }),
-    # balanced + bf16 autocast on every device (trades exactness: on this CPU one SFT step took
-    # 6.7-8.1 s against 16.1-16.2 s in fp32, initial loss 0.3148 against 0.3157) + torch.compile
-    # on a GPU only (on this CPU inductor took 250 s to compile the 2-layer test model) + one
-    # loader worker.
+    # balanced + bf16 autocast on every device (trades exactness for a faster step: docs/rft.md)
+    # + torch.compile on a GPU only (on a CPU inductor takes minutes to compile even the test
+    # model) + one loader worker.
     "aggressive": Profile("balanced + bf16 autocast (not exact) + torch.compile on GPU + 1 loader worker", {
         "sft.packing": True, "sft.gradient_checkpointing": False, "sft.gradient_accumulation_steps": 4,
         "sft.adamw": "fused", "sft.precision": "bf16", "sft.compile": "gpu", "sft.num_workers": 1,

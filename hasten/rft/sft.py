@@ -24,10 +24,9 @@ measurements):
   2-layer test model, so only long GPU runs gain from it;
 - precision: bf16/fp16 autocast on CUDA (fp16 with a GradScaler); `auto`
   is bf16 (or fp16 on GPUs without bf16) there and fp32 on CPU. On CPU,
-  bf16 autocast is opt-in (`sft.precision=bf16`): this EPYC has
-  avx512_bf16 and a 1024x576x1536 matmul ran 3-4x faster in bf16 than in
-  fp32 (one thread), but a whole SFT step in bf16 was not measured, and it
-  changes the numerics, so it is not the default. fp16 on CPU is a config
+  bf16 autocast is opt-in (`sft.precision=bf16`): it is faster on CPUs
+  with native bf16 (docs/rft.md), but it changes the numerics, so it is not
+  the default. fp16 on CPU is a config
   error (CPU autocast is a bf16 feature);
 - num_workers: DataLoader processes that pack micro-batches ahead of the model.
 

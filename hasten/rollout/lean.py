@@ -1,4 +1,4 @@
-"""Lean generation engine for Llama-family models: KVCacheEngine's protocol, a third of its time.
+"""Lean generation engine for Llama-family models: KVCacheEngine's protocol over fused, packed weights.
 
 Families: Llama (Llama-3 rope scaling included), Mistral, Qwen2/2.5, Qwen3,
 as models/families.py lists them, from either the native model or
@@ -14,18 +14,13 @@ for every row), so for a seed the tokens are KVCacheEngine's up to float
 rounding: equal on the tiny test model; on SmolLM2 a row can differ where its
 uniform lands within ~1e-6 of a CDF step between two 1e-7-probability tokens.
 
-Measured on SmolLM2-135M, 2 AMD EPYC cores, fp32, keep_freed_memory on;
-B2 (8 prompts x 8 samples x 64 tokens, EOS ignored): 613 tok/s against 266
-for KVCacheEngine and 173 for transformers' generate (3.5x, median of pairs).
-A decode step at 64 rows takes ~95 ms: matmuls 57 (lm_head 10), attention 21,
-sampling 6.5, the rest ~10. Choices, in order of effect:
-- Matmuls run through oneDNN with packed weights (`Matmul`): 1.9x faster
-  decode steps (117 against 220 ms) than F.linear, whose MKL sgemm reaches
-  only ~140 GFLOP/s on this CPU at these shapes (oneDNN 350-400).
+Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
+- Matmuls run through oneDNN with packed weights (`Matmul`), which beat
+  F.linear's MKL sgemm at decode shapes on CPUs where MKL takes a generic path.
 - q/k/v and gate/up are fused into one matrix each. Packed copies must follow
   the optimizer, so `sync_weights()` runs at the start of every generate and
-  rebuilds them when a parameter's version counter moved: ~90 ms (2% of a B1
-  generate), 1 ms when nothing changed. They cost one more copy of the weights.
+  rebuilds them when a parameter's version counter moved (cheap when nothing
+  changed). They cost one more copy of the weights.
 - The forward is plain torch ops over the model's tensors, no module calls
   (lm_head runs as its module only when hooks are on it): F.rms_norm in
   fp32, RoPE from a cos/sin table made from the model's inv_freq with
@@ -33,32 +28,30 @@ sampling 6.5, the rest ~10. Choices, in order of effect:
 - speed.shared_prefix: the prompts' common prefix (chat header, system prompt,
   worked example) is prefilled once, as one sequence, and each prompt's rest
   against its K/V (GroupCache.attend_prefix / attend_rest); the decode steps
-  are unchanged. A 64-question evaluation of the demo: 10.2 -> 6.2 s.
+  are unchanged.
 - Each prompt is prefilled once; its K/V stay in one copy per prompt, and a
   decode step attends to them through a (prompt, sample) grid (`GroupCache`),
-  so the prompt part is read once per group: attention is memory-bound, 29 ->
-  20 ms a step. Each row's own K/V is preallocated and written in place (no
-  cat per step); plain matmuls beat SDPA's CPU kernel at one query (1.4x).
+  so the prompt part is read once per group: attention is memory-bound. Each
+  row's own K/V is preallocated and written in place (no cat per step); plain
+  matmuls beat SDPA's CPU kernel at one query.
 - A row that samples EOS leaves the batch at once: with the prompt K/V shared,
-  compaction copies only the rows' own K/V and beat compacting later or never
-  on B1's generate (4.5 s against 4.8-5.1 s).
+  compaction copies only the rows' own K/V, which beat compacting later or never.
 - One host sync per step: "did any row finish?".
 - LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
-  it costs without LoRA; the merge runs once per update (its cost on
-  SmolLM2 at r=16 is yet to be measured, beside the ~90 ms repack).
+  it costs without LoRA; the merge runs once per update.
 - speed.generation_precision=bf16 (off by default; changes learning): sampled
   rollouts run the matmuls on bf16 copies of the fused weights, inputs cast to
   bf16 and outputs back to fp32; norms, attention, the cache and sampling stay
-  fp32. On a CPU with AMX a bf16 matmul at M=64 ran ~480 GFLOP/s a thread
-  against ~146 for packed fp32 (Intel Xeon, 2026-11-23). The samples come from a
-  rounded policy, so the learner weights each token by min(pi_fp32 / pi_bf16,
-  cap) (truncated importance sampling, as for vLLM). Greedy calls (evaluation)
-  always use the fp32 weights, so reported accuracy is the fp32 policy's.
+  fp32. Decode is memory-bound, and CPUs with AMX run bf16 matmuls several times
+  faster. The samples come from a rounded policy, so the learner weights each
+  token by min(pi_fp32 / pi_bf16, cap) (truncated importance sampling, as for
+  vLLM). Greedy calls (evaluation) always use the fp32 weights, so reported
+  accuracy is the fp32 policy's.
 Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
-F.linear it compiled the tiny model in ~100 s with a recompile per new batch
-size), bf16 weights (log-probs would no longer match the fp32 learner).
+F.linear it compiled slowly with a recompile per new batch size), bf16 weights
+(log-probs would no longer match the fp32 learner).
 """
 
 from __future__ import annotations
@@ -148,16 +141,13 @@ def _effective(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 class Matmul:
     """x @ weight.T with the weight prepared once: oneDNN-packed where that works, else plain.
 
-    On this machine (AMD EPYC, 2 cores, quiet) F.linear's MKL sgemm reaches 120-140
-    GFLOP/s at the decode shapes (M = 32..64, hot weights); oneDNN with packed weights
-    290-400, and 1.3x more than oneDNN on unpacked ones. Packing all of SmolLM2 takes
-    ~90 ms, hence sync_weights' version check. `_linear_pointwise` is internal to torch:
+    oneDNN with packed weights beats F.linear's MKL sgemm at decode shapes on CPUs where MKL
+    takes a generic path, and packing costs a pass over the weights, hence sync_weights'
+    version check. `_linear_pointwise` is internal to torch:
     the constructor probes it and falls back to F.linear (also for non-CPU).
 
-    bf16 (speed.generation_precision=bf16) packs bf16 copies the same way: at B1's decode
-    shapes (M = 11..32) packed oneDNN took 28-99 us against F.linear bf16's 53-173 us for the
-    layer matrices and 1.3-1.7 ms against 2.2-2.8 ms for the LM head (Intel Xeon AMX, 2
-    threads), with bit-identical outputs.
+    bf16 (speed.generation_precision=bf16) packs bf16 copies the same way, with outputs
+    bit-identical to F.linear's.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, bf16: bool = False):
@@ -176,8 +166,8 @@ class Matmul:
         """The weight in this Matmul's form; bf16 writes into `previous` (the last sync's copy) when it fits.
 
         In place, the bf16 copies keep their memory from step to step; allocated anew
-        (268 MB for SmolLM2) they took holes the learning pass had used, which then grew
-        the heap: ~100k fresh page faults, +1.3 s per bf16 learning pass on B1.
+        they took holes the learning pass had used, which then grew the heap: seconds of
+        fresh page faults per bf16 learning pass.
         """
         weight = weight.detach()
         if self.bf16:
@@ -219,9 +209,8 @@ class GroupCache:
     """K/V of each prompt, stored once per group, and of each row's own tokens, preallocated.
 
     A decode step attends to the prompt's K/V through a (prompt, group) grid, so
-    the prompt part is read once per prompt rather than once per row: on SmolLM2
-    at 8 prompts x 8 rows, 50-token prompts, attention fell from 29 to 20 ms a step
-    (it is memory-bound). After compaction, `rows` maps batch rows into the grid.
+    the prompt part is read once per prompt rather than once per row, and attention
+    is memory-bound. After compaction, `rows` maps batch rows into the grid.
     """
 
     def __init__(self, engine, prompt_mask, num_generations, steps):
