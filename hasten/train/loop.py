@@ -23,7 +23,7 @@ once:
                  the same step: every choice that decides whether a rank saves, evaluates or
                  stops is made once for all ranks (agreed, or rank 0's), because under FSDP
                  those are collectives. torchrun forwards SIGINT/SIGTERM to every worker and
-                 exits 1 itself (docs/scaling.md; tests/test_fsdp.py)
+                 exits 1 itself (docs/distributed.md; tests/test_fsdp.py)
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
                  keeps it, summary.json saying status "failed" and why
