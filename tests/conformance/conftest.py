@@ -1,0 +1,179 @@
+"""The conformance suite's switch (TRL or hasten), its tiny local models and datasets, and its summary.
+
+Every test in this folder takes the `lib` fixture, run once with TRL's
+trainers (the control; skipped when trl is not installed) and once with
+hasten's. The terminal summary says how many of the tests that pass on TRL
+pass on hasten, and lists the ones hasten declares unsupported (those pass on
+hasten only by failing with its one-line "not supported" error).
+
+Models are built here, tiny and random (no hub downloads): causal LMs of the
+architectures TRL's tests name (Qwen2, Llama, Qwen3-MoE) and sequence-
+classification reward models (Qwen2, Llama), each saved with hasten's
+offline byte-level ChatML tokenizer so both libraries load the same files.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from hasten.errors import UserError
+
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8}),
+}
+REWARD_ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification"),
+                        "llama": ("LlamaConfig", "LlamaForSequenceClassification")}
+
+
+def _save(kind: str, config_name: str, class_name: str, directory: Path, seed: int, **extra) -> str:
+    import transformers
+
+    from hasten.models.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(config)
+    path = directory / kind
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, str]:
+    """name -> directory: causal LMs by architecture, and reward models as "<arch>_reward"."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    paths = {name: _save(name, config, klass, root, seed, **extra)
+             for seed, (name, (config, klass, extra)) in enumerate(ARCHITECTURES.items())}
+    for seed, (name, (config, klass)) in enumerate(REWARD_ARCHITECTURES.items()):
+        paths[f"{name}_reward"] = _save(f"{name}_reward", config, klass, root, 100 + seed, num_labels=1)
+    return paths
+
+
+PROMPTS = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
+           "Sparse is better", "Readability", "Special cases aren't special", "Although practicality beats"]
+TEST_PROMPTS = ["Errors should never", "Unless explicitly", "In the face of ambiguity, refuse"]
+
+
+def prompt_dataset(kind: str = "standard", split: str = "train"):
+    """TRL's zen prompt-only shapes: a "prompt" string, or a list with one user message."""
+    from datasets import Dataset
+
+    prompts = PROMPTS if split == "train" else TEST_PROMPTS
+    if kind == "conversational":
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": text}] for text in prompts]})
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def sft_dataset(kind: str):
+    from datasets import Dataset
+
+    if kind == "language_modeling":
+        return Dataset.from_dict({"text": [f"{p} {q}." for p, q in zip(PROMPTS, PROMPTS[1:])]})
+    if kind == "conversational_language_modeling":
+        return Dataset.from_dict({"messages": [[{"role": "user", "content": p}, {"role": "assistant", "content": q}]
+                                               for p, q in zip(PROMPTS, PROMPTS[1:])]})
+    return Dataset.from_dict({"prompt": PROMPTS[:-1], "completion": [f" {q}." for q in PROMPTS[1:]]})
+
+
+@pytest.fixture(params=["trl", "hasten"])
+def lib(request) -> types.SimpleNamespace:
+    """The trainer module under test: TRL's (control) or hasten's, with the same names."""
+    if request.param == "trl":
+        module = pytest.importorskip("trl")
+    else:
+        import hasten.api as module
+    # transformers refuses its bf16 default without a GPU unless told use_cpu (TRL's side only: hasten
+    # picks its device itself)
+    machine = {"use_cpu": True} if request.param == "trl" and not torch.cuda.is_available() else {}
+    return types.SimpleNamespace(name=request.param, GRPOConfig=module.GRPOConfig, GRPOTrainer=module.GRPOTrainer,
+                                 SFTConfig=module.SFTConfig, SFTTrainer=module.SFTTrainer, machine=machine)
+
+
+def unsupported_on_hasten(reason: str):
+    """Mark a test hasten declines: on hasten it passes only if the test fails with one UserError line
+    saying "not supported" (never a traceback, never a silent ignore); on TRL it runs as written."""
+    def decorate(test):
+        @functools.wraps(test)
+        def run(*args, **kwargs):
+            if kwargs["lib"].name != "hasten":
+                return test(*args, **kwargs)
+            with pytest.raises(UserError) as caught:
+                test(*args, **kwargs)
+            message = str(caught.value)
+            assert "\n" not in message and "not supported" in message, message
+        run.unsupported = reason
+        return run
+    return decorate
+
+
+# ------------------------------------------------------------------ the summary
+
+_OUTCOMES: dict[str, dict[str, str]] = {}  # test id without the library -> {"trl": outcome, "hasten": outcome}
+_UNSUPPORTED: dict[str, str] = {}
+
+
+def _key(item) -> tuple[str, str] | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "lib" not in callspec.params or "conformance" not in str(item.path):
+        return None
+    name = callspec.params["lib"]
+    rest = [part for part in callspec.id.split("-") if part != name]
+    return name, item.originalname + (f"[{'-'.join(rest)}]" if rest else "")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        key = _key(item)
+        if key is not None and getattr(item.function, "unsupported", None):
+            _UNSUPPORTED[key[1]] = item.function.unsupported
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    key = _key(item)
+    if key is None or (report.when != "call" and report.passed):
+        return
+    name, test = key
+    result = "passed" if report.passed else "skipped" if report.skipped else "failed"
+    previous = _OUTCOMES.setdefault(test, {}).get(name)
+    if previous in (None, "passed"):
+        _OUTCOMES[test][name] = result
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _OUTCOMES:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("TRL conformance (tests/conformance)")
+    on_trl = [test for test, result in _OUTCOMES.items() if result.get("trl") == "passed"]
+    if on_trl:
+        supported = [test for test in on_trl if _OUTCOMES[test].get("hasten") == "passed"
+                     and test not in _UNSUPPORTED]
+        write(f"hasten passes {len(supported)} of the {len(on_trl)} tests that pass on TRL "
+              f"({100 * len(supported) / len(on_trl):.0f}%)")
+    else:
+        ran = [test for test, result in _OUTCOMES.items() if "hasten" in result]
+        passed = [test for test in ran if _OUTCOMES[test]["hasten"] == "passed" and test not in _UNSUPPORTED]
+        write(f"TRL not installed (pip install trl==1.16.0): hasten passes {len(passed)} of {len(ran)} tests")
+    failing = sorted(test for test, result in _OUTCOMES.items() if result.get("hasten") == "failed")
+    for test in failing:
+        write(f"  fails on hasten: {test}")
+    for test, reason in sorted(_UNSUPPORTED.items()):
+        if test in _OUTCOMES:
+            write(f"  not supported by hasten: {test}: {reason}")
