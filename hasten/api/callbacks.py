@@ -9,8 +9,12 @@ calls that have a meaning here, with transformers' arguments
     on_step_end      after every hasten step (one generation batch: num_iterations optimizer steps)
     on_log           every args.logging_steps: the mean of the steps since the last log, under TRL's
                      names (loss, grad_norm, learning_rate, reward, reward_std, rewards/<f>/mean,
-                     completions/mean_length, kl, entropy, ...); appended to state.log_history
-    on_evaluate      after each held-out eval (metrics prefixed "eval_", as transformers does)
+                     completions/mean_length, kl, entropy, ...); appended to state.log_history;
+                     at the end, transformers' summary entry (train_loss, train_runtime,
+                     train_samples_per_second, train_steps_per_second, total_flos) with what
+                     was not logged yet, as the last entry of log_history
+    on_evaluate      after each held-out eval (metrics prefixed "eval_", or "eval_<name>_" for a
+                     dict of eval datasets, under TRL's names, as transformers does)
     on_save          after each checkpoint
     on_train_end     after the last step (or a stop)
 
@@ -25,8 +29,9 @@ Python API does not import transformers unless the model needs it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..train.loop import Hook
 from .grpo_config import APIError
@@ -37,7 +42,7 @@ NOT_CALLED = ("on_init_end", "on_epoch_begin", "on_epoch_end", "on_step_begin", 
 # hasten's metrics.jsonl names -> TRL's log names (others keep hasten's name)
 TRL_NAMES = {"reward_mean": "reward", "lr": "learning_rate", "completion_length": "completions/mean_length",
              "completion_length_max": "completions/max_length", "zero_variance_groups": "frac_reward_zero_std",
-             "eos_fraction": "completions/eos_fraction"}
+             "eos_fraction": "completions/eos_fraction", "seconds": "runtime"}
 
 
 @dataclass
@@ -102,12 +107,20 @@ class CallbackBridge(Hook):
     """The loop's Hook that drives TrainerCallbacks and keeps TrainerState (log_history) current."""
 
     def __init__(self, callbacks: list, args: Any, state: TrainerState, model: Any, tokenizer: Any,
-                 iterations: int, prompts_per_epoch: float, log_every: int):
+                 iterations: int, prompts_per_epoch: float, log_every: int,
+                 evaluate: Callable[[], dict[str, Any]] | None = None, eval_every: int = 0):
+        """evaluate / eval_every: evals the trainer runs itself (named eval datasets), after every
+        eval_every-th step (and before the first with args.eval_on_start), logged like the loop's."""
         self.callbacks, self.args, self.state, self.control = callbacks, args, state, TrainerControl()
         self.model, self.tokenizer = model, tokenizer
         self.iterations, self.prompts_per_epoch, self.log_every = iterations, prompts_per_epoch, log_every
+        self.evaluate, self.eval_every = evaluate, eval_every
         self.window: list[dict[str, Any]] = []
+        self.losses: list[float] = []  # every step's loss, for the summary's train_loss
         self.run_dir = None
+        self.started = time.perf_counter()
+        self.start_step = 0
+        self.summary: dict[str, Any] = {}  # the final entry's train_* metrics (TrainOutput.metrics)
 
     def _call(self, hook: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
@@ -124,38 +137,61 @@ class CallbackBridge(Hook):
 
     def on_begin(self, run, start: int) -> None:
         self.run_dir = run.path
+        self.started, self.start_step = time.perf_counter(), start
         self._advance(start)
         self._call("on_train_begin")
+        if start == 0 and self.evaluate is not None and getattr(self.args, "eval_on_start", False):
+            self.log_eval(self.evaluate())
 
     def on_step(self, step: int, record: dict[str, Any]) -> bool:
         self._advance(step)
         self.window.append(record)
+        if isinstance(record.get("loss"), (int, float)):
+            self.losses.append(float(record["loss"]))
         self._call("on_step_end")
         if step % self.log_every == 0:
             self._log()
+        if self.evaluate is not None and self.eval_every and step % self.eval_every == 0:
+            self.log_eval(self.evaluate())
         return self.control.should_training_stop
+
+    def _window_logs(self) -> dict[str, Any]:
+        """The mean of the steps since the last log, under TRL's names; empties the window."""
+        numeric = [{k: v for k, v in trl_record(r).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and k != "step"} for r in self.window]
+        keys = dict.fromkeys(key for record in numeric for key in record)
+        self.window = []
+        return {key: sum(r[key] for r in numeric if key in r) / sum(key in r for r in numeric) for key in keys}
 
     def _log(self) -> None:
         if not self.window:
             return
-        numeric = [{k: v for k, v in trl_record(r).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and k != "step"} for r in self.window]
-        keys = dict.fromkeys(key for record in numeric for key in record)
-        logs = {key: sum(r[key] for r in numeric if key in r) / sum(key in r for r in numeric) for key in keys}
-        logs["epoch"] = self.state.epoch
-        self.window = []
+        logs = {**self._window_logs(), "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._call("on_log", logs=logs)
 
     def on_evaluate(self, step: int, metrics: dict[str, Any]) -> None:
         self._advance(step)
-        prefixed = {f"eval_{key}": value for key, value in metrics.items()}
-        self.state.log_history.append({**prefixed, "epoch": self.state.epoch, "step": self.state.global_step})
-        self._call("on_evaluate", metrics=prefixed)
+        self.log_eval({f"eval_{key}": value for key, value in trl_record(metrics).items()})
+
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        """Eval metrics, already prefixed, into log_history and on_evaluate (as transformers logs them)."""
+        self.state.log_history.append({**metrics, "epoch": self.state.epoch, "step": self.state.global_step})
+        self._call("on_evaluate", metrics=metrics)
 
     def on_save(self, step: int, checkpoint) -> None:
         self._call("on_save")
 
     def on_end(self, summary: dict[str, Any]) -> None:
-        self._log()  # a last window shorter than logging_steps
+        """transformers' final log entry: the metrics not yet logged (a last window shorter than
+        logging_steps, as TRL merges them) with the run's train_runtime, train_*_per_second and train_loss."""
+        runtime = max(time.perf_counter() - self.started, 1e-9)
+        steps = self.state.global_step - self.start_step * self.iterations
+        samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        self.summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
+                        "train_steps_per_second": round(steps / runtime, 3), "total_flos": 0.0,
+                        "train_loss": sum(self.losses) / len(self.losses) if self.losses else float("nan")}
+        logs = {**self._window_logs(), **self.summary, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._call("on_log", logs=logs)
         self._call("on_train_end")

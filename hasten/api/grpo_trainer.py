@@ -25,6 +25,7 @@ after saving a checkpoint instead of raising KeyboardInterrupt.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,9 +33,9 @@ from typing import Any, Callable
 from ..config import Config, load_config, to_dict
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, GRPOConfig
-from .inputs import build_policy, build_rewards, build_task, model_name
+from .inputs import build_policy, build_rewards, build_task, model_name, named_eval_sets
 
-UNSUPPORTED_ARGUMENTS = ("reward_processing_classes", "quantization_config")
+UNSUPPORTED_ARGUMENTS = ("quantization_config",)
 
 
 @dataclass
@@ -49,9 +50,10 @@ class TrainOutput:
 class GRPOTrainer:
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
-                 callbacks: list | None = None, optimizers: tuple = (None, None), peft_config: Any = None,
-                 tools: list[Callable] | None = None, rollout_func: Callable | None = None,
-                 environment_factory: Any = None, log: Callable[[str], None] = print, **others: Any):
+                 reward_processing_classes: Any = None, callbacks: list | None = None,
+                 optimizers: tuple = (None, None), peft_config: Any = None, tools: list[Callable] | None = None,
+                 rollout_func: Callable | None = None, environment_factory: Any = None,
+                 log: Callable[[str], None] = print, **others: Any):
         import torch
 
         from ..train.trainer import prepare
@@ -78,11 +80,23 @@ class GRPOTrainer:
                 raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
                                "args.max_steps must be set")
             placeholder = [{"prompt": [{"role": "user", "content": ""}]}] * args.prompts_per_step()
-        task = build_task(train_dataset, eval_dataset, placeholder, fill_prompt=environment_factory is not None)
-        rewards = build_rewards(reward_funcs, optional=environment_factory is not None)
+        self.eval_dataset = eval_dataset
+        # {None: rows} or {name: rows}; {} without one
+        self.eval_sets = named_eval_sets(eval_dataset, fill_prompt=environment_factory is not None)
+        task = build_task(train_dataset, self.eval_sets.get(None), placeholder,
+                          fill_prompt=environment_factory is not None)
+        rewards = build_rewards(reward_funcs, reward_processing_classes, args.chat_template_kwargs,
+                                optional=environment_factory is not None)
+        if environment_factory is None and args.reward_weights is not None and \
+                len(args.reward_weights) != len(rewards):  # TRL's words
+            raise APIError(f"Number of reward weights ({len(args.reward_weights)}) must match number of reward "
+                           f"functions ({len(rewards)})")
         pairs = [("model.name", model_name(model)), ("task.name", "dataset"),
-                 *args.overrides(len(task.train_rows), len(task.eval_rows))]
+                 *args.overrides(len(task.train_rows), sum(map(len, self.eval_sets.values())))]
         self.config: Config = load_config(None, pairs, profile=args.profile)
+        self.eval_every = self.config.eval.every if self.config.eval.num_examples else 0
+        if self.eval_sets and None not in self.eval_sets:  # named sets: the trainer evaluates each (bridge)
+            self.config.eval.num_examples, self.config.eval.at_start = 0, False
         random.seed(args.seed)
         torch.manual_seed(args.seed)  # LoRA's initialization, as TRL seeds before building the model
         policy = build_policy(model, self.config, processing_class, peft_config, log)
@@ -99,7 +113,8 @@ class GRPOTrainer:
             self.session.agent = RolloutFunction(rollout_func, self, policy.tokenizer, policy.pad_token_id,
                                                  policy.eos_token_ids)
         self.run_dir: Path | None = None
-        self._trained = False
+        self._trained = False  # train() began (a second call is an error)
+        self._finished = False  # train() returned: the session's engine is closed
 
     @property
     def model(self):
@@ -126,17 +141,58 @@ class GRPOTrainer:
         self._trained = True
         resume = self._resume_path(resume_from_checkpoint)
         cfg = self.config
+        named = bool(self.eval_sets) and None not in self.eval_sets
         bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class,
                                 cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
-                                cfg.output.log_every)
+                                cfg.output.log_every, self._evaluate_sets if named else None, self.eval_every)
         target = Path(cfg.output.dir) / cfg.output.name
         if resume is None and target.is_dir() and any(target.iterdir()):
             self.log(f"output_dir {target} holds an earlier run; hasten never overwrites one, so this run "
                      "gets a fresh directory beside it (resume_from_checkpoint=True continues the earlier run)")
         summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
+        self._finished = True
         self.run_dir = Path(summary["run_dir"])
         losses = [record["loss"] for record in _records(self.run_dir) if isinstance(record.get("loss"), float)]
-        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"),
+                           {**summary, **bridge.summary})
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """transformers' evaluate(): hasten's held-out eval (greedy, one completion per prompt,
+        train/evaluate.py) on eval_dataset (default: the trainer's), metrics under TRL's names with
+        `metric_key_prefix` ("eval_reward", "eval_rewards/<f>/mean", ...; "eval_<name>_..." per named
+        set); logged to log_history and on_evaluate like TRL's."""
+        sets = named_eval_sets(eval_dataset) if eval_dataset is not None else self.eval_sets
+        if not sets:
+            raise APIError("GRPOTrainer.evaluate: there is no eval_dataset (pass one here or to GRPOTrainer)")
+        metrics = self._evaluate_sets(sets, metric_key_prefix)
+        metrics = {key: value for key, value in metrics.items() if key not in (ignore_keys or [])}
+        bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1, 1, 1)
+        bridge.log_eval(metrics)
+        return metrics
+
+    def _evaluate_sets(self, sets: dict | None = None, prefix: str = "eval") -> dict[str, float]:
+        import dataclasses
+
+        from ..train.evaluate import evaluate
+        from ..train.trainer import make_engine
+        from .callbacks import trl_record
+
+        session, cfg = self.session, self.config
+        engine = make_engine(cfg, session.policy, lambda line: None) if self._finished else session.engine
+        metrics: dict[str, float] = {}
+        for name, rows in (sets if sets is not None else self.eval_sets).items():
+            label = prefix if name is None else f"{prefix}_{name}"
+            task = dataclasses.replace(session.task, eval_rows=rows)
+            started = time.perf_counter()
+            found, _ = evaluate(task, engine, session.policy.tokenizer, session.rewards, len(rows),
+                                cfg.eval.max_new_tokens, self.args.per_device_eval_batch_size,
+                                cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(),
+                                cfg.generation.stop_strings)
+            runtime = time.perf_counter() - started
+            found.update({"seconds": runtime, "samples_per_second": len(rows) / max(runtime, 1e-9)})
+            metrics.update({f"{label}_{key}": value for key, value in trl_record(found).items()})
+        return metrics
 
     def _resume_path(self, resume: str | bool | None) -> Path | None:
         from ..train.loop import find_checkpoint

@@ -9,8 +9,9 @@
   as given (every LoraConfig option works; the run's config.yaml records r,
   alpha, dropout and target modules).
 - reward_funcs: a callable, a 'file.py:function' or 'package.module:function'
-  string, or a list mixing them, in the order reward_weights follow. TRL also
-  takes a reward *model* (a hub id or nn.Module); hasten does not (one error).
+  string, a reward model (a directory, hub id or loaded sequence-classification
+  model, with reward_processing_classes), or a list mixing them, in the order
+  reward_weights follow.
 - train_dataset / eval_dataset: see tasks/data.py (rows_from).
 """
 
@@ -93,30 +94,48 @@ def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:
     return Policy(model=model, tokenizer=policy.tokenizer, source=policy.source, lora=True)
 
 
-def build_rewards(reward_funcs: Any, optional: bool = False) -> list[RewardFunction]:
-    """RewardFunctions in the given order (reward_weights follow it). optional: an environment_factory may own
-    the reward (get_reward), so none given is not an error here (prepare checks that some reward exists)."""
+def build_rewards(reward_funcs: Any, reward_processing_classes: Any = None,
+                  chat_template_kwargs: dict | None = None, optional: bool = False) -> list[RewardFunction]:
+    """RewardFunctions in the given order (reward_weights follow it); reward models as TRL takes them:
+    an id or directory, or a loaded sequence-classification model, tokenized with the matching entry of
+    reward_processing_classes or the model's own tokenizer (rewards/reward_model.py). optional: an
+    environment_factory may own the reward (get_reward), so none given is not an error here (prepare checks
+    that some reward exists)."""
+    from ..rewards.reward_model import RewardModel, is_model, is_model_spec, load_reward_model
+
     if reward_funcs is None and optional:
         return []
     if reward_funcs is None:
-        raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, or a list)")
-    given = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, a reward "
+                       "model, or a list)")
+    given = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    tokenizers = [None] * len(given) if reward_processing_classes is None else (
+        list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
+        else [reward_processing_classes])
+    if len(tokenizers) != len(given):  # TRL's words, which scripts and tests match
+        raise APIError(f"The number of reward processing classes ({len(tokenizers)}) must match the number of "
+                       f"reward functions ({len(given)}).")
     functions = []
-    for index, item in enumerate(given):
-        if isinstance(item, str):
+    for index, (item, tokenizer) in enumerate(zip(given, tokenizers)):
+        if isinstance(item, str) and is_model_spec(item):
+            model = load_reward_model(item, tokenizer, chat_template_kwargs=chat_template_kwargs)
+            functions.append(RewardFunction(name=model.__name__, fn=model, deterministic=True))
+        elif isinstance(item, str):
             if ":" not in item:
-                raise APIError(f"GRPOTrainer: reward_funcs[{index}] '{item}' looks like a reward model id; hasten "
-                               "takes reward functions only ('file.py:function', 'package.module:function')")
+                raise APIError(f"GRPOTrainer: reward_funcs[{index}] '{item}' is neither a model directory nor a "
+                               "'file.py:function' / 'package.module:function' string")
             functions.append(load_reward(item))
-        elif hasattr(item, "parameters") and hasattr(item, "forward"):
-            raise APIError(f"GRPOTrainer: reward_funcs[{index}] is a model ({type(item).__name__}); hasten takes "
-                           "reward functions only")
+        elif is_model(item):
+            if tokenizer is None:
+                tokenizer = _tokenizer_for(item)
+            model = RewardModel(item, tokenizer, chat_template_kwargs)
+            functions.append(RewardFunction(name=model.__name__, fn=model, deterministic=True))
         elif callable(item):
             name = getattr(item, "__name__", None) or type(item).__name__
             functions.append(RewardFunction(name=name, fn=item))
         else:
-            raise APIError(f"GRPOTrainer: reward_funcs[{index}] must be callable or a 'module:function' string "
-                           f"(got {type(item).__name__})")
+            raise APIError(f"GRPOTrainer: reward_funcs[{index}] must be callable, a reward model or a "
+                           f"'module:function' string (got {type(item).__name__})")
     names = [f.name for f in functions]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
@@ -150,3 +169,16 @@ def _filled(dataset: Any, fill_prompt: bool) -> Any:
     if not isinstance(rows, (list, tuple)):
         return dataset
     return [{"prompt": [{"role": "user", "content": ""}], **row} if isinstance(row, dict) else row for row in rows]
+
+
+def named_eval_sets(eval_dataset: Any, fill_prompt: bool = False) -> dict[str | None, list[dict[str, Any]]]:
+    """eval_dataset as TRL takes it: one dataset -> {None: rows}; a dict of datasets (or a DatasetDict)
+    -> {name: rows}, each evaluated and logged under eval_<name>_*; None -> {}. fill_prompt: as build_task."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):
+        if not eval_dataset:
+            raise APIError("GRPOTrainer: eval_dataset is an empty dict")
+        return {str(name): rows_from(_filled(dataset, fill_prompt), f"eval_dataset['{name}']")
+                for name, dataset in eval_dataset.items()}
+    return {None: rows_from(_filled(eval_dataset, fill_prompt), "eval_dataset")}

@@ -131,7 +131,13 @@ class RewardScores:
 
 
 def load_reward(spec: str) -> RewardFunction:
-    """'path/to/file.py:function' or 'package.module:function' -> RewardFunction named after the function."""
+    """'path/to/file.py:function' or 'package.module:function' -> RewardFunction named after the function;
+    a model directory or hub id -> a reward model (reward_model.py), as TRL takes one."""
+    from hasten.rewards.reward_model import is_model_spec, load_reward_model
+
+    if is_model_spec(spec):
+        model = load_reward_model(spec)
+        return RewardFunction(name=model.__name__, fn=model, deterministic=True)
     path_text, separator, function_name = spec.rpartition(":")
     if not separator or not path_text or not function_name:
         raise RewardError(f"reward error: spec '{spec}' must look like path/to/file.py:function "

@@ -1,8 +1,8 @@
 """Held-out evaluation: greedy completions, scored by the task.
 
 Reports accuracy (fraction judged correct), answer rate (fraction with a
-parseable answer) and the mean total reward under the run's reward
-functions, on the first `num_examples` held-out rows, plus whatever the
+parseable answer), the mean total reward under the run's reward functions
+and each function's mean over the samples it applied to (rewards/<name>), on the first `num_examples` held-out rows, plus whatever the
 task's own `metrics` function adds (chess: format rate, FEN exact match,
 mean similarity). Greedy decoding makes the numbers a property of the
 weights, not of a sampling seed.
@@ -49,6 +49,7 @@ def evaluate(
     reward_total = 0.0
     samples = []
     texts: list[str] = []  # every completion, for the task's own metrics
+    per_function: dict[str, list] = {}  # reward name -> [sum of its scores, samples it applied to]
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
         if agent is not None:
@@ -64,6 +65,11 @@ def evaluate(
                 reward_kwargs,
             )
             reward_total += float(torch.nan_to_num(scores.total).sum())
+            for column, name in enumerate(scores.names):
+                values = scores.per_function[:, column]  # (N,) NaN where the function did not apply
+                applied = ~torch.isnan(values)
+                sums, counts = per_function.setdefault(name, [0.0, 0])
+                per_function[name] = [sums + float(values[applied].sum()), counts + int(applied.sum())]
         texts += inputs.texts
         for row, text in zip(batch, inputs.texts):
             verdict = task.check(text, row)
@@ -81,6 +87,7 @@ def evaluate(
         metrics["answer_rate"] = parsed / judged
     if reward_functions and rows:
         metrics["reward_mean"] = reward_total / len(rows)
+        metrics.update({f"rewards/{name}": total / count for name, (total, count) in per_function.items() if count})
     if task.metrics is not None:
         metrics.update(task.metrics(texts, rows))
     if task.evaluate_more is not None:

@@ -41,6 +41,7 @@ from ..config import Config, ConfigError
 from ..device import configure_device, peak_memory_mib, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
 from ..rewards import RewardFunction, load_reward
+from ..rewards.reward_model import place_reward_models
 from ..rewards.batch import ScoredBatch, reward_inputs
 from ..rewards.runner import RewardScores
 from ..rollout import Engine, RowRange, SamplingParams
@@ -125,6 +126,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
         policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
+    place_reward_models(rewards, device)  # reward models score where the policy runs
     distributed.init(device)  # torchrun: join the process group (nothing without it)
     distributed.broadcast_parameters(policy.model)  # equal by seed already; rank 0's by construction
     if cfg.speed.compile:
