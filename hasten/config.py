@@ -60,6 +60,7 @@ class RewardsConfig:
     task_rewards: bool = True  # use the task's built-in reward functions
     extra: list[str] = field(default_factory=list)  # "path/to/file.py:function", repeatable
     weights: list[float] | None = None  # one per function (task's first, then extra); None = defaults
+    aggregation: str = "sum_then_normalize"  # sum_then_normalize | normalize_then_sum: z-score each function per group, weighted sum, batch z-score (TRL's multi_objective_aggregation)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class AlgoConfig:
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
+    importance_sampling_level: str = "token"  # token | sequence: every token takes its sequence's ratio exp(mean log-ratio) (GSPO's; TRL's key), with any loss
 
 
 @dataclass
@@ -106,6 +108,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     gradient_accumulation_steps: int = 1  # the batch is split in this many chunks per optimizer step
     seed: int = 0  # seeds sampling, the prompt order and LoRA init
+    shuffle: bool = True  # prompts in a fresh seeded shuffle each epoch; false: in dataset order (TRL's shuffle_dataset)
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
 
@@ -217,6 +220,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
     "algo.scale_rewards": ("group", "batch", "none"),
+    "algo.importance_sampling_level": ("token", "sequence"),
+    "rewards.aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.distributed": ("ddp", "fsdp"),
     "output.progress": ("auto", "live", "plain", "off"),

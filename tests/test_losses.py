@@ -446,3 +446,33 @@ def test_unit_importance_weights_change_nothing(name):
     loss_weighted.backward()
     assert torch.equal(loss_plain.detach(), loss_weighted.detach())
     assert torch.allclose(plain.logps.grad, weighted.logps.grad, atol=0, rtol=0)
+
+
+# =========================================================================== #
+# Sequence-level importance sampling with every loss (TRL's importance_sampling_level="sequence")
+# =========================================================================== #
+
+SEQUENCE = LossSettings(epsilon=0.2, epsilon_high=0.28, sequence_level=True)
+
+
+def test_sequence_level_grpo_is_gspo_in_value_and_gradient():
+    ours = make_inputs(log_ratios=GSPO_LOG_RATIOS, requires_grad=True, ref=True)
+    theirs = make_inputs(log_ratios=GSPO_LOG_RATIOS, requires_grad=True, ref=True)
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, beta=0.1, sequence_level=True)
+    loss, metrics = LOSSES["grpo"](ours, settings)
+    expected, _ = LOSSES["gspo"](theirs, LossSettings(epsilon=0.2, epsilon_high=0.28, beta=0.1))
+    loss.backward()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), abs=ATOL)
+    torch.testing.assert_close(ours.logps.grad, theirs.logps.grad)
+
+
+def test_sequence_level_dapo_hand_value():
+    # every token of a sequence takes the sequence's ratio (seq0 clipped at 1.28, seq1 at 0.8, seq2 e^0.1);
+    # dapo sums the 6 completion tokens' losses over the batch's 6 tokens
+    loss, metrics = LOSSES["dapo"](make_inputs(log_ratios=GSPO_LOG_RATIOS), SEQUENCE)
+    expected = (3 * -2.56 + 2 * 0.8 + 1 * -0.5 * math.exp(0.1)) / 6
+    assert loss.item() == pytest.approx(expected, abs=ATOL)
+    assert metrics["clip_ratio/high"] == pytest.approx(3 / 6) and metrics["clip_ratio/low"] == pytest.approx(2 / 6)
+    token_level, _ = LOSSES["dapo"](make_inputs(log_ratios=GSPO_LOG_RATIOS), SETTINGS)
+    assert abs(token_level.item() - expected) > 0.02  # the switch changes the loss

@@ -45,6 +45,20 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return torch.nan_to_num(centered.reshape(-1), nan=0.0)
 
 
+def normalized_sum_advantages(per_function: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """TRL's multi_objective_aggregation="normalize_then_sum": each function's scores z-scored within
+    their group, summed with the weights (NaN: the function did not apply), then z-scored over the
+    batch. per_function: (B*G, F) group-major; weights: (F,). -> (B*G,), 0 for unscorable samples."""
+    grouped = per_function.view(-1, num_generations, per_function.shape[1])  # (B, G, F)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)  # (B, 1, F)
+    std = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + EPS)).view(-1, per_function.shape[1])  # (B*G, F)
+    rewards = (normalized * weights[None, :]).nansum(dim=1)  # (B*G,)
+    rewards[torch.isnan(per_function).all(dim=1)] = float("nan")  # no function applied: unscorable
+    spread = nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
+    return torch.nan_to_num((rewards - torch.nanmean(rewards)) / (spread + EPS), nan=0.0)
+
+
 def zero_variance_fraction(rewards: torch.Tensor, num_generations: int) -> float:
     """Fraction of groups whose (scorable) rewards are all equal (they carry no signal)."""
     grouped = rewards.view(-1, num_generations)

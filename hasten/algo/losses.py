@@ -17,6 +17,9 @@ always >= 0). The variants differ in how tokens are averaged:
   dapo     sum over tokens / tokens in the whole generation batch (TRL default)
   gspo     sequence-level ratio s = exp(mean_t(logp - old_logp)), clipped per
            sequence, mean over sequences (GSPO; use a small epsilon, ~3e-4)
+LossSettings.sequence_level gives grpo, bnpo, dr_grpo and dapo that same
+sequence ratio for every token (TRL's importance_sampling_level="sequence"
+with any loss_type; with grpo it equals gspo).
 With num_iterations = 1 the old log-probs are the detached current ones, so
 r = 1 in value while its gradient is the policy gradient. When a different
 implementation sampled (vLLM), `importance_weights` w = min(pi_old / pi_sampler,
@@ -37,6 +40,8 @@ class LossSettings:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None = epsilon
     beta: float = 0.0
+    sequence_level: bool = False  # every token's ratio is its sequence's exp(mean_t(logp - old_logp)) (TRL's
+    # importance_sampling_level="sequence"); the loss then averages tokens as its type says
 
     @property
     def upper(self) -> float:
@@ -78,7 +83,12 @@ def _kl(inputs: LossInputs) -> torch.Tensor | None:
 def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
     """Clipped surrogate + KL per token, (N, T), and clip metrics."""
     mask = inputs.completion_mask.to(inputs.logps.dtype)
-    ratio = torch.exp(inputs.logps - inputs.old_logps)  # (N, T)
+    if settings.sequence_level:  # one ratio per sequence, broadcast over its tokens (N, T)
+        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
+        log_ratio = ((inputs.logps - inputs.old_logps) * mask).sum(dim=1, keepdim=True) / lengths  # (N, 1)
+        ratio = torch.exp(log_ratio).expand_as(inputs.logps)
+    else:
+        ratio = torch.exp(inputs.logps - inputs.old_logps)  # (N, T)
     advantages = inputs.advantages[:, None]  # (N, 1)
     clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     losses = -torch.min(ratio * advantages, clipped * advantages)  # (N, T)

@@ -39,6 +39,12 @@ from typing import Any
 from ..errors import UserError
 
 
+# generation_kwargs keys that are hasten sampling settings (generation.<key>); length_penalty is read
+# by beam search only, so without beams it changes nothing and is accepted
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_KWARGS = (*SAMPLING, "stop_strings", "length_penalty")
+
+
 class APIError(UserError):
     """A GRPOConfig / GRPOTrainer argument hasten cannot honour; one line."""
 
@@ -64,6 +70,8 @@ class _TrainingFields:
     adam_beta2: float = 0.999
     max_grad_norm: float = 1.0
     optim: str = "adamw_torch_fused"  # adamw_torch | adamw_torch_fused
+    # accepted, changing nothing hasten computes (docs/trl.md): rows are in memory, no DataLoader
+    dataloader_num_workers: int = 0
     # logging, saving
     logging_steps: float = 10
     report_to: Any = "none"  # none | tensorboard | wandb | trackio | mlflow, or a list
@@ -100,6 +108,19 @@ class _GRPOFields(_TrainingFields):
     scale_rewards: Any = "group"  # group | batch | none, or True / False
     reward_weights: list[float] | None = None
     mask_truncated_completions: bool = False
+    multi_objective_aggregation: str = "sum_then_normalize"  # | normalize_then_sum (rewards.aggregation)
+    shuffle_dataset: bool = True  # False: prompts in dataset order (train.shuffle)
+    # accepted, changing nothing hasten computes: sequences are packed, not padded (speed.packed_learning)
+    pad_to_multiple_of: Any = "auto"
+    cast_lm_head_to_fp32: bool = False  # hasten's weights and log-probs are fp32 already (bf16 is autocast)
+    num_generations_eval: int | None = None  # None or 1: hasten's eval is one greedy completion per prompt
+    # vLLM: speed.engine=vllm, in this process (colocate) or a server's (server: speed.vllm_server)
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_gpu_memory_utilization: float = 0.3  # speed.vllm_memory_fraction
     # generation
     temperature: float = 1.0
     top_p: float = 1.0
@@ -255,9 +276,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("generation.num_generations", self.num_generations),
             ("generation.max_new_tokens", self.max_completion_length),
             ("eval.max_new_tokens", self.max_completion_length),
-            ("generation.temperature", self.temperature), ("generation.top_p", self.top_p),
-            ("generation.top_k", self.top_k), ("generation.min_p", self.min_p or 0.0),
-            ("generation.repetition_penalty", self.repetition_penalty),
+            *[(f"generation.{name}", self._sampling(name)) for name in SAMPLING],
             ("generation.stop_strings", self._stop_strings()),
             ("generation.chat_template_kwargs", dict(self.chat_template_kwargs or {})),
             # None is TRL's sys.maxsize: max_completion_length ends the loop first (one token per round at least)
@@ -266,6 +285,8 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.loss", self._loss()), ("algo.beta", self.beta), ("algo.epsilon", self.epsilon),
             ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
+            ("algo.importance_sampling_level", self._importance_level()),
+            ("rewards.aggregation", self.multi_objective_aggregation), ("train.shuffle", bool(self.shuffle_dataset)),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
             ("rewards.task_rewards", False), ("rewards.weights", self.reward_weights),
             ("output.log_completions", self.log_completions),
@@ -279,32 +300,77 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             pairs.append(("speed.gradient_checkpointing", self.gradient_checkpointing))
         if self.torch_compile:
             pairs.append(("speed.compile", True))
+        pairs += self._vllm() + self._accepted()
         pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
         return pairs
+
+    def _accepted(self) -> list[tuple[str, Any]]:
+        """Fields accepted because hasten already computes what they ask for; values it cannot are errors."""
+        if self.num_generations_eval not in (None, 1):
+            raise self._error(f"num_generations_eval={self.num_generations_eval} is not supported (hasten's eval "
+                              "is one greedy completion per prompt: None or 1)")
+        dtype = str((self.model_init_kwargs or {}).get("dtype", (self.model_init_kwargs or {}).get("torch_dtype")))
+        if self.cast_lm_head_to_fp32 and dtype.removeprefix("torch.") in ("bfloat16", "float16"):
+            raise self._error("cast_lm_head_to_fp32=True with a half-precision model_init_kwargs dtype is not "
+                              "supported (load the model in fp32 and set bf16=True: hasten keeps fp32 weights)")
+        return []
+
+    def _vllm(self) -> list[tuple[str, Any]]:
+        """use_vllm: hasten's vLLM engine (speed.engine=vllm), colocated or on a `trl vllm-serve` server."""
+        if not self.use_vllm:
+            return []
+        pairs: list[tuple[str, Any]] = [("speed.engine", "vllm"),
+                                        ("speed.vllm_memory_fraction", self.vllm_gpu_memory_utilization)]
+        if self.vllm_mode == "server":
+            url = self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+            return pairs + [("speed.vllm_server", url)]
+        if self.vllm_mode != "colocate":
+            raise self._error(f"vllm_mode={self.vllm_mode!r} is not supported (colocate | server)")
+        return pairs
+
+    def _importance_level(self) -> str:
+        level = self.importance_sampling_level
+        if level not in ("token", "sequence"):
+            raise self._error(f"importance_sampling_level must be 'token' or 'sequence' (got {level!r})")
+        return "token" if self.loss_type == "grpo" else level  # grpo at the sequence level is algo.loss=gspo
 
     def _loss(self) -> str:
         from ..config import CHOICES
 
         level, loss = self.importance_sampling_level, self.loss_type
-        if level == "sequence":
-            if loss != "grpo":
-                raise self._error(f"importance_sampling_level='sequence' with loss_type={loss!r} is not "
-                               "supported (hasten's gspo is TRL's sequence level with loss_type='grpo')")
-            return "gspo"
-        if level != "token":
-            raise self._error(f"importance_sampling_level must be 'token' or 'sequence' (got {level!r})")
+        if level == "sequence" and loss == "grpo":
+            return "gspo"  # the same loss (tests/test_losses.py); other losses: algo.importance_sampling_level
         if loss not in CHOICES["algo.loss"] or loss == "gspo":
             raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo; "
                            "GSPO is importance_sampling_level='sequence')")
         return loss
 
     def _stop_strings(self) -> list[str]:
-        given = dict(self.generation_kwargs or {})
-        stops = given.pop("stop_strings", None) or []
-        if given:
-            raise self._error(f"generation_kwargs {sorted(given)} are not supported (hasten reads "
-                           "stop_strings; temperature, top_p, top_k, min_p, repetition_penalty are fields)")
+        stops = self._generation_kwargs().get("stop_strings") or []
         return [stops] if isinstance(stops, str) else list(stops)
+
+    def _generation_kwargs(self) -> dict[str, Any]:
+        """generation_kwargs onto hasten's sampling: the sampling keys override the fields (as TRL's
+        generation config takes them); keys that ask for something else than sampling are errors."""
+        given = dict(self.generation_kwargs or {})
+        if given.pop("do_sample", True) is not True:
+            raise self._error("generation_kwargs do_sample=False is not supported (GRPO samples its group)")
+        if given.get("num_beams", 1) != 1:
+            raise self._error(f"generation_kwargs num_beams={given['num_beams']} is not supported (hasten samples; "
+                              "beam search is not one of its engines' modes)")
+        given.pop("num_beams", None)
+        if "max_new_tokens" in given:
+            raise self._error("generation_kwargs max_new_tokens is not supported (use max_completion_length)")
+        unknown = sorted(set(given) - set(GENERATION_KWARGS))
+        if unknown:
+            raise self._error(f"generation_kwargs {unknown} are not supported (hasten reads "
+                              f"{', '.join(GENERATION_KWARGS)}, do_sample=True and num_beams=1)")
+        return given
+
+    def _sampling(self, name: str) -> Any:
+        """A sampling field, generation_kwargs' value first."""
+        value = self._generation_kwargs().get(name, getattr(self, name))
+        return 0.0 if name == "min_p" and value is None else value
 
     def _eval(self, num_eval_rows: int, steps: int = 0) -> list[tuple[str, Any]]:
         if self.eval_strategy not in ("no", "steps"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-VLLM = "hasten generates with its own engines (speed.engine); vLLM is not wired in yet"
+VLLM = "use_vllm maps onto speed.engine=vllm (speed.vllm_server in server mode); this vLLM option has no counterpart there"
 LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo and gspo (algo/losses.py)"
 HUB = "hasten does not push to the Hugging Face Hub; upload the run's checkpoint/ yourself"
 MULTI = "hasten runs one process on one device"
@@ -25,17 +25,11 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, "hasten loads Llama-family models and transformers' own classes only"),
     "router_aux_loss_coef": (None, "mixture-of-experts aux loss is not implemented"),
     "disable_dropout": (False, "hasten's models run without dropout at generation; training keeps the model's own"),
-    "cast_lm_head_to_fp32": (False, "the learner computes log-probs in fp32 already (train/packing.py)"),
-    "num_generations_eval": (None, "hasten's eval is greedy, one completion per prompt (train/evaluate.py)"),
     "ds3_gather_for_generation": (True, MULTI),
-    "shuffle_dataset": (True, "hasten always draws prompts in a seeded shuffle (tasks/sampler.py)"),
-    "pad_to_multiple_of": ("auto", "hasten packs sequences instead of padding (speed.packed_learning)"),
     "cache_implementation": (None, "the engines own their KV caches (rollout/)"),
-    "use_vllm": (False, VLLM), "vllm_mode": ("colocate", VLLM), "vllm_model_impl": ("vllm", VLLM),
+    "vllm_model_impl": ("vllm", VLLM),
     "vllm_enable_sleep_mode": (False, VLLM), "vllm_structured_outputs_regex": (None, VLLM),
-    "vllm_server_base_url": (None, VLLM), "vllm_server_host": ("0.0.0.0", VLLM), "vllm_server_port": (8000, VLLM),
-    "vllm_server_timeout": (240.0, VLLM), "vllm_group_port": (51216, VLLM),
-    "vllm_gpu_memory_utilization": (0.3, VLLM), "vllm_max_model_length": (None, VLLM),
+    "vllm_server_timeout": (240.0, VLLM), "vllm_group_port": (51216, VLLM), "vllm_max_model_length": (None, VLLM),
     "vllm_tensor_parallel_size": (1, VLLM), "vllm_importance_sampling_correction": (True, VLLM),
     "vllm_importance_sampling_mode": ("sequence_mask", VLLM), "vllm_importance_sampling_clip_max": (3.0, VLLM),
     "vllm_importance_sampling_clip_min": (None, VLLM), "vllm_importance_sampling_cap": (None, VLLM),
@@ -43,7 +37,6 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "sapo_temperature_neg": (1.05, LOSS), "sapo_temperature_pos": (1.0, LOSS),
     "vespo_k_pos": (2.0, LOSS), "vespo_lambda_pos": (3.0, LOSS), "vespo_k_neg": (3.0, LOSS),
     "vespo_lambda_neg": (2.0, LOSS),
-    "multi_objective_aggregation": ("sum_then_normalize", "hasten sums weighted rewards, then normalizes (TRL's default)"),
     "sync_ref_model": (False, "the KL reference stays the initial model"),
     "ref_model_mixup_alpha": (0.6, "the KL reference stays the initial model"),
     "ref_model_sync_steps": (512, "the KL reference stays the initial model"),

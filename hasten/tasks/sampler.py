@@ -12,13 +12,14 @@ from typing import Any
 
 
 class PromptSampler:
-    """Endless seeded stream of rows: a fresh shuffle every epoch over the data."""
+    """Endless seeded stream of rows: a fresh shuffle every epoch over the data (or the data's order)."""
 
-    def __init__(self, rows: list[dict], seed: int):
+    def __init__(self, rows: list[dict], seed: int, shuffle: bool = True):
         if not rows:
             raise ValueError("the task has no training rows")
         self.rows = rows
         self.random = random.Random(seed)
+        self.shuffle = shuffle  # False: every epoch in the rows' own order (train.shuffle)
         self.order: list[int] = []
 
     def next(self, count: int) -> list[dict]:
@@ -26,7 +27,10 @@ class PromptSampler:
         while len(batch) < count:
             if not self.order:
                 self.order = list(range(len(self.rows)))
-                self.random.shuffle(self.order)
+                if self.shuffle:
+                    self.random.shuffle(self.order)
+                else:
+                    self.order.reverse()  # pop() takes from the end: row 0 first
             batch.append(self.rows[self.order.pop()])
         return batch
 

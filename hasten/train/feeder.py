@@ -28,7 +28,7 @@ def make_feeder(cfg, rows: list[dict[str, Any]], tokenizer) -> Feeder:
     from ..tasks.sampler import PromptSampler
 
     if cfg.speed.curriculum == "off":
-        sampler = PromptSampler(rows, cfg.train.seed)
+        sampler = PromptSampler(rows, cfg.train.seed, cfg.train.shuffle)
     else:
         sampler = CurriculumSampler(rows, cfg.train.seed, cfg.speed.curriculum, cfg.speed.curriculum_warmup_steps,
                                     cfg.train.prompts_per_step)

@@ -36,7 +36,7 @@ import torch
 
 from ..agent import make_agent
 from ..algo import group_advantages, zero_variance_fraction
-from ..algo.advantages import nanstd
+from ..algo.advantages import nanstd, normalized_sum_advantages
 from ..config import Config, ConfigError
 from ..device import configure_device, peak_memory_mib, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
@@ -223,7 +223,12 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     if batch is not None:
         totals = distributed.gather_rows(batch.scores.scored_total)  # (B*G,) the global batch's, in rank order
         mine = distributed.group_slice(len(totals) // group)
-        advantages = group_advantages(totals, group, cfg.algo.scale_rewards)  # (B*G,), 0 where unscored
+        if cfg.rewards.aggregation == "normalize_then_sum":  # per function, then summed (TRL's option)
+            weights = torch.tensor([function.weight for function in session.rewards], dtype=torch.float32)
+            per_function = distributed.gather_rows(batch.scores.per_function)  # (B*G, F)
+            advantages = normalized_sum_advantages(per_function, weights, group)
+        else:
+            advantages = group_advantages(totals, group, cfg.algo.scale_rewards)  # (B*G,), 0 where unscored
         advantages = advantages[mine.start * group:mine.stop * group]
         # (B*G, T) or None: tool results (multi-turn) and, with algo.mask_truncated_completions, completions
         # cut at max_new_tokens get no loss (TRL's tool_mask and option)

@@ -1,0 +1,90 @@
+"""TRL options hasten takes (hasten/api/grpo_config.py): what each maps onto, and the new pieces behind
+them (normalize_then_sum advantages, dataset-order prompts)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from hasten.algo.advantages import EPS, normalized_sum_advantages
+from hasten.api import APIError, GRPOConfig
+from hasten.tasks.sampler import PromptSampler
+
+
+def mapped(**fields) -> dict:
+    return dict(GRPOConfig(output_dir="out", per_device_train_batch_size=4, num_generations=4, max_steps=1,
+                           **fields).overrides(8, 0))
+
+
+def test_generation_kwargs_override_the_sampling_fields():
+    keys = mapped(top_k=10, generation_kwargs={"do_sample": True, "top_k": 50, "top_p": 0.9, "min_p": 0.05,
+                                               "num_beams": 1, "length_penalty": 2.0, "stop_strings": ["\n"]})
+    assert (keys["generation.top_k"], keys["generation.top_p"], keys["generation.min_p"]) == (50, 0.9, 0.05)
+    assert keys["generation.stop_strings"] == ["\n"] and keys["generation.temperature"] == 1.0
+    for bad, word in [({"do_sample": False}, "do_sample"), ({"num_beams": 2}, "num_beams"),
+                      ({"max_new_tokens": 3}, "max_new_tokens"), ({"typical_p": 0.5}, "typical_p")]:
+        with pytest.raises(APIError, match=f"{word}.*not supported"):
+            mapped(generation_kwargs=bad)
+
+
+def test_use_vllm_maps_onto_the_vllm_engine():
+    assert "speed.engine" not in mapped()
+    colocate = mapped(use_vllm=True, vllm_gpu_memory_utilization=0.5)
+    assert colocate["speed.engine"] == "vllm" and colocate["speed.vllm_memory_fraction"] == 0.5
+    assert "speed.vllm_server" not in colocate
+    server = mapped(use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2", vllm_server_port=8001)
+    assert server["speed.vllm_server"] == "http://10.0.0.2:8001"
+    assert mapped(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://h:9")["speed.vllm_server"] == "http://h:9"
+    with pytest.raises(APIError, match="vllm_mode='remote' is not supported"):
+        mapped(use_vllm=True, vllm_mode="remote")
+
+
+def test_options_that_change_nothing_are_accepted():
+    keys = mapped(dataloader_num_workers=4, pad_to_multiple_of=64, cast_lm_head_to_fp32=True, num_generations_eval=1)
+    assert keys == mapped()
+    with pytest.raises(APIError, match="num_generations_eval=4 is not supported"):
+        mapped(num_generations_eval=4)
+    with pytest.raises(APIError, match="cast_lm_head_to_fp32=True with a half-precision"):
+        mapped(cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
+
+
+def test_sequence_level_and_aggregation_keys():
+    assert mapped(importance_sampling_level="sequence", loss_type="grpo")["algo.loss"] == "gspo"
+    keys = mapped(importance_sampling_level="sequence", loss_type="dapo")
+    assert (keys["algo.loss"], keys["algo.importance_sampling_level"]) == ("dapo", "sequence")
+    assert mapped(multi_objective_aggregation="normalize_then_sum")["rewards.aggregation"] == "normalize_then_sum"
+    assert mapped(shuffle_dataset=False)["train.shuffle"] is False
+
+
+def test_shuffle_false_draws_rows_in_dataset_order_every_epoch():
+    rows = [{"prompt": str(i)} for i in range(3)]
+    assert [r["prompt"] for r in PromptSampler(rows, 0, shuffle=False).next(7)] == list("0120120")
+    shuffled = [r["prompt"] for r in PromptSampler([{"prompt": str(i)} for i in range(8)], 0).next(8)]
+    assert shuffled != [str(i) for i in range(8)]
+
+
+def test_normalize_then_sum_by_hand():
+    # 2 groups of 3, 2 functions (weights 1 and 0.5); sample 5 has no score from either: unscorable
+    nan = float("nan")
+    scores = [[1.0, 10.0], [2.0, 10.0], [3.0, 40.0], [0.0, nan], [2.0, 5.0], [nan, nan]]
+    weights = [1.0, 0.5]
+
+    def zscores(values):
+        present = [v for v in values if v == v]
+        mean, std = statistics.mean(present), statistics.stdev(present) if len(present) > 1 else float("nan")
+        return [(v - mean) / (std + EPS) if v == v else nan for v in values]
+
+    columns = [[row[k] for row in scores] for k in range(2)]
+    normalized = [zscores(column[0:3]) + zscores(column[3:6]) for column in columns]
+    summed = []
+    for i in range(6):
+        parts = [normalized[k][i] * weights[k] for k in range(2) if normalized[k][i] == normalized[k][i]]
+        summed.append(sum(parts) if any(scores[i][k] == scores[i][k] for k in range(2)) else nan)
+    present = [v for v in summed if v == v]
+    mean, std = statistics.mean(present), statistics.stdev(present)
+    expected = [(v - mean) / (std + EPS) if v == v else 0.0 for v in summed]
+    got = normalized_sum_advantages(torch.tensor(scores), torch.tensor(weights), 3)
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert got[5] == 0.0 and got.abs().sum() > 1  # unscorable gets 0; the rest carry signal
