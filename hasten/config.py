@@ -90,6 +90,7 @@ class AlgoConfig:
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
+    top_entropy_quantile: float = 1.0  # < 1: only this top fraction of each chunk's tokens by entropy gets a policy gradient (TRL's key; 1 = all)
     importance_sampling_level: str = "token"  # token | sequence: every token takes its sequence's ratio exp(mean log-ratio) (GSPO's; TRL's key), with any loss
 
 
@@ -244,6 +245,7 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # output.report_to (tr
 # (key, predicate, human-readable requirement) checked after types are right.
 _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("model.device", lambda v: DEVICE_SETTING.fullmatch(v) is not None, "auto, cpu, cuda or cuda:N"),
+    ("algo.top_entropy_quantile", lambda v: 0.0 <= v <= 1.0, "between 0 and 1"),
     ("model.lora_r", lambda v: v > 0, "> 0"),
     ("model.lora_alpha", lambda v: v > 0, "> 0"),
     ("model.lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -88,3 +88,47 @@ def test_normalize_then_sum_by_hand():
     got = normalized_sum_advantages(torch.tensor(scores), torch.tensor(weights), 3)
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert got[5] == 0.0 and got.abs().sum() > 1  # unscorable gets 0; the rest carry signal
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.8, 0.5, 0.2, 0.0])
+def test_high_entropy_mask_equals_trl(quantile):
+    """hasten's top_entropy_quantile mask against TRL's own GRPOTrainer.get_high_entropy_mask (one process)."""
+    from unittest.mock import Mock
+
+    trl = pytest.importorskip("trl")
+    from hasten.algo.losses import high_entropy_mask
+
+    trainer = Mock(spec=trl.GRPOTrainer)
+    trainer.accelerator = Mock(num_processes=1, gather=lambda x: x, pad_across_processes=lambda x, dim, pad_index: x)
+    generator = torch.Generator().manual_seed(0)
+    entropies = torch.rand(4, 7, generator=generator)
+    mask = (torch.rand(4, 7, generator=generator) > 0.3).long()
+    theirs = trl.GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, 1 - quantile)
+    ours = high_entropy_mask(entropies, mask, quantile)
+    assert torch.equal(ours, theirs)
+    assert int(ours.sum()) <= int(mask.sum()) and (quantile < 1 or torch.equal(ours, mask.bool()))
+
+
+def test_top_entropy_quantile_maps_and_masks_the_policy_gradient():
+    assert mapped(top_entropy_quantile=0.2)["algo.top_entropy_quantile"] == 0.2
+    with pytest.raises(APIError, match="entropy_coef=0.1 is not supported"):
+        mapped(entropy_coef=0.1)
+
+
+def test_top_entropy_quantile_changes_the_learner_gradient(model, tokenizer):
+    """Below 1, only the high-entropy tokens carry the policy gradient; 1 is the plain loss."""
+    from conftest import learner_step, rollout_of
+
+    rollout = rollout_of(model, tokenizer, num_generations=4, max_new_tokens=8)
+    advantages = torch.linspace(-1.0, 1.0, rollout.num_samples)
+
+    def configure(quantile):
+        def apply(cfg):
+            cfg.algo.top_entropy_quantile = quantile
+        return apply
+
+    _, full = learner_step(model, tokenizer, rollout, advantages, configure(1.0))
+    _, again = learner_step(model, tokenizer, rollout, advantages, configure(1.0))
+    _, masked = learner_step(model, tokenizer, rollout, advantages, configure(0.2))
+    assert all(torch.equal(a, b) for a, b in zip(full, again))
+    assert any(not torch.allclose(a, b) for a, b in zip(full, masked))

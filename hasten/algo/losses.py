@@ -158,6 +158,18 @@ def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     return (losses * present).sum() / inputs.total_sequences, metrics
 
 
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """(N, T) bool: the completion tokens whose entropy is at least the (1 - quantile) quantile of the
+    chunk's completion-token entropies (TRL's top_entropy_quantile, arXiv:2506.01939); the rest get no
+    policy gradient. quantile 1 keeps every token; no tokens gives an all-False mask."""
+    present = mask.bool()
+    values = entropies[present].float()
+    if not values.numel():
+        return torch.zeros_like(present)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropies * mask) >= threshold) & present
+
+
 LOSSES: dict[str, Callable[[LossInputs, LossSettings], tuple[torch.Tensor, Metrics]]] = {
     "grpo": grpo_loss,
     "bnpo": bnpo_loss,

@@ -108,6 +108,7 @@ class _GRPOFields(_TrainingFields):
     scale_rewards: Any = "group"  # group | batch | none, or True / False
     reward_weights: list[float] | None = None
     mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile
     multi_objective_aggregation: str = "sum_then_normalize"  # | normalize_then_sum (rewards.aggregation)
     shuffle_dataset: bool = True  # False: prompts in dataset order (train.shuffle)
     # accepted, changing nothing hasten computes: sequences are packed, not padded (speed.packed_learning)
@@ -286,6 +287,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
             ("algo.importance_sampling_level", self._importance_level()),
+            ("algo.top_entropy_quantile", self.top_entropy_quantile),
             ("rewards.aggregation", self.multi_objective_aggregation), ("train.shuffle", bool(self.shuffle_dataset)),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
             ("rewards.task_rewards", False), ("rewards.weights", self.reward_weights),

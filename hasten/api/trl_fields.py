@@ -17,7 +17,7 @@ VLLM = "use_vllm maps onto speed.engine=vllm (speed.vllm_server in server mode);
 LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo and gspo (algo/losses.py)"
 HUB = "hasten does not push to the Hugging Face Hub; upload the run's checkpoint/ yourself"
 MULTI = "hasten runs one process on one device"
-ENTROPY = "no entropy regularisation or masking in hasten's GRPO loss"
+ENTROPY = "no entropy bonus in hasten's GRPO loss (top_entropy_quantile masking is supported)"
 
 # name -> (TRL 1.16 default, why hasten does not take another value)
 GRPO_ONLY: dict[str, tuple[Any, str]] = {
@@ -40,7 +40,7 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "sync_ref_model": (False, "the KL reference stays the initial model"),
     "ref_model_mixup_alpha": (0.6, "the KL reference stays the initial model"),
     "ref_model_sync_steps": (512, "the KL reference stays the initial model"),
-    "top_entropy_quantile": (1.0, ENTROPY), "entropy_coef": (0.0, ENTROPY),
+    "entropy_coef": (0.0, ENTROPY),
     "use_adaptive_entropy": (False, ENTROPY), "entropy_coef_min": (0.0, ENTROPY),
     "entropy_coef_max": (1.0, ENTROPY), "entropy_coef_delta": (0.005, ENTROPY), "entropy_target": (0.2, ENTROPY),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),

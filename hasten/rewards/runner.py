@@ -21,7 +21,9 @@ Choices: each function is called once on the whole batch; coroutine functions
 run concurrently under one `asyncio.run`, sync ones are called directly. When
 a function raises, it is re-run one sample at a time to name the sample that
 breaks it, because "failed on the batch" rarely tells a user what to fix.
-Nothing here prints; problems surface as `RewardError` with a one-line message.
+Nothing here prints; problems surface as `RewardError` with a one-line message,
+and a sample no function scored is TRL's logging warning ("All reward functions
+returned None for the following kwargs: ...") on the "hasten.rewards" logger.
 """
 
 from __future__ import annotations
@@ -224,7 +226,23 @@ def score_rewards(
 
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)  # (F,)
     total = torch.nansum(per_function * weights, dim=1)  # (N,)
+    unscored = torch.isnan(per_function).all(dim=1) if functions else torch.zeros(count, dtype=torch.bool)
+    if unscored.any():
+        _warn_unscored(batch, int(unscored.nonzero()[0, 0]))
     return RewardScores(per_function=per_function, total=total, names=[f.name for f in functions])
+
+
+def _warn_unscored(batch: _Batch, index: int) -> None:
+    """TRL's warning (its words: scripts and tests match them) for a sample no function scored; it is
+    left out of its group's statistics (advantages.py)."""
+    import logging
+
+    row = {name: values[index] for name, values in batch.columns.items()}
+    row.update(completion_ids=batch.completion_ids[index], prompt=batch.prompts[index],
+               completion=batch.completions[index])
+    logging.getLogger("hasten.rewards").warning(
+        f"All reward functions returned None for the following kwargs:\n{row}\n"
+        "Please ensure that at least one reward function returns a valid reward.")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ..algo import LOSSES, LossInputs, LossSettings
+from ..algo.losses import high_entropy_mask
 from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
@@ -119,6 +120,7 @@ class LearnerSettings:
     packed: bool  # speed.packed_learning: micro-batches count packed rows, not padded ones
     skip_zero_advantage: bool  # speed.skip_zero_advantage, and the model is not FSDP-sharded
     offload_reference: bool  # speed.offload_reference
+    top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile: < 1 masks the low-entropy tokens' policy term
 
     @classmethod
     def from_config(cls, cfg: Config, sharded: bool) -> LearnerSettings:
@@ -127,7 +129,7 @@ class LearnerSettings:
         return cls(algo.loss, LossSettings(algo.epsilon, algo.epsilon_high, algo.beta,
                                            algo.importance_sampling_level == "sequence"), algo.num_iterations,
                    cfg.train.gradient_accumulation_steps, speed.token_budget, speed.packed_learning,
-                   speed.skip_zero_advantage and not sharded, speed.offload_reference)
+                   speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile)
 
 
 @dataclass(frozen=True)
@@ -281,8 +283,13 @@ class Learner:
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
                     stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0)
                 if iteration == 0:
-                    anchors[index] = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
-                                                            mask[rows], trackers)
+                    old, weights = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
+                                                          mask[rows], trackers)
+                    if settings.top_entropy_quantile < 1.0:  # the high-entropy tokens alone learn (TRL)
+                        keep = high_entropy_mask(stats.entropy.detach(), mask[rows].to(old.device),
+                                                 settings.top_entropy_quantile).to(old.dtype)
+                        weights = keep if weights is None else weights * keep
+                    anchors[index] = (old, weights)
                     sums.entropy += float((stats.entropy * mask[rows]).sum())
                     sums.entropy_tokens += float(mask[rows].sum())
                 old, weights = anchors[index]
