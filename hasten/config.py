@@ -83,13 +83,17 @@ class GenerationConfig:
 
 @dataclass
 class AlgoConfig:
-    loss: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | gspo (TRL's default is dapo)
+    loss: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | gspo | cispo | sapo (TRL's default is dapo)
     scale_rewards: str = "group"  # group | batch | none
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip: ratio <= 1 + epsilon_high (None = epsilon)
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
+    delta: float | None = None  # two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon_high); TRL's key
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL from the sampler exceeds this
+    sapo_temperature_pos: float = 1.0  # algo.loss=sapo: the gate's temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # algo.loss=sapo: the gate's temperature for the others
     top_entropy_quantile: float = 1.0  # < 1: only this top fraction of each chunk's tokens by entropy gets a policy gradient (TRL's key; 1 = all)
     importance_sampling_level: str = "token"  # token | sequence: every token takes its sequence's ratio exp(mean log-ratio) (GSPO's; TRL's key), with any loss
 
@@ -219,7 +223,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
+    "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.importance_sampling_level": ("token", "sequence"),
     "rewards.aggregation": ("sum_then_normalize", "normalize_then_sum"),

@@ -476,3 +476,69 @@ def test_sequence_level_dapo_hand_value():
     assert metrics["clip_ratio/high"] == pytest.approx(3 / 6) and metrics["clip_ratio/low"] == pytest.approx(2 / 6)
     token_level, _ = LOSSES["dapo"](make_inputs(log_ratios=GSPO_LOG_RATIOS), SETTINGS)
     assert abs(token_level.item() - expected) > 0.02  # the switch changes the loss
+
+
+# =========================================================================== #
+# CISPO, SAPO, two-sided clipping, off-policy masking (TRL 1.16's formulas)
+# =========================================================================== #
+
+
+def test_cispo_weights_the_log_prob_with_the_clipped_detached_ratio():
+    settings = LossSettings(epsilon=0.2, epsilon_high=1.3)
+    inputs = make_inputs(requires_grad=True)
+    loss, _ = LOSSES["cispo"](inputs, settings)
+    ratios, logps = torch.tensor(RATIOS), torch.tensor(LOGPS)
+    weights = ratios.clamp(max=1.3)
+    per_token = -weights * torch.tensor(ADVANTAGES)[:, None] * logps * torch.tensor(MASK, dtype=torch.float32)
+    assert loss.item() == pytest.approx(float(per_token.sum()) / TOTAL_TOKENS, abs=ATOL)
+    loss.backward()  # the gradient goes through logp only: -w x A / tokens
+    expected = -weights * torch.tensor(ADVANTAGES)[:, None] * torch.tensor(MASK, dtype=torch.float32) / TOTAL_TOKENS
+    torch.testing.assert_close(inputs.logps.grad, expected)
+
+
+def test_sapo_soft_gate_per_sequence_mean():
+    settings = LossSettings(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    loss, _ = LOSSES["sapo"](make_inputs(), settings)
+    total = 0.0
+    for ratios, advantage, mask in zip(RATIOS, ADVANTAGES, MASK):
+        tau = 1.0 if advantage > 0 else 1.05
+        terms = [-(1 / (1 + math.exp(-tau * (r - 1)))) * 4 / tau * advantage for r, m in zip(ratios, mask) if m]
+        total += sum(terms) / len(terms)
+    assert loss.item() == pytest.approx(total / 3, abs=ATOL)
+    ones, _ = LOSSES["sapo"](make_inputs(num_iterations_one=True), settings)  # r = 1: the gate is 2 / tau
+    assert ones.item() == pytest.approx(-(2.0 * 2 + 2 / 1.05 * -1.0 + 2.0 * 0.5) / 3, abs=ATOL)
+
+
+def test_delta_caps_the_unclipped_ratio():
+    plain, _ = LOSSES["dapo"](make_inputs(), SETTINGS)
+    capped, _ = LOSSES["dapo"](make_inputs(), LossSettings(epsilon=0.2, epsilon_high=0.28, delta=1.3))
+    # delta = 1.3 caps seq2 t0 (r = 1.4 > 1.28: clipped already) and nothing else with A > 0 below the clip,
+    # but seq1 t0 (A < 0, r = 0.75 -> clipped to 0.8) takes min(min(r, 1.3) A, clip A): unchanged
+    assert capped.item() == pytest.approx(plain.item(), abs=ATOL)
+    tight, _ = LOSSES["dapo"](make_inputs(), LossSettings(epsilon=0.2, epsilon_high=0.28, delta=0.7))
+    # delta 0.7: for A < 0 tokens the capped term 0.7 A is the larger loss candidate:
+    # seq1 t0 -min(0.7 x -1, 0.8 x -1) = 0.8 (unchanged), seq1 t1 -min(0.7 x -1, 0.9 x -1) = 0.9 (unchanged);
+    # for A > 0 tokens the cap lowers r A: seq0 t0 -min(0.7x2, 1.28x2) = -1.4, t1 -1.4, t2 -min(0.5x2, 0.8x2) = -1.0,
+    # seq2 t0 -min(0.7 x 0.5, 1.28 x 0.5) = -0.35
+    assert tight.item() == pytest.approx((-1.4 - 1.4 - 1.0 + 0.8 + 0.9 - 0.35) / TOTAL_TOKENS, abs=ATOL)
+
+
+def test_off_policy_mask_equals_trl():
+    trl = pytest.importorskip("trl")
+    from hasten.algo.losses import off_policy_mask
+
+    generator = torch.Generator().manual_seed(1)
+    logps = -torch.rand(6, 5, generator=generator) * 3
+    sampling = -torch.rand(6, 5, generator=generator) * 3
+    mask = (torch.rand(6, 5, generator=generator) > 0.2).float()
+    advantages = torch.tensor([1.0, -1.0, -0.5, 0.0, -2.0, 0.3])[:, None]
+    kept = []
+    for threshold in (-0.5, 0.0, 0.5, 1.0):
+        ours = off_policy_mask(advantages, logps, sampling, mask, threshold)
+        theirs = trl.GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask, threshold)
+        torch.testing.assert_close(ours, theirs)
+        kept.append(int(ours.sum()))
+    assert min(kept) < 6 and max(kept) == 6  # some thresholds drop sequences, some keep all
+    dropped, _ = LOSSES["dapo"](make_inputs(log_ratios=GSPO_LOG_RATIOS), LossSettings(off_policy_threshold=0.1))
+    kept, _ = LOSSES["dapo"](make_inputs(log_ratios=GSPO_LOG_RATIOS), LossSettings())
+    assert dropped.item() != pytest.approx(kept.item())  # seq1 (A < 0, mean KL 0.4 > 0.1) is dropped

@@ -132,3 +132,22 @@ def test_top_entropy_quantile_changes_the_learner_gradient(model, tokenizer):
     _, masked = learner_step(model, tokenizer, rollout, advantages, configure(0.2))
     assert all(torch.equal(a, b) for a, b in zip(full, again))
     assert any(not torch.allclose(a, b) for a, b in zip(full, masked))
+
+
+def test_a_model_hasten_cannot_train_is_one_line_before_loading(tmp_path):
+    import json
+
+    from hasten.models.files import ModelFileError, check_model_dir
+    from hasten.models.tiny import tiny_tokenizer
+
+    for kind, architecture, words in [("bert", "BertForMaskedLM", "'bert' model (BertForMaskedLM)"),
+                                      ("qwen2", "Qwen2ForSequenceClassification", "pass it in reward_funcs")]:
+        directory = tmp_path / kind
+        tiny_tokenizer().save_pretrained(directory)
+        (directory / "config.json").write_text(json.dumps({"model_type": kind, "architectures": [architecture]}))
+        with pytest.raises(ModelFileError, match="hasten trains causal language models") as caught:
+            check_model_dir(directory)
+        assert words in str(caught.value) and "\n" not in str(caught.value)
+    (tmp_path / "qwen2" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
+                                                                "architectures": ["Qwen3MoeForCausalLM"]}))
+    check_model_dir(tmp_path / "qwen2")  # runs through transformers

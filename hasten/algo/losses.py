@@ -20,6 +20,12 @@ always >= 0). The variants differ in how tokens are averaged:
 LossSettings.sequence_level gives grpo, bnpo, dr_grpo and dapo that same
 sequence ratio for every token (TRL's importance_sampling_level="sequence"
 with any loss_type; with grpo it equals gspo).
+  cispo    -min(r, epsilon_high).detach() x A x logp per token, dapo's sum (CISPO)
+  sapo     -sigmoid(tau (r - 1)) x 4 / tau x A per token, grpo's means (SAPO;
+           tau = sapo_temperature_pos for A > 0, _neg otherwise)
+LossSettings.delta caps the unclipped ratio (two-sided clipping) and
+off_policy_threshold drops negative-advantage sequences that drifted too far
+from the sampling policy; both as TRL 1.16 computes them.
 With num_iterations = 1 the old log-probs are the detached current ones, so
 r = 1 in value while its gradient is the policy gradient. When a different
 implementation sampled (vLLM), `importance_weights` w = min(pi_old / pi_sampler,
@@ -29,6 +35,7 @@ vllm_importance_sampling_correction); None leaves every loss unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +49,11 @@ class LossSettings:
     beta: float = 0.0
     sequence_level: bool = False  # every token's ratio is its sequence's exp(mean_t(logp - old_logp)) (TRL's
     # importance_sampling_level="sequence"); the loss then averages tokens as its type says
+    surrogate: str = "clip"  # clip (PPO's) | cispo | sapo: the per-token policy term (set by the registry)
+    delta: float | None = None  # two-sided clipping: the unclipped ratio capped at delta (TRL's delta)
+    off_policy_threshold: float | None = None  # drop sequences with A < 0 whose mean KL(old || current) exceeds it
+    sapo_temperature_pos: float = 1.0  # SAPO's soft-gate temperatures for A > 0 and A <= 0
+    sapo_temperature_neg: float = 1.05
 
     @property
     def upper(self) -> float:
@@ -90,8 +102,10 @@ def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Ten
     else:
         ratio = torch.exp(inputs.logps - inputs.old_logps)  # (N, T)
     advantages = inputs.advantages[:, None]  # (N, 1)
-    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
-    losses = -torch.min(ratio * advantages, clipped * advantages)  # (N, T)
+    losses = _surrogate(inputs, ratio, advantages, settings)  # (N, T)
+    if settings.off_policy_threshold is not None:  # sequences too far off-policy with A < 0 learn nothing
+        losses = losses * off_policy_mask(inputs.advantages[:, None], inputs.logps, inputs.old_logps,
+                                          mask, settings.off_policy_threshold)
     if inputs.importance_weights is not None:  # before the KL term, as TRL applies it
         losses = losses * inputs.importance_weights
     tokens = inputs.chunk_tokens
@@ -107,6 +121,32 @@ def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Ten
         losses = losses + settings.beta * kl
         metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
     return losses * mask, metrics
+
+
+def _surrogate(inputs: LossInputs, ratio: torch.Tensor, advantages: torch.Tensor,
+               settings: LossSettings) -> torch.Tensor:
+    """The per-token policy term (N, T): PPO's clipped surrogate (with delta's cap), CISPO's clipped
+    importance weight on the log-prob (arXiv:2506.13585) or SAPO's sigmoid gate (arXiv:2511.20347)."""
+    if settings.surrogate == "cispo":
+        weight = torch.clamp(ratio, max=settings.upper).detach()
+        return -weight * advantages * inputs.logps
+    if settings.surrogate == "sapo":
+        temperature = torch.where(advantages > 0, torch.full_like(advantages, settings.sapo_temperature_pos),
+                                  torch.full_like(advantages, settings.sapo_temperature_neg))  # (N, 1)
+        return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+    clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
+    capped = ratio if settings.delta is None else torch.clamp(ratio, max=settings.delta)
+    return -torch.min(capped * advantages, clipped * advantages)
+
+
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(N, 1) 1 = keep: a sequence is dropped when its advantage is negative and its mean token KL from
+    the sampling policy, mean_t(sampling_logp - logp), exceeds threshold (DeepSeek-V3.2's off-policy
+    sequence masking, TRL's off_policy_mask_threshold)."""
+    divergence = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # (N, T)
+    mean = (divergence * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
+    return ((advantages >= 0) | (mean <= threshold)).to(mask.dtype)
 
 
 def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
@@ -170,10 +210,22 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
     return ((entropies * mask) >= threshold) & present
 
 
+def cispo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """CISPO: -min(r, epsilon_high) (detached) x A x logp per token, summed over the batch's tokens (as dapo)."""
+    return dapo_loss(inputs, dataclasses.replace(settings, surrogate="cispo"))
+
+
+def sapo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """SAPO: a sigmoid gate on the ratio instead of a hard clip, averaged per sequence (as grpo)."""
+    return grpo_loss(inputs, dataclasses.replace(settings, surrogate="sapo"))
+
+
 LOSSES: dict[str, Callable[[LossInputs, LossSettings], tuple[torch.Tensor, Metrics]]] = {
     "grpo": grpo_loss,
     "bnpo": bnpo_loss,
     "dr_grpo": dr_grpo_loss,
     "dapo": dapo_loss,
     "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "sapo": sapo_loss,
 }

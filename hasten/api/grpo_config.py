@@ -109,6 +109,10 @@ class _GRPOFields(_TrainingFields):
     reward_weights: list[float] | None = None
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile
+    delta: float | None = None  # algo.delta
+    off_policy_mask_threshold: float | None = None  # algo.off_policy_mask_threshold
+    sapo_temperature_pos: float = 1.0  # algo.sapo_temperature_pos
+    sapo_temperature_neg: float = 1.05  # algo.sapo_temperature_neg
     multi_objective_aggregation: str = "sum_then_normalize"  # | normalize_then_sum (rewards.aggregation)
     shuffle_dataset: bool = True  # False: prompts in dataset order (train.shuffle)
     # accepted, changing nothing hasten computes: sequences are packed, not padded (speed.packed_learning)
@@ -287,7 +291,10 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
             ("algo.importance_sampling_level", self._importance_level()),
-            ("algo.top_entropy_quantile", self.top_entropy_quantile),
+            ("algo.top_entropy_quantile", self.top_entropy_quantile), ("algo.delta", self.delta),
+            ("algo.off_policy_mask_threshold", self.off_policy_mask_threshold),
+            ("algo.sapo_temperature_pos", self.sapo_temperature_pos),
+            ("algo.sapo_temperature_neg", self.sapo_temperature_neg),
             ("rewards.aggregation", self.multi_objective_aggregation), ("train.shuffle", bool(self.shuffle_dataset)),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
             ("rewards.task_rewards", False), ("rewards.weights", self.reward_weights),
@@ -343,7 +350,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
         if level == "sequence" and loss == "grpo":
             return "gspo"  # the same loss (tests/test_losses.py); other losses: algo.importance_sampling_level
         if loss not in CHOICES["algo.loss"] or loss == "gspo":
-            raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo; "
+            raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo, cispo, sapo; "
                            "GSPO is importance_sampling_level='sequence')")
         return loss
 

@@ -14,14 +14,13 @@ import dataclasses
 from typing import Any
 
 VLLM = "use_vllm maps onto speed.engine=vllm (speed.vllm_server in server mode); this vLLM option has no counterpart there"
-LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo and gspo (algo/losses.py)"
+LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo, gspo, cispo and sapo (algo/losses.py)"
 HUB = "hasten does not push to the Hugging Face Hub; upload the run's checkpoint/ yourself"
 MULTI = "hasten runs one process on one device"
 ENTROPY = "no entropy bonus in hasten's GRPO loss (top_entropy_quantile masking is supported)"
 
 # name -> (TRL 1.16 default, why hasten does not take another value)
 GRPO_ONLY: dict[str, tuple[Any, str]] = {
-    "model_init_kwargs": (None, "only {'dtype': ...} is read (model.dtype); handled in grpo_config.py"),
     "trust_remote_code": (False, "hasten loads Llama-family models and transformers' own classes only"),
     "router_aux_loss_coef": (None, "mixture-of-experts aux loss is not implemented"),
     "disable_dropout": (False, "hasten's models run without dropout at generation; training keeps the model's own"),
@@ -33,8 +32,6 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "vllm_tensor_parallel_size": (1, VLLM), "vllm_importance_sampling_correction": (True, VLLM),
     "vllm_importance_sampling_mode": ("sequence_mask", VLLM), "vllm_importance_sampling_clip_max": (3.0, VLLM),
     "vllm_importance_sampling_clip_min": (None, VLLM), "vllm_importance_sampling_cap": (None, VLLM),
-    "delta": (None, "two-sided clipping (delta) is not in hasten's losses"),
-    "sapo_temperature_neg": (1.05, LOSS), "sapo_temperature_pos": (1.0, LOSS),
     "vespo_k_pos": (2.0, LOSS), "vespo_lambda_pos": (3.0, LOSS), "vespo_k_neg": (3.0, LOSS),
     "vespo_lambda_neg": (2.0, LOSS),
     "sync_ref_model": (False, "the KL reference stays the initial model"),
@@ -43,7 +40,6 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "entropy_coef": (0.0, ENTROPY),
     "use_adaptive_entropy": (False, ENTROPY), "entropy_coef_min": (0.0, ENTROPY),
     "entropy_coef_max": (1.0, ENTROPY), "entropy_coef_delta": (0.005, ENTROPY), "entropy_target": (0.2, ENTROPY),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
     "use_bias_correction_kl": (True, "hasten's KL is the plain k3 estimator"),
     "log_multimodal": (True, "hasten trains text models only"),
     "num_completions_to_print": (None, "hasten prints no completions; output.log_completions sends them to trackers"),
@@ -86,3 +82,18 @@ def unsupported_value(name: str, value: Any, trainer: str = "GRPOConfig") -> str
         return (f"{name}={value!r} is not supported by hasten (a transformers TrainingArguments option hasten's "
                 "loop has no counterpart for; docs/trl.md lists what is)")
     return f"{name} is not a {trainer} field of TRL 1.16 (misspelt?)"
+
+
+def markdown_table() -> str:
+    """docs/trl.md's "not supported" table, from GRPO_ONLY (tests/test_trl_docs.py keeps the doc equal to it):
+    one row per reason, its fields with their TRL defaults."""
+    reasons: dict[str, list[str]] = {}
+    for name, (default, reason) in GRPO_ONLY.items():
+        reasons.setdefault(reason, []).append(f"`{name}` ({default!r})")
+    rows = ["| fields (TRL default, the only value accepted) | why |", "|---|---|"]
+    rows += [f"| {', '.join(names)} | {reason} |" for reason, names in reasons.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -42,9 +42,32 @@ def check_model_dir(directory: str | Path) -> None:
     for weights in sorted(directory.glob("*.safetensors")):
         check_safetensors(weights)
     adapter = (directory / "adapter_config.json").is_file()
+    if not adapter and (directory / "config.json").is_file():
+        check_model_type(directory, read_json(directory / "config.json"))
     if not adapter and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ModelFileError(f"model error: {directory} has no tokenizer files (tokenizer.json); "
                              "copy them from the model it was saved from")
+
+
+def check_model_type(directory: Path, config: dict) -> None:
+    """Before any weights load: a model type hasten cannot train is one line naming it and what runs.
+
+    hasten trains causal language models: Llama, Mistral, Qwen2 and Qwen3 on its native model and lean
+    engine (models/families.py), every other transformers causal-LM type (Qwen3-MoE, Gemma, Phi, ...)
+    through transformers. A sequence-classification model is a reward model (reward_funcs)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = config.get("model_type")
+    named = config.get("architectures") or []
+    generative = not named or any(name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+                                  for name in named)  # a saved head of another kind (a classifier, a masked LM)
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and generative:
+        return
+    architectures = ", ".join(named) or "no architectures"
+    hint = " (a reward model: pass it in reward_funcs)" if "ForSequenceClassification" in architectures else ""
+    raise ModelFileError(f"model error: {directory} is a '{kind}' model ({architectures}){hint}; hasten trains "
+                         "causal language models: llama, mistral, qwen2, qwen3 natively, and any other "
+                         "transformers AutoModelForCausalLM type (qwen3_moe, gemma, phi, ...) through transformers")
 
 
 def read_json(path: Path) -> dict:

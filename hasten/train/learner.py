@@ -126,8 +126,11 @@ class LearnerSettings:
     def from_config(cls, cfg: Config, sharded: bool) -> LearnerSettings:
         algo, speed = cfg.algo, cfg.speed
         # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
-        return cls(algo.loss, LossSettings(algo.epsilon, algo.epsilon_high, algo.beta,
-                                           algo.importance_sampling_level == "sequence"), algo.num_iterations,
+        loss = LossSettings(algo.epsilon, algo.epsilon_high, algo.beta, algo.importance_sampling_level == "sequence",
+                            delta=algo.delta, off_policy_threshold=algo.off_policy_mask_threshold,
+                            sapo_temperature_pos=algo.sapo_temperature_pos,
+                            sapo_temperature_neg=algo.sapo_temperature_neg)
+        return cls(algo.loss, loss, algo.num_iterations,
                    cfg.train.gradient_accumulation_steps, speed.token_budget, speed.packed_learning,
                    speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile)
 

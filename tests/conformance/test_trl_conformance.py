@@ -122,7 +122,6 @@ def test_training_loss_types(lib, models, tmp_path, loss_type):
 
 
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
-@unsupported_on_hasten("hasten's loss registry has grpo, bnpo, dr_grpo, dapo and GSPO")
 def test_training_other_loss_types(lib, models, tmp_path, loss_type):
     trainer, before = train_grpo(lib, tmp_path, models, loss_type=loss_type)
     assert_trained(trainer, before)
@@ -307,13 +306,11 @@ def test_training_beta_non_zero(lib, models, tmp_path):
     assert any("kl" in entry for entry in trainer.state.log_history)
 
 
-@unsupported_on_hasten("off-policy sequence masking is not implemented")
 def test_training_with_off_policy_mask(lib, models, tmp_path):
     trainer, before = train_grpo(lib, tmp_path, models, off_policy_mask_threshold=0.5)
     assert_all_changed(trainer, before)
 
 
-@unsupported_on_hasten("two-sided clipping (delta) is not in hasten's losses")
 def test_training_delta_clipping(lib, models, tmp_path):
     trainer, before = train_grpo(lib, tmp_path, models, delta=2.0)
     assert_trained(trainer, before)
