@@ -112,15 +112,15 @@ def test_config_yaml_records_the_mapping_with_trl_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"use_vllm": True}, "use_vllm=True is not supported by hasten"),
+    ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 is not supported by hasten"),
     ({"push_to_hub": True}, "push_to_hub=True is not supported"),
     ({"not_a_field": 1}, "not_a_field is not a GRPOConfig field"),
-    ({"loss_type": "cispo"}, "loss_type='cispo' is not supported"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level='sequence' with loss_type='dapo'"),
+    ({"loss_type": "vespo"}, "loss_type='vespo' is not supported"),
+    ({"importance_sampling_level": "tokens"}, "importance_sampling_level must be 'token' or 'sequence'"),
     ({"steps_per_generation": 2}, "steps_per_generation=2 with gradient_accumulation_steps=1 is not supported"),
     ({"per_device_train_batch_size": 6}, "generation_batch_size (6) must be divisible by num_generations (4)"),
     ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type='polynomial' is not supported"),
-    ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs ['do_sample'] are not supported"),
+    ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs do_sample=False is not supported"),
     ({"report_to": "neptune"}, "output.report_to must be a list of tensorboard"),
     ({"max_steps": 3, "num_iterations": 2}, "max_steps (3) must be a multiple of num_iterations (2)"),
 ])
