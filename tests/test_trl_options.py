@@ -151,3 +151,21 @@ def test_a_model_hasten_cannot_train_is_one_line_before_loading(tmp_path):
     (tmp_path / "qwen2" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
                                                                 "architectures": ["Qwen3MoeForCausalLM"]}))
     check_model_dir(tmp_path / "qwen2")  # runs through transformers
+
+
+def test_save_only_model_keeps_no_trainer_state(tmp_path):
+    from hasten.api import GRPOTrainer
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
+                      max_steps=2, save_steps=1, max_completion_length=4, save_only_model=True)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=length, args=args, train_dataset=[{"prompt": "a"}, {"prompt": "b"}],
+                          log=lambda line: None)
+    trainer.train()
+    checkpoints = sorted(path.name for path in (tmp_path / "run").glob("checkpoint*"))
+    assert "checkpoint" in checkpoints and len(checkpoints) >= 2
+    for name in checkpoints:
+        files = {path.name for path in (tmp_path / "run" / name).iterdir()}
+        assert "trainer_state.pt" not in files and "config.json" in files

@@ -30,6 +30,7 @@ Python API does not import transformers unless the model needs it.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -180,6 +181,10 @@ class CallbackBridge(Hook):
         self._call("on_evaluate", metrics=metrics)
 
     def on_save(self, step: int, checkpoint) -> None:
+        if getattr(self.args, "save_only_model", False):  # transformers': the model only, no optimizer/RNG state
+            from ..train.outputs import STATE_FILE
+
+            (Path(checkpoint) / STATE_FILE).unlink(missing_ok=True)
         self._call("on_save")
 
     def on_end(self, summary: dict[str, Any]) -> None:

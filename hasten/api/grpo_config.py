@@ -78,6 +78,7 @@ class _TrainingFields:
     save_strategy: str = "steps"  # steps | no
     save_steps: float = 500
     save_total_limit: int | None = None
+    save_only_model: bool = False  # True: checkpoints keep the model files, not trainer_state.pt (no resume)
     disable_tqdm: bool | None = None
     # precision and memory
     bf16: bool | None = None  # None: fp32 on CPU (TRL: bf16); True: bf16 autocast
