@@ -169,3 +169,24 @@ def test_save_only_model_keeps_no_trainer_state(tmp_path):
     for name in checkpoints:
         files = {path.name for path in (tmp_path / "run" / name).iterdir()}
         assert "trainer_state.pt" not in files and "config.json" in files
+
+
+def test_sft_eval_loss_is_the_models_own_loss_on_the_targets(tmp_path):
+    from hasten.api import SFTConfig, SFTTrainer
+
+    from hasten.models.tiny import tiny_model, tiny_tokenizer
+
+    rows = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+3=", "completion": "6"}]
+    tokenizer = tiny_tokenizer()
+    trainer = SFTTrainer(model=tiny_model(len(tokenizer)), processing_class=tokenizer, args=SFTConfig(output_dir=str(tmp_path / "sft"), num_train_epochs=1,
+                                                      eval_strategy="epoch", per_device_eval_batch_size=1),
+                         train_dataset=rows, eval_dataset=rows[:1], log=lambda line: None)
+    example = trainer.eval_examples[0]
+    ids = torch.tensor([example.prompt_ids + example.completion_ids])
+    labels = ids.clone()
+    labels[0, :len(example.prompt_ids)] = -100
+    with torch.no_grad():
+        expected = float(trainer.model(input_ids=ids, labels=labels).loss)
+    assert trainer.evaluate_loss()["loss"] == pytest.approx(expected, rel=1e-5)
+    trainer.train()
+    assert any("eval_loss" in entry for entry in trainer.state.log_history)

@@ -22,7 +22,9 @@ so the loss is the unpacked one); False runs the padded batch.
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +43,9 @@ class _SFTFields(_TrainingFields):
     packing: bool | None = None  # None: hasten's exact packing (block mask); False: padded batches
     completion_only_loss: bool | None = None  # None / True: prompt-completion rows train on the completion
     dataset_text_field: str = "text"
+    eval_strategy: str = "no"  # no | steps | epoch: the eval loss on eval_dataset (token mean over its targets)
+    eval_steps: float | None = None
+    per_device_eval_batch_size: int = 8
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -91,9 +96,8 @@ class SFTTrainer:
         import torch
 
         unexpected = {name: value for name, value in others.items() if value not in (None, (None, None))}
-        if unexpected or eval_dataset is not None:
-            name = next(iter(unexpected), "eval_dataset")
-            raise APIError(f"SFTTrainer: {name} is not supported by hasten (docs/trl.md)")
+        if unexpected:
+            raise APIError(f"SFTTrainer: {next(iter(unexpected))} is not supported by hasten (docs/trl.md)")
         args = args if args is not None else SFTConfig(f"{model_name(model).rstrip('/').split('/')[-1]}-SFT")
         if not isinstance(args, SFTConfig):
             raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
@@ -108,6 +112,11 @@ class SFTTrainer:
         torch.manual_seed(args.seed)
         self.policy = build_policy(model, self.config, processing_class, peft_config, log)
         self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
+        self.eval_dataset = eval_dataset
+        self.eval_examples = [] if eval_dataset is None else to_examples(
+            _rows(eval_dataset), self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
+        if args.eval_strategy not in ("no", "steps", "epoch"):
+            raise APIError(f"SFTConfig: eval_strategy={args.eval_strategy!r} is not supported (no | steps | epoch)")
         self.state = TrainerState(max_steps=steps, num_train_epochs=args.num_train_epochs,
                                   logging_steps=args.logging_steps, save_steps=args.save_steps,
                                   train_batch_size=args.per_device_train_batch_size)
@@ -133,9 +142,15 @@ class SFTTrainer:
                 else Path(resume_from_checkpoint)
             run_dir, resume = loop.find_checkpoint(path)
             _check_same_config(cfg, run_dir.path / "config.yaml")
-        job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer)
+        evaluator = self.evaluate_loss if self.eval_examples and self.args.eval_strategy != "no" else None
+        job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer,
+                     evaluator)
         run, checkpoint = loop.open_run(cfg, resume)
         steps_per_epoch = max(1, job.total_steps / cfg.sft.epochs)
+        if evaluator is not None:  # the loop evaluates every eval_every steps and after the last
+            every = self.args.eval_steps or self.args.logging_steps
+            job.eval_every = int(steps_per_epoch) if self.args.eval_strategy == "epoch" else \
+                max(1, math.ceil(every * job.total_steps) if every < 1 else int(every))
         bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1,
                                 steps_per_epoch, cfg.output.log_every)
         hooks = make_trackers(cfg, run, list) + [bridge]
@@ -143,6 +158,36 @@ class SFTTrainer:
         self.run_dir = Path(summary["run_dir"])
         losses = [r["loss"] for r in _records(self.run_dir) if isinstance(r.get("loss"), float)]
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
+
+    def evaluate_loss(self) -> dict[str, float]:
+        """The mean cross-entropy over eval_dataset's target tokens (TRL's eval_loss), in eval mode."""
+        import torch
+
+        model, pad = self.policy.model, self.policy.pad_token_id
+        device = next(model.parameters()).device
+        was_training, started = model.training, time.perf_counter()
+        model.eval()
+        total = tokens = 0.0
+        size = self.args.per_device_eval_batch_size
+        with torch.no_grad():
+            for start in range(0, len(self.eval_examples), size):
+                batch = self.eval_examples[start:start + size]
+                ids = [e.prompt_ids + e.completion_ids for e in batch]
+                width = max(map(len, ids))
+                inputs = torch.full((len(ids), width), pad, dtype=torch.long)
+                labels = torch.full((len(ids), width), -100, dtype=torch.long)
+                for row, (example, sequence) in enumerate(zip(batch, ids)):
+                    inputs[row, :len(sequence)] = torch.tensor(sequence)
+                    labels[row, len(example.prompt_ids):len(sequence)] = torch.tensor(example.completion_ids)
+                attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
+                logits = model(input_ids=inputs.to(device), attention_mask=attention.to(device)).logits.float()
+                targets = labels[:, 1:].to(device)  # (B, L-1): each position predicts the next token
+                total += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets,
+                                                                 ignore_index=-100, reduction="sum"))
+                tokens += float((targets != -100).sum())
+        model.train(was_training)
+        return {"loss": total / max(tokens, 1.0), "seconds": time.perf_counter() - started,
+                "num_examples": len(self.eval_examples)}
 
     def save_model(self, output_dir: str | None = None) -> Path:
         from ..train.outputs import save_model_files

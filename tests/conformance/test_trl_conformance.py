@@ -461,7 +461,6 @@ def test_sft_train_with_peft_config(lib, models, tmp_path):
     _lora_checks(trainer, before, base_names)
 
 
-@unsupported_on_hasten("hasten's SFT has no held-out eval loss yet")
 def test_sft_train_with_eval(lib, models, tmp_path):
     trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, eval_strategy="epoch"),
                              train_dataset=sft_dataset("language_modeling"),
