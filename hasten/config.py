@@ -90,6 +90,8 @@ class AlgoConfig:
     beta: float = 0.0  # KL weight; 0 = no reference model at all
     num_iterations: int = 1  # mu: optimizer passes over each generation batch
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens get no loss (DAPO; TRL's key)
+    ref_model_sync_steps: int = 0  # > 0: every N optimizer steps the KL reference moves alpha of the way to the policy (TRL's sync_ref_model)
+    ref_model_mixup_alpha: float = 0.6  # that alpha (TRL's ref_model_mixup_alpha)
     delta: float | None = None  # two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon_high); TRL's key
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL from the sampler exceeds this
     sapo_temperature_pos: float = 1.0  # algo.loss=sapo: the gate's temperature for positive advantages

@@ -190,3 +190,21 @@ def test_sft_eval_loss_is_the_models_own_loss_on_the_targets(tmp_path):
     assert trainer.evaluate_loss()["loss"] == pytest.approx(expected, rel=1e-5)
     trainer.train()
     assert any("eval_loss" in entry for entry in trainer.state.log_history)
+
+
+def test_reference_mix_in_is_the_soft_update(model, tokenizer):
+    from hasten.models import Policy, Reference
+
+    policy = Policy(model, tokenizer, "tiny")
+    reference = Reference(policy)
+    start = [p.detach().clone() for p in reference.frozen.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5)
+    reference.mix_in(model, 0.6)
+    for before, now, current in zip(start, reference.frozen.parameters(), model.parameters()):
+        torch.testing.assert_close(now, 0.6 * current + 0.4 * before)
+    assert mapped(beta=0.1, sync_ref_model=True, ref_model_sync_steps=4)["algo.ref_model_sync_steps"] == 4
+    assert mapped(beta=0.1)["algo.ref_model_sync_steps"] == 0
+    with pytest.raises(APIError, match="sync_ref_model=True needs beta > 0"):
+        mapped(sync_ref_model=True)

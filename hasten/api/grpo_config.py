@@ -110,6 +110,9 @@ class _GRPOFields(_TrainingFields):
     reward_weights: list[float] | None = None
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile
+    sync_ref_model: bool = False  # every ref_model_sync_steps: algo.ref_model_sync_steps
+    ref_model_sync_steps: int = 512
+    ref_model_mixup_alpha: float = 0.6  # algo.ref_model_mixup_alpha
     delta: float | None = None  # algo.delta
     off_policy_mask_threshold: float | None = None  # algo.off_policy_mask_threshold
     sapo_temperature_pos: float = 1.0  # algo.sapo_temperature_pos
@@ -293,6 +296,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
             ("algo.importance_sampling_level", self._importance_level()),
             ("algo.top_entropy_quantile", self.top_entropy_quantile), ("algo.delta", self.delta),
+            ("algo.ref_model_sync_steps", self._sync_steps()), ("algo.ref_model_mixup_alpha", self.ref_model_mixup_alpha),
             ("algo.off_policy_mask_threshold", self.off_policy_mask_threshold),
             ("algo.sapo_temperature_pos", self.sapo_temperature_pos),
             ("algo.sapo_temperature_neg", self.sapo_temperature_neg),
@@ -337,6 +341,16 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
         if self.vllm_mode != "colocate":
             raise self._error(f"vllm_mode={self.vllm_mode!r} is not supported (colocate | server)")
         return pairs
+
+    def _sync_steps(self) -> int:
+        if not self.sync_ref_model:
+            return 0
+        if self.beta == 0:
+            raise self._error("sync_ref_model=True needs beta > 0 (with beta 0 there is no reference model)")
+        if self.ref_model_sync_steps % self.num_iterations:
+            raise self._error(f"ref_model_sync_steps ({self.ref_model_sync_steps}) must be a multiple of "
+                              f"num_iterations ({self.num_iterations}): hasten syncs between generation batches")
+        return self.ref_model_sync_steps
 
     def _importance_level(self) -> str:
         level = self.importance_sampling_level

@@ -125,6 +125,16 @@ class GRPOTrainer:
         return self.session.policy.tokenizer
 
     @property
+    def ref_model(self):
+        """The KL reference model (beta > 0; None otherwise, or with LoRA, whose reference is the base)."""
+        from ..models import Reference
+
+        cfg, session = self.config, self.session
+        if cfg.algo.beta > 0 and session.reference is None:
+            session.reference = Reference(session.policy)  # made now, before any update, as TRL's
+        return None if session.reference is None else session.reference.frozen
+
+    @property
     def reward_funcs(self) -> list:
         return [function.fn for function in self.session.rewards]
 

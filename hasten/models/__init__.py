@@ -303,6 +303,15 @@ class Reference:
             for parameter in self.frozen.parameters():
                 parameter.requires_grad_(False)
 
+    @torch.no_grad()
+    def mix_in(self, model, alpha: float) -> None:
+        """reference = alpha x policy + (1 - alpha) x reference, parameter by parameter (TRL-style
+        sync_ref_model, TR-DPO's soft update); a LoRA reference (adapters disabled) cannot move."""
+        if self.frozen is None:
+            raise ModelError("config error: algo.ref_model_sync_steps needs a full-model reference, not LoRA's")
+        for target, source in zip(self.frozen.parameters(), model.parameters()):
+            target.mul_(1.0 - alpha).add_(source.detach().to(target.dtype), alpha=alpha)
+
     @contextlib.contextmanager
     def active(self):
         if self.frozen is not None:

@@ -80,6 +80,7 @@ class Session:
     threads: ThreadGovernor | None = None  # speed.adaptive_threads (set by prepare)
     plan: Plan | None = None  # every choice resolved once (train/plan.py); set by prepare
     agent: Any = None  # agent.Agent: tools / environments, the multi-turn loop (None: single-turn)
+    reference: Reference | None = None  # the KL reference when algo.beta > 0 (made before any update)
 
 
 def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
@@ -298,7 +299,9 @@ class GRPOJob:
         cfg = self.cfg = session.cfg
         self.session, self.log = session, log
         self.announced = False  # the first step of this process says what it is doing (nothing is drawn yet)
-        reference = Reference(session.policy) if cfg.algo.beta > 0 else None  # a full copy, before any sharding
+        if session.reference is None and cfg.algo.beta > 0:
+            session.reference = Reference(session.policy)  # a full copy, before any sharding
+        reference = session.reference
         if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
             fsdp.shard(session.policy.model)
         self.full_state: dict | None = None  # FSDP: the weights state_dict() gathered for save_model
@@ -323,6 +326,9 @@ class GRPOJob:
                      f"{generation.num_generations} completions, scoring, learning ...")
         before = shared_stats()
         record = self._step(step)
+        every = self.cfg.algo.ref_model_sync_steps
+        if every and self.session.reference is not None and step * self.cfg.algo.num_iterations % every == 0:
+            self.session.reference.mix_in(self.session.policy.model, self.cfg.algo.ref_model_mixup_alpha)
         after = shared_stats()  # code tasks: this step's sandbox runs (malformed reports scored 0, counted here)
         work = {f"sandbox/{name}": value - before.get(name, 0) for name, value in after.items()}
         return {**record, **work} if any(work.values()) else record  # a sandbox left idle by another run: silent

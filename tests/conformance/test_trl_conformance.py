@@ -294,10 +294,17 @@ def test_training_with_reward_func_accessing_trainer_state(lib, models, tmp_path
     assert seen == [0, 1]
 
 
-@unsupported_on_hasten("the KL reference stays the initial model")
 def test_training_with_sync_ref_model(lib, models, tmp_path):
-    trainer, before = train_grpo(lib, tmp_path, models, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1)
+    trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=models["qwen2_reward"],
+                              args=grpo_args(lib, tmp_path, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1),
+                              train_dataset=prompt_dataset())
+    before = snapshot(trainer)
+    assert trainer.ref_model is not None
+    reference = {name: value.detach().clone() for name, value in trainer.ref_model.named_parameters()}
+    trainer.train()
     assert_trained(trainer, before)
+    for name, value in reference.items():
+        assert not torch.equal(value, trainer.ref_model.get_parameter(name)), f"reference {name} did not move"
 
 
 def test_training_beta_non_zero(lib, models, tmp_path):
