@@ -208,3 +208,27 @@ def test_reference_mix_in_is_the_soft_update(model, tokenizer):
     assert mapped(beta=0.1)["algo.ref_model_sync_steps"] == 0
     with pytest.raises(APIError, match="sync_ref_model=True needs beta > 0"):
         mapped(sync_ref_model=True)
+
+
+def test_save_model_defaults_to_output_dir_on_a_rerun(tmp_path):
+    from safetensors.torch import load_file
+
+    from hasten.api import GRPOTrainer
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def run(seed):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_steps=1, max_completion_length=4, learning_rate=0.05, seed=seed)
+        trainer = GRPOTrainer(model="tiny", reward_funcs=length, args=args,
+                              train_dataset=[{"prompt": "a"}, {"prompt": "b"}], log=lambda line: None)
+        trainer.train()
+        return trainer, trainer.save_model()
+
+    first, _ = run(1)
+    second, saved = run(2)
+    assert second.run_dir != first.run_dir and saved == tmp_path / "out"  # the run beside, the model where asked
+    weights = load_file(str(saved / "model.safetensors"))
+    name, value = next((n, v) for n, v in second.model.state_dict().items() if n in weights)
+    assert torch.equal(weights[name], value.detach().cpu())

@@ -216,15 +216,16 @@ class GRPOTrainer:
         return checkpoint
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """The model (adapters only with LoRA) and tokenizer in HF format; default: the run directory.
+        """The model (adapters only with LoRA) and tokenizer in HF format; default: args.output_dir, as TRL
+        (so a script that loads output_dir afterwards gets this model even when the run itself went to
+        `<output_dir>-2` because output_dir held an earlier run).
 
         Under torchrun every rank calls it (as with TRL) and rank 0 writes; FSDP's shards are gathered first.
         """
         from ..train import distributed, fsdp
         from ..train.outputs import save_model_files
 
-        target = Path(output_dir) if output_dir else (self.run_dir or Path(self.config.output.dir) /
-                                                      self.config.output.name)
+        target = Path(output_dir) if output_dir else Path(self.config.output.dir) / self.config.output.name
         state = fsdp.full_model_state(self.model) if fsdp.is_sharded(self.model) else None  # every rank: a gather
         if distributed.is_main():
             target.mkdir(parents=True, exist_ok=True)

@@ -193,7 +193,7 @@ class SFTTrainer:
         from ..train.outputs import save_model_files
 
         cfg = self.config
-        target = Path(output_dir) if output_dir else (self.run_dir or Path(cfg.output.dir) / cfg.output.name)
+        target = Path(output_dir) if output_dir else Path(cfg.output.dir) / cfg.output.name  # args.output_dir, as TRL
         target.mkdir(parents=True, exist_ok=True)
         save_model_files(self.model, self.processing_class, target)
         return target
