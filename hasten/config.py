@@ -140,6 +140,7 @@ class OutputConfig:
     plot: bool = True  # draw progress.png at the end of a run
     progress: str = "auto"  # auto | live | plain | off
     report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard | wandb | trackio | mlflow
+    tracker_names: str = "hasten"  # hasten | trl: trackers log TRL's metric names (reward, learning_rate, rewards/<f>/mean, ...)
     log_every: int = 1  # trackers and API callbacks get the mean of every N steps (metrics.jsonl keeps each step)
     log_completions: bool = False  # also send each logged step's prompts, completions and rewards to the trackers
 
@@ -228,6 +229,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.importance_sampling_level": ("token", "sequence"),
+    "output.tracker_names": ("hasten", "trl"),
     "rewards.aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.distributed": ("ddp", "fsdp"),

@@ -232,3 +232,23 @@ def test_save_model_defaults_to_output_dir_on_a_rerun(tmp_path):
     weights = load_file(str(saved / "model.safetensors"))
     name, value = next((n, v) for n, v in second.model.state_dict().items() if n in weights)
     assert torch.equal(weights[name], value.detach().cpu())
+
+
+def test_trackers_log_trl_names_on_the_trl_path():
+    from hasten.train.tracking import Tracker, trl_record
+
+    class Writer:
+        def __init__(self):
+            self.logged = []
+
+        def scalars(self, step, values):
+            self.logged.append(values)
+
+    record = {"reward_mean": 1.0, "lr": 0.1, "rewards/f": 2.0, "rewards/f/std": 0.5, "loss": 0.3, "step": 1}
+    trl, plain = Writer(), Writer()
+    Tracker([trl], 1, None, trl_record).on_step(1, record)
+    Tracker([plain], 1, None).on_step(1, record)
+    assert trl.logged == [{"train/reward": 1.0, "train/learning_rate": 0.1, "train/rewards/f/mean": 2.0,
+                           "train/rewards/f/std": 0.5, "train/loss": 0.3}]
+    assert "train/reward_mean" in plain.logged[0]  # the CLI keeps hasten's names
+    assert mapped()["output.tracker_names"] == "trl"

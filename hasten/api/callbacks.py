@@ -30,21 +30,16 @@ Python API does not import transformers unless the model needs it.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..train.loop import Hook
+from ..train.tracking import trl_record  # TRL's metric names, shared with the trackers
 from .grpo_config import APIError
 
 NOT_CALLED = ("on_init_end", "on_epoch_begin", "on_epoch_end", "on_step_begin", "on_substep_end",
               "on_pre_optimizer_step", "on_optimizer_step", "on_prediction_step", "on_push_begin")
-
-# hasten's metrics.jsonl names -> TRL's log names (others keep hasten's name)
-TRL_NAMES = {"reward_mean": "reward", "lr": "learning_rate", "completion_length": "completions/mean_length",
-             "completion_length_max": "completions/max_length", "zero_variance_groups": "frac_reward_zero_std",
-             "eos_fraction": "completions/eos_fraction", "seconds": "runtime"}
-
 
 @dataclass
 class TrainerState:
@@ -92,16 +87,6 @@ def instantiate(callbacks: list | None) -> list:
                                "(it has no such moment); docs/trl.md lists the hooks it calls")
         result.append(instance)
     return result
-
-
-def trl_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A metrics record under TRL's log names."""
-    out = {}
-    for key, value in record.items():
-        if key.startswith("rewards/") and not key.endswith("/std"):
-            key = f"{key}/mean"
-        out[TRL_NAMES.get(key, key)] = value
-    return out
 
 
 class CallbackBridge(Hook):

@@ -227,7 +227,8 @@ class TrainingConfig:
                 ("output.save_every", save_every), ("output.save_minutes", 0.0),
                 ("output.save_total_limit", self.save_total_limit or 0), ("output.report_to", report),
                 ("output.log_every", max(1, _every(self.logging_steps, steps, self.iterations))),
-                ("output.progress", "off" if self.disable_tqdm else "auto"), *self._model()]
+                ("output.progress", "off" if self.disable_tqdm else "auto"), ("output.tracker_names", "trl"),
+                *self._model()]
 
 class GRPOConfig(TrainingConfig, _GRPOFields):
     """TRL's GRPOConfig surface; `overrides(...)` gives hasten's config keys."""

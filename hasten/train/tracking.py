@@ -45,7 +45,24 @@ def make_trackers(cfg: Config, run: RunDir, completions: Callable[[], list[dict]
     writers = [WRITERS[name](run) for name in cfg.output.report_to]
     if not writers:
         return []
-    return [Tracker(writers, cfg.output.log_every, completions if cfg.output.log_completions else None)]
+    return [Tracker(writers, cfg.output.log_every, completions if cfg.output.log_completions else None,
+                    trl_record if cfg.output.tracker_names == "trl" else dict)]
+
+
+# hasten's metrics.jsonl names -> TRL's log names (others keep hasten's name): what TRL's dashboards show
+TRL_NAMES = {"reward_mean": "reward", "lr": "learning_rate", "completion_length": "completions/mean_length",
+             "completion_length_max": "completions/max_length", "zero_variance_groups": "frac_reward_zero_std",
+             "eos_fraction": "completions/eos_fraction", "seconds": "runtime"}
+
+
+def trl_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record under TRL's log names (rewards/<f> is rewards/<f>/mean)."""
+    out = {}
+    for key, value in record.items():
+        if key.startswith("rewards/") and not key.endswith("/std"):
+            key = f"{key}/mean"
+        out[TRL_NAMES.get(key, key)] = value
+    return out
 
 
 def numbers(record: dict[str, Any], prefix: str) -> dict[str, float]:
@@ -58,13 +75,15 @@ def numbers(record: dict[str, Any], prefix: str) -> dict[str, float]:
 class Tracker(Hook):
     """Averages step records over log_every steps and hands them, evals and completions to the writers."""
 
-    def __init__(self, writers: list, log_every: int, completions: Callable[[], list[dict]] | None):
-        self.writers, self.log_every, self.completions = writers, log_every, completions
+    def __init__(self, writers: list, log_every: int, completions: Callable[[], list[dict]] | None,
+                 rename: Callable[[dict], dict] = dict):
+        """rename: a record under the names the trackers show (output.tracker_names)."""
+        self.writers, self.log_every, self.completions, self.rename = writers, log_every, completions, rename
         self.window: list[dict[str, float]] = []
         self.total_steps = 0
 
     def on_step(self, step: int, record: dict[str, Any]) -> None:
-        self.window.append(numbers(record, "train/"))
+        self.window.append(numbers(self.rename(record), "train/"))
         if step % self.log_every:
             return
         self._flush(step)
@@ -84,7 +103,7 @@ class Tracker(Hook):
 
     def on_evaluate(self, step: int, metrics: dict[str, Any]) -> None:
         for writer in self.writers:
-            writer.scalars(step, numbers(metrics, "eval/"))
+            writer.scalars(step, numbers(self.rename(metrics), "eval/"))
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self._flush(int(summary.get("steps", 0)))  # a last window shorter than log_every
