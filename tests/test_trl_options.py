@@ -3,6 +3,7 @@ them (normalize_then_sum advantages, dataset-order prompts)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -72,19 +73,19 @@ def test_normalize_then_sum_by_hand():
     weights = [1.0, 0.5]
 
     def zscores(values):
-        present = [v for v in values if v == v]
+        present = [v for v in values if not math.isnan(v)]
         mean, std = statistics.mean(present), statistics.stdev(present) if len(present) > 1 else float("nan")
-        return [(v - mean) / (std + EPS) if v == v else nan for v in values]
+        return [(v - mean) / (std + EPS) if not math.isnan(v) else nan for v in values]
 
     columns = [[row[k] for row in scores] for k in range(2)]
     normalized = [zscores(column[0:3]) + zscores(column[3:6]) for column in columns]
     summed = []
     for i in range(6):
-        parts = [normalized[k][i] * weights[k] for k in range(2) if normalized[k][i] == normalized[k][i]]
-        summed.append(sum(parts) if any(scores[i][k] == scores[i][k] for k in range(2)) else nan)
-    present = [v for v in summed if v == v]
+        parts = [normalized[k][i] * weights[k] for k in range(2) if not math.isnan(normalized[k][i])]
+        summed.append(sum(parts) if any(not math.isnan(scores[i][k]) for k in range(2)) else nan)
+    present = [v for v in summed if not math.isnan(v)]
     mean, std = statistics.mean(present), statistics.stdev(present)
-    expected = [(v - mean) / (std + EPS) if v == v else 0.0 for v in summed]
+    expected = [(v - mean) / (std + EPS) if not math.isnan(v) else 0.0 for v in summed]
     got = normalized_sum_advantages(torch.tensor(scores), torch.tensor(weights), 3)
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert got[5] == 0.0 and got.abs().sum() > 1  # unscorable gets 0; the rest carry signal
@@ -173,7 +174,6 @@ def test_save_only_model_keeps_no_trainer_state(tmp_path):
 
 def test_sft_eval_loss_is_the_models_own_loss_on_the_targets(tmp_path):
     from hasten.api import SFTConfig, SFTTrainer
-
     from hasten.models.tiny import tiny_model, tiny_tokenizer
 
     rows = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+3=", "completion": "6"}]

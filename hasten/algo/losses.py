@@ -36,8 +36,8 @@ vllm_importance_sampling_correction); None leaves every loss unchanged.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -30,9 +30,10 @@ Python API does not import transformers unless the model needs it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..train.loop import Hook
 from ..train.tracking import trl_record  # TRL's metric names, shared with the trackers

@@ -38,7 +38,6 @@ from typing import Any
 
 from ..errors import UserError
 
-
 # generation_kwargs keys that are hasten sampling settings (generation.<key>); length_penalty is read
 # by beam search only, so without beams it changes nothing and is accepted
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

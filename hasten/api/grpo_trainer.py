@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import Config, load_config, to_dict
 from .callbacks import CallbackBridge, TrainerState, instantiate

@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
@@ -211,7 +212,7 @@ def _rows(dataset: Any) -> list[dict[str, Any]]:
 
 def _file_rows(path: str) -> list[dict[str, Any]]:
     """SFT rows from a file: the readers of tasks/data.py without GRPO's "prompt" requirement."""
-    from ..tasks.data import READERS, FORMATS
+    from ..tasks.data import FORMATS, READERS
 
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS or not Path(path).is_file():

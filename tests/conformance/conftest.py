@@ -15,6 +15,7 @@ offline byte-level ChatML tokenizer so both libraries load the same files.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 from pathlib import Path
 
@@ -82,10 +83,10 @@ def sft_dataset(kind: str):
     from datasets import Dataset
 
     if kind == "language_modeling":
-        return Dataset.from_dict({"text": [f"{p} {q}." for p, q in zip(PROMPTS, PROMPTS[1:])]})
+        return Dataset.from_dict({"text": [f"{p} {q}." for p, q in itertools.pairwise(PROMPTS)]})
     if kind == "conversational_language_modeling":
         return Dataset.from_dict({"messages": [[{"role": "user", "content": p}, {"role": "assistant", "content": q}]
-                                               for p, q in zip(PROMPTS, PROMPTS[1:])]})
+                                               for p, q in itertools.pairwise(PROMPTS)]})
     return Dataset.from_dict({"prompt": PROMPTS[:-1], "completion": [f" {q}." for q in PROMPTS[1:]]})
 
 

@@ -403,7 +403,7 @@ def test_training_sequence_importance_sampling_other_losses(lib, models, tmp_pat
 
 
 def test_training_moe_model(lib, models, tmp_path):
-    trainer, before = train_grpo(lib, tmp_path, models, model=models["qwen3_moe"], reward_funcs=varied_reward)
+    trainer, _ = train_grpo(lib, tmp_path, models, model=models["qwen3_moe"], reward_funcs=varied_reward)
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
 
