@@ -186,7 +186,7 @@ class GRPOTrainer:
         import dataclasses
 
         from ..train.evaluate import evaluate
-        from ..train.trainer import make_engine
+        from ..rollout.factory import make_engine
         from .callbacks import trl_record
 
         session, cfg = self.session, self.config
