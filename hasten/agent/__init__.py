@@ -12,6 +12,7 @@ and the run is the plain single-turn one, untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config, ConfigError
@@ -71,4 +72,7 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
     if cfg.speed.dynamic_sampling or cfg.speed.async_steps:
         raise ConfigError("config error: tools and environments do not run with speed.dynamic_sampling or "
                           "speed.async_steps yet; turn those off")
+    choice = cfg.generation.tool_template  # a missing template file: one line now, before the model loads
+    if choice not in ("auto", "hermes") and not Path(choice).is_file():
+        raise ConfigError(f"config error: generation.tool_template: '{choice}' is not auto, hermes or a file")
     return AgentParts(cfg, resolved, environments)

@@ -97,6 +97,23 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     return model, tokenizer
 
 
+def check_name(name: str) -> None:
+    """What can be said of model.name before anything loads: a registry name, a local Hugging Face model
+    directory with its files (files.check_model_dir), or something shaped like a hub id; else one line."""
+    if ALIASES.get(name.lower()) is not None:
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
+            raise ModelError(f"model error: '{name}' is not a Hugging Face model directory (no config.json)")
+        check_model_dir(path)
+        return
+    if name.count("/") != 1:
+        raise ModelError(
+            f"model error: unknown model '{name}' (use smollm2-135m, tiny, a local model directory, or a hub id)"
+        )
+
+
 def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
     from transformers.utils import logging as hf_logging
 
@@ -114,15 +131,9 @@ def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
         except FileNotFoundError as exc:
             raise ModelError(f"model error: {exc}") from None
     path = Path(name).expanduser()
+    check_name(name)
     if path.exists():
-        if not path.is_dir() or not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
-            raise ModelError(f"model error: '{name}' is not a Hugging Face model directory (no config.json)")
-        check_model_dir(path)
         return _load_pretrained(str(path), dtype)
-    if name.count("/") != 1:
-        raise ModelError(
-            f"model error: unknown model '{name}' (use smollm2-135m, tiny, a local model directory, or a hub id)"
-        )
     try:
         return _load_pretrained(name, dtype)
     except OSError as exc:

@@ -40,6 +40,7 @@ from ..algo.advantages import nanstd, normalized_sum_advantages
 from ..config import Config, ConfigError
 from ..device import configure_device, peak_memory_mib, resolve_device
 from ..models import Policy, Reference, load_policy, load_trained_weights
+from ..models import check_name as check_model_name
 from ..rewards import RewardFunction, load_reward
 from ..rewards.reward_model import place_reward_models
 from ..rewards.batch import ScoredBatch, reward_inputs
@@ -123,6 +124,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     parts = make_agent(cfg, task, tools, environment)  # tools and environments checked before the model loads
     rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
+        check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
         log(f"loading model {cfg.model.name} ...")  # the first line of a run: the load (and a first conversion) take seconds
         policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
