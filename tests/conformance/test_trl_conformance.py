@@ -68,6 +68,8 @@ def train_grpo(lib, tmp_path, models, reward_funcs=None, dataset=None, model=Non
 
 
 def test_init_minimal(lib, models, tmp_path, monkeypatch):
+    if lib.name == "trl" and not torch.cuda.is_available():  # the control fails here, not hasten: not counted
+        pytest.xfail("TRL's default GRPOConfig asks for bf16, which transformers refuses without a GPU")
     monkeypatch.chdir(tmp_path)
     lib.GRPOTrainer(model=models["qwen2"], reward_funcs=models["qwen2_reward"], train_dataset=prompt_dataset())
 
