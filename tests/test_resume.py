@@ -281,10 +281,11 @@ def test_stale_temporaries_of_killed_saves_are_removed_on_resume(tmp_path):
     (tmp_path / ".summary.json.tmp-123").write_text("{")
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
-    (checkpoint / STATE_FILE).write_bytes(b"")
+    (checkpoint / STATE_FILE).write_bytes(b"x")
     opened, found = loop.open_run(None, tmp_path)
+    opened.lock.release()
     assert opened.path == run.path and found == checkpoint
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "config.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint-2", "config.yaml"]
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path):

@@ -44,6 +44,7 @@ import json
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
 from ..tasks.sampler import as_random_state
 from . import distributed
-from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, RunDir
+from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
+from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir
 from .progress import Progress
 
 
@@ -144,28 +146,78 @@ class Checkpoints:
         return bool(self.minutes) and time.monotonic() - self.last_saved >= self.minutes * 60
 
 
-def find_checkpoint(path: str | Path) -> tuple[RunDir, Path]:
-    """`--resume PATH`: a run directory (its newest full-state checkpoint) or one checkpoint-<N>/ in it."""
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def find_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -> tuple[RunDir, Path]:
+    """`--resume PATH`: a run directory (its newest whole full-state checkpoint) or one checkpoint-<N>/ in it.
+
+    A run directory's newest checkpoint that fails its manifest (integrity.py) is passed over for the
+    previous whole one, saying so in one line; a checkpoint named explicitly must be whole.
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"resume error: {path} is not a run directory or checkpoint")
     if (path / STATE_FILE).is_file():
         run_dir, checkpoint = RunDir(path.parent), path
+        damage = _damage(checkpoint)
+        if damage:
+            raise DamagedCheckpoint(f"resume error: {damage}")
     else:
         run_dir = RunDir(path)
-        checkpoint = run_dir.latest_checkpoint()
-        if checkpoint is None:
-            raise CheckpointError(f"resume error: {path} has no full-state checkpoint ({STATE_FILE}) to resume from")
+        checkpoint = _newest_whole(run_dir, log)
     if not (run_dir.path / "config.yaml").is_file():
         raise CheckpointError(f"resume error: {run_dir.path} has no config.yaml (is it a hasten run directory?)")
     try:
         readable = json.loads((checkpoint / STATE_SUMMARY).read_text())
     except (OSError, ValueError):
         readable = {}
-    if readable.get("final"):
+    if readable.get("final") and _finished(run_dir):  # killed before summary.json: resuming writes it
         raise CheckpointError(f"resume error: {run_dir.path} finished at step {readable.get('step')}; "
                               "nothing to resume")
     return run_dir, checkpoint
+
+
+def _newest_whole(run_dir: RunDir, log: Callable[[str], None]) -> Path:
+    candidates = run_dir.checkpoints_newest_first()
+    if not candidates:
+        raise CheckpointError(f"resume error: {run_dir.path} has no full-state checkpoint ({STATE_FILE}) "
+                              "to resume from")
+    damaged = []
+    for checkpoint in candidates:
+        if not _damage(checkpoint):
+            for newer in damaged:
+                if newer not in _told:  # resume_config and open_run both look: say it once
+                    _told.add(newer)
+                    log(f"{_damage(newer)}; resuming from the previous complete checkpoint {checkpoint}")
+            return checkpoint
+        damaged.append(checkpoint)
+    raise DamagedCheckpoint(f"resume error: no complete checkpoint in {run_dir.path} ({_damage(candidates[0])})")
+
+
+_checked: dict[Path, str] = {}  # checkpoint -> "" (whole) or what is wrong: hashed once per process
+_told: set[Path] = set()  # damaged checkpoints already reported (resume_config, then open_run)
+
+
+def _damage(checkpoint: Path) -> str:
+    """'' when the checkpoint is whole, else one line saying what is wrong."""
+    if checkpoint not in _checked:
+        try:
+            verify(checkpoint)
+            empty = (checkpoint / STATE_FILE).stat().st_size == 0
+            _checked[checkpoint] = f"checkpoint error: {checkpoint / STATE_FILE} is empty" if empty else ""
+        except DamagedCheckpoint as error:
+            _checked[checkpoint] = str(error)
+    return _checked[checkpoint]
+
+
+def _finished(run_dir: RunDir) -> bool:
+    """summary.json says the run finished (its end was written, not just its final checkpoint)."""
+    try:
+        return json.loads((run_dir.path / "summary.json").read_text()).get("status") != "interrupted"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # How a resumed run shows itself, and where its memory comes from; nothing it learns from.
@@ -194,13 +246,16 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     """
     def open_on_main() -> tuple[RunDir, Path | None]:
         if resume is None:
-            return RunDir.create(cfg), None
+            run_dir = RunDir.create(cfg)
+            run_dir.lock = RunLock(run_dir.path).acquire()
+            return run_dir, None
         run_dir, checkpoint = find_checkpoint(resume)
+        run_dir.lock = RunLock(run_dir.path).acquire()  # a second writer of this run stops here, writing nothing
         run_dir.clean_stale()
         return run_dir, checkpoint
 
     run_dir, checkpoint = distributed.from_main(open_on_main)
-    return distributed.follow(run_dir), checkpoint
+    return distributed.follow(run_dir), checkpoint  # rank 0's RunDir holds the lock; loop.run releases it
 
 
 def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = print,
@@ -235,7 +290,11 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
             for hook in hooks:
                 hook.close()
         finally:
-            job.close()
+            try:
+                job.close()
+            finally:
+                if run_dir.lock is not None:
+                    run_dir.lock.release()
 
 
 def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: Signals, start: int,
@@ -288,9 +347,12 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         return summary
     # The final save comes first: a failing final eval cannot cost the trained model, and an eval
     # may change the model in place (SFT's merges LoRA adapters into the weights for the lean engine).
-    checkpoint = save(job, run_dir, job.total_steps, final=True)
-    for hook in hooks:
-        hook.on_save(job.total_steps, checkpoint)
+    if start == job.total_steps:  # resumed from the final checkpoint of a run killed before its summary
+        checkpoint = run_dir.checkpoint_dir(None)
+    else:
+        checkpoint = save(job, run_dir, job.total_steps, final=True)
+        for hook in hooks:
+            hook.on_save(job.total_steps, checkpoint)
     if job.total_steps not in evals:
         _evaluate(job, run_dir, progress, job.total_steps, evals, hooks)
     return _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="finished",
@@ -329,6 +391,7 @@ def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
         readable = {"step": step, "final": final, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "resume": f"{job.resume_command} {target}"}  # where it lands, not the temporary
         (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
+        write_manifest(directory)  # last: the sha256 of every file above, verified before a resume
 
     return run_dir.save_files(write, None if final else step)
 
@@ -340,8 +403,9 @@ def restore(job: Job, run_dir: RunDir, checkpoint: Path) -> int:
     except FileNotFoundError:
         raise CheckpointError(f"resume error: {checkpoint} has no {STATE_FILE} (not a full-state checkpoint)") from None
     except Exception as error:  # a truncated or foreign file
+        reason = (str(error).splitlines() or [""])[0][:120]  # torch may raise with an empty message
         raise CheckpointError(f"resume error: cannot read {checkpoint / STATE_FILE} "
-                              f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
+                              f"({type(error).__name__}{': ' + reason if reason else ''})") from None
     job.load_state_dict(state["job"], checkpoint)
     random.setstate(as_random_state(state["rng"]["python"]))
     torch.set_rng_state(state["rng"]["torch"])
@@ -352,7 +416,9 @@ def restore(job: Job, run_dir: RunDir, checkpoint: Path) -> int:
 def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fields) -> dict[str, Any]:
     summary = {"run_dir": str(run_dir.path), "steps": step, **fields, "allocator": loaded_allocator(), **job.summary()}
     if evals:
-        summary["eval_before"], summary["eval_after"] = evals[min(evals)], evals[max(evals)]
+        summary["eval_before"] = evals[min(evals)]
+        if max(evals) > min(evals) or fields.get("status") == "finished":  # never the start's eval as the end's
+            summary["eval_after"] = evals[max(evals)]
     run_dir.write_summary(summary)
     if plot:
         run_dir.plot()
@@ -361,7 +427,9 @@ def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fi
 
 def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None]) -> None:
     steps_done = sum(1 for _ in _lines(run_dir.metrics_path))
-    if created and start == 0 and steps_done == 0 and distributed.is_main():
+    # A fresh run whose first save found the disk full has nothing to resume from: leave no directory either.
+    unusable = isinstance(error, OutOfSpace) and run_dir.latest_checkpoint() is None
+    if created and start == 0 and (steps_done == 0 or unusable) and distributed.is_main():
         shutil.rmtree(run_dir.path, ignore_errors=True)  # nothing worth keeping: leave nothing behind
         return
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -36,6 +36,7 @@ Choices:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -58,6 +59,20 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be written or resumed from; one line."""
 
 
+class OutOfSpace(CheckpointError):
+    """The disk filled up during a save; one line naming the directory and the space needed."""
+
+
+def out_of_space(error: BaseException) -> bool:
+    """A full disk (or quota), however the writer reports it: OSError ENOSPC / EDQUOT, or the text of
+    torch.save's RuntimeError ("file write failed", "unexpected pos") and safetensors' errors."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return any(sign in text for sign in ("No space left on device", "Disk quota exceeded", "file write failed",
+                                         "unexpected pos"))
+
+
 class RunDir:
     """One run's output directory. Use `RunDir.create(cfg)` for a new run;
     `RunDir(path)` opens an existing one (e.g. to re-plot it)."""
@@ -66,6 +81,7 @@ class RunDir:
         self.path = Path(path)
         self.metrics_path = self.path / "metrics.jsonl"
         self.eval_path = self.path / "eval.jsonl"
+        self.lock: Any = None  # integrity.RunLock while this process writes the directory (loop.open_run)
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
@@ -146,13 +162,26 @@ class RunDir:
             else:
                 os.replace(temporary, target)
             _fsync_directory(self.path)
-        except OSError as error:
+        except Exception as error:
+            written = _tree_bytes(temporary)
             shutil.rmtree(temporary, ignore_errors=True)
-            raise CheckpointError(f"checkpoint error: could not write {target}: {error.strerror or error}") from None
+            if out_of_space(error):
+                raise OutOfSpace(f"checkpoint error: no space left on the disk of {self.path} to write {target.name} "
+                                 f"(needs about {_megabytes(self._checkpoint_bytes(written))}, "
+                                 f"{_megabytes(shutil.disk_usage(self.path).free)} free); free some space, then "
+                                 "resume from the last checkpoint") from None
+            if isinstance(error, OSError):
+                raise CheckpointError(f"checkpoint error: could not write {target}: {error.strerror or error}") from None
+            raise
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
         return target
+
+    def _checkpoint_bytes(self, written: int) -> int:
+        """What one checkpoint takes: the newest saved one's size, else (at least) what a failed save wrote."""
+        saved = [_tree_bytes(path) for path in self.checkpoints_newest_first()[:1]]
+        return max(saved + [written])
 
     def clean_stale(self) -> list[Path]:
         """Remove what killed saves left behind (hidden .checkpoint*.tmp-* / .old-* dirs, .*.tmp-* files)."""
@@ -177,8 +206,8 @@ class RunDir:
             for _, path in self.numbered_checkpoints()[:-keep]:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def latest_checkpoint(self) -> Path | None:
-        """The checkpoint with the highest step among checkpoint-<N>/ and a final checkpoint/ with state."""
+    def checkpoints_newest_first(self) -> list[Path]:
+        """Every checkpoint-<N>/ and a final checkpoint/ with state, highest step first (final first on a tie)."""
         candidates = [(step, path) for step, path in self.numbered_checkpoints()]
         final = self.checkpoint_dir(None)
         if (final / STATE_SUMMARY).is_file() and (final / STATE_FILE).is_file():
@@ -186,7 +215,12 @@ class RunDir:
                 candidates.append((int(json.loads((final / STATE_SUMMARY).read_text())["step"]), final))
             except (ValueError, KeyError, TypeError):
                 pass
-        return max(candidates, key=lambda item: (item[0], item[1] == final))[1] if candidates else None
+        return [path for _, path in sorted(candidates, key=lambda item: (item[0], item[1] == final), reverse=True)]
+
+    def latest_checkpoint(self) -> Path | None:
+        """The checkpoint with the highest step among checkpoint-<N>/ and a final checkpoint/ with state."""
+        candidates = self.checkpoints_newest_first()
+        return candidates[0] if candidates else None
 
     def log_offsets(self) -> dict[str, int]:
         """Bytes in metrics.jsonl and eval.jsonl now: what a resume from here truncates them back to."""
@@ -331,6 +365,14 @@ def save_model_files(model, tokenizer, directory: Path, state: dict | None = Non
     else:
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(path.stat().st_size for path in Path(root).rglob("*") if path.is_file()) if Path(root).is_dir() else 0
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
 
 
 def _fsync_tree(root: Path) -> None:

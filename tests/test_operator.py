@@ -1,0 +1,207 @@
+"""What an operator meets around a run (issue 30): one owner per run directory, damaged checkpoints,
+a full disk, a run killed between its final save and its summary. The game policy trains in a second,
+so the runs here are real ones."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hasten.config import load_config
+from hasten.train import loop
+from hasten.train.integrity import MANIFEST, DamagedCheckpoint, RunInUse, RunLock
+from hasten.train.outputs import STATE_FILE, OutOfSpace, RunDir
+from hasten.train.policy_loop import GameJob
+from hasten.train.trainer import train
+
+
+def game_config(root: Path, name: str, **extra):
+    return load_config(overrides=list({
+        "task.name": "fruit-catcher", "train.steps": 3, "game.num_starts": 2, "game.games_per_start": 4,
+        "game.episode_steps": 10, "game.eval_games": 0, "output.dir": str(root), "output.name": name,
+        "output.progress": "off", "output.plot": False, "output.save_every": 1, **extra}.items()))
+
+
+def crashed_run(root: Path, monkeypatch, at: int = 3) -> Path:
+    """A run that failed at step `at`: checkpoint-1 ... checkpoint-<at - 1>, resumable."""
+    original = GameJob.step
+
+    def step(self, number):
+        if number == at:
+            raise RuntimeError("crash")
+        return original(self, number)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GameJob, "step", step)
+        with pytest.raises(RuntimeError):
+            train(game_config(root, "crashed"), log=lambda _: None)
+    return root / "crashed"
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hasten.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+# ------------------------------------------------------------------ one owner
+
+
+HOLDER = """
+import sys, time
+from hasten.train.integrity import RunLock
+RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_writer_of_a_run_exits_2_naming_the_owner_and_writes_nothing(tmp_path, monkeypatch):
+    run = crashed_run(tmp_path, monkeypatch)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {path: path.stat().st_mtime_ns for path in run.rglob("*")}
+        second = cli("train", "--resume", str(run), cwd=tmp_path)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert lines == [lines[-1]] and str(run) in lines[0] and f"process {holder.pid}" in lines[0]
+        assert {path: path.stat().st_mtime_ns for path in run.rglob("*")} == before  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # the kernel dropped the dead owner's lock: the run resumes and finishes
+    resumed = cli("train", "--resume", str(run), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_the_lock_is_held_for_the_run_and_released_after(tmp_path):
+    seen = []
+
+    class Probe(loop.Hook):
+        def on_step(self, step, record):
+            with pytest.raises(RunInUse, match="in use by process"):
+                RunLock(self.run.path).acquire()
+            seen.append(step)
+
+        def on_begin(self, run, start):
+            self.run = run
+
+    cfg = game_config(tmp_path, "held")
+    run, _ = loop.open_run(cfg, None)
+    from hasten.train.policy_loop import prepare_game
+
+    loop.run(GameJob(prepare_game(cfg, lambda _: None)), cfg, run, lambda _: None, callbacks=[Probe()])
+    assert seen == [1, 2, 3]
+    RunLock(run.path).acquire().release()  # free again
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+
+
+def test_checkpoints_carry_a_manifest_and_a_damaged_newest_falls_back(tmp_path, monkeypatch):
+    run = crashed_run(tmp_path, monkeypatch)
+    newest = run / "checkpoint-2"
+    assert set(json.loads((newest / MANIFEST).read_text())["files"]) >= {STATE_FILE, "policy.pt"}
+    weights = newest / "policy.pt"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = os.urandom(64)  # random bytes over the end: the same size, other weights
+    weights.write_bytes(bytes(data))
+    told = []
+    found = loop.find_checkpoint(run, told.append)
+    assert found[1] == run / "checkpoint-1"
+    assert len(told) == 1 and str(weights) in told[0] and f"resuming from the previous complete checkpoint {run}/checkpoint-1" in told[0]
+    with pytest.raises(DamagedCheckpoint, match="policy.pt is damaged"):
+        loop.find_checkpoint(newest)  # named explicitly: no silent substitute
+
+
+def test_an_empty_trainer_state_falls_back_and_never_crashes_the_error_path(tmp_path, monkeypatch):
+    run = crashed_run(tmp_path, monkeypatch)
+    (run / "checkpoint-2" / STATE_FILE).write_bytes(b"")
+    (run / "checkpoint-2" / MANIFEST).unlink()  # as an older hasten saved it: no manifest
+    told = []
+    assert loop.find_checkpoint(run, told.append)[1] == run / "checkpoint-1"
+    assert "is empty" in told[0]
+    resumed = cli("train", "--resume", str(run / "checkpoint-2"), cwd=tmp_path)
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr
+    assert resumed.stderr.strip().splitlines()[-1].startswith("resume error:")
+
+
+def test_a_restore_of_an_unreadable_state_says_why_in_one_line(tmp_path):
+    (tmp_path / STATE_FILE).write_bytes(b"")
+
+    with pytest.raises(loop.CheckpointError, match=r"cannot read .*trainer_state.pt \(.*\)$"):
+        loop.restore(None, RunDir(tmp_path.parent), tmp_path)
+
+
+# ------------------------------------------------------------------ a full disk
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_complete_checkpoints(tmp_path, monkeypatch):
+    run = crashed_run(tmp_path, monkeypatch)
+    original = torch.save
+
+    def full(obj, target, *args, **kwargs):
+        original(obj, target, *args, **kwargs)
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 1088 vs 1024")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OutOfSpace) as caught:
+        train(load_config(run / "config.yaml"), log=lambda _: None, resume=run)
+    message = str(caught.value)
+    assert "\n" not in message and str(run) in message and "needs about" in message and "free" in message
+    assert not (run / "checkpoint").exists() and not list(run.glob(".checkpoint*"))  # nothing half-written
+    assert loop.find_checkpoint(run)[1] == run / "checkpoint-2"  # the complete ones are untouched
+    monkeypatch.setattr(torch, "save", original)  # space freed: the resume works
+    summary = train(load_config(run / "config.yaml"), log=lambda _: None, resume=run)
+    assert summary["status"] == "finished" and summary["steps"] == 3
+
+
+def test_a_disk_full_at_the_first_save_leaves_no_run_directory(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OutOfSpace, match="no space left"):
+        train(game_config(tmp_path, "full"), log=lambda _: None)
+    assert not (tmp_path / "full").exists()
+
+
+# ------------------------------------------------------------------ the end of a run
+
+
+def test_a_run_killed_between_its_final_save_and_summary_resumes_to_write_it(tmp_path):
+    summary = train(game_config(tmp_path, "ended", **{"game.eval_games": 8}), log=lambda _: None)
+    run = Path(summary["run_dir"])
+    (run / "summary.json").unlink()  # killed right after the final save
+    metrics = (run / "metrics.jsonl").read_text()
+    again = train(load_config(run / "config.yaml"), log=lambda _: None, resume=run)
+    assert again["status"] == "finished" and json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert (run / "metrics.jsonl").read_text() == metrics  # no step ran again; the final eval did
+    timeless = [{k: v for k, v in s["eval_after"].items() if k != "seconds"} for s in (again, summary)]
+    assert timeless[0] == timeless[1]
+    with pytest.raises(loop.CheckpointError, match="nothing to resume"):
+        loop.find_checkpoint(run)
+
+
+def test_an_interrupted_summary_does_not_copy_the_start_eval_as_the_end(tmp_path):
+    class Stop(loop.Hook):
+        def on_step(self, step, record):
+            return True
+
+    cfg = game_config(tmp_path, "stopped", **{"game.eval_games": 8, "eval.every": 0})
+    run, _ = loop.open_run(cfg, None)
+    from hasten.train.policy_loop import prepare_game
+
+    summary = loop.run(GameJob(prepare_game(cfg, lambda _: None)), cfg, run, lambda _: None, callbacks=[Stop()])
+    assert summary["status"] == "stopped" and "eval_before" in summary and "eval_after" not in summary
