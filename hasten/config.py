@@ -523,6 +523,35 @@ def parse_override(text: str) -> tuple[str, Raw]:
     return key.strip().removeprefix("--"), Raw(raw)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int, first: int):
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+def _unique_key_loader() -> type:
+    """yaml's SafeLoader, except that a key given twice in one mapping raises _DuplicateKey.
+
+    Plain YAML keeps the later value silently, so a config edited in two places would train
+    on whichever came last.
+    """
+    import yaml
+
+    def construct_mapping(loader, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(str(key), line, seen[key])
+            seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    loader = type("UniqueKeyLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return loader
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None, profile: str | None = None
 ) -> Config:
@@ -538,7 +567,10 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config error: config file '{path}' does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_unique_key_loader()) or {}
+        except _DuplicateKey as duplicate:
+            raise ConfigError(f"config error: {path} line {duplicate.line}: key '{duplicate.key}' is given twice "
+                              f"(first on line {duplicate.first}); keep one") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""

@@ -94,9 +94,11 @@ def test_a_broken_reward_is_one_line_naming_it(data, capsys, function, message):
 
 
 def test_a_reward_failing_at_step_1_leaves_no_run_directory(data, capsys):
-    fails(capsys, ["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data / 'data.jsonl'}",
-                   "--reward", f"{data / 'rewards.py'}:raises", *SMALL, f"--output.dir={data / 'runs'}"])
+    code = main(["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data / 'data.jsonl'}",
+                 "--reward", f"{data / 'rewards.py'}:raises", *SMALL, f"--output.dir={data / 'runs'}"])
+    assert code == 2
     assert not (data / "runs").exists() or not any((data / "runs").iterdir())
+    assert "run directory" not in capsys.readouterr().err  # never named: it is gone
 
 
 def exits_in_worker(prompts, completions, **kwargs):
@@ -152,6 +154,17 @@ def test_checkpoint_without_tokenizer_files(checkpoint, tmp_path, capsys):
         (broken / name).unlink()
     error = fails(capsys, ["eval", "--model", str(broken), "--task", "arithmetic", "--eval.num_examples=1"])
     assert error.startswith(f"model error: {broken} has no tokenizer files (tokenizer.json)"), error
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_model_directory_without_weights(checkpoint, tmp_path, capsys, command):
+    broken = copy_of(checkpoint, tmp_path / "model")
+    (broken / "model.safetensors").unlink()
+    error = fails(capsys, [command, "--model", str(broken), "--task", "arithmetic", "--eval.num_examples=1",
+                           f"--output.dir={tmp_path / 'runs'}"])
+    assert error == f"model error: {broken} has no weights (model.safetensors); copy them from where the model " \
+                    "was saved", error
+    assert not (tmp_path / "runs").exists()
 
 
 # ------------------------------------------------------------------ output paths

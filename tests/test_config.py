@@ -86,6 +86,20 @@ def test_yaml_file_errors(tmp_path):
         load_config(nested)
 
 
+def test_a_key_given_twice_in_yaml_is_an_error_naming_it_and_its_line(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 1.0e-5\n  steps: 3\n  lr: 3.0e-5\nmodel:\n  name: tiny\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml line 4: key 'lr' is given twice \(first on line 2\)"):
+        load_config(twice)
+    sections = tmp_path / "sections.yaml"
+    sections.write_text("train:\n  lr: 1.0e-5\ntrain:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=r"line 3: key 'train' is given twice \(first on line 1\)"):
+        load_config(sections)
+    once = tmp_path / "once.yaml"
+    once.write_text("train:\n  lr: 3.0e-5\n")
+    assert load_config(once).train.lr == 3e-5
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

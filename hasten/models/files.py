@@ -11,6 +11,8 @@ at most and raises one line naming the file:
 - every `*.safetensors` file must hold its whole header and exactly the bytes
   its header says its tensors take (truncation is the common corruption: a
   copy or download cut short). Tensor values are not read;
+- a model directory must hold weights (a directory with config.json alone
+  otherwise fails deep inside transformers with an OSError);
 - a model directory (not a LoRA adapter, whose tokenizer may come from its
   base) must have tokenizer files: tokenizer.json, or the slow tokenizers'
   tokenizer.model / vocab.json.
@@ -26,6 +28,8 @@ from ..errors import UserError
 
 JSON_FILES = ("config.json", "adapter_config.json", "tokenizer_config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# what transformers' and peft's from_pretrained load weights from (sharded ones through their *.index.json)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack")
 HEADER_LIMIT = 100_000_000  # safetensors' own limit on the header's size
 
 
@@ -44,6 +48,9 @@ def check_model_dir(directory: str | Path) -> None:
     adapter = (directory / "adapter_config.json").is_file()
     if not adapter and (directory / "config.json").is_file():
         check_model_type(directory, read_json(directory / "config.json"))
+    if not any(path.is_file() for pattern in WEIGHT_PATTERNS for path in directory.glob(pattern)):
+        kind = "adapter weights (adapter_model.safetensors)" if adapter else "weights (model.safetensors)"
+        raise ModelFileError(f"model error: {directory} has no {kind}; copy them from where the model was saved")
     if not adapter and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ModelFileError(f"model error: {directory} has no tokenizer files (tokenizer.json); "
                              "copy them from the model it was saved from")

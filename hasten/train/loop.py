@@ -273,8 +273,6 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
             if resume_from is not None:
                 start = restore(job, run_dir, resume_from)
                 progress.message(f"resumed from {resume_from} at step {start}")
-            else:
-                progress.message(f"run directory: {run_dir.path}")
             for hook in hooks:
                 hook.on_begin(run_dir, start)
             summary = _steps(job, cfg, run_dir, progress, signals, start, hooks)
@@ -317,6 +315,8 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         step += 1
         record = job.step(step)
         run_dir.log_step(record)
+        if step == 1:  # named once it is kept: a run failing in its first step removes its directory
+            progress.message(f"run directory: {run_dir.path}")
         progress.update(step, record)
         stop = distributed.agree_signal(signals.received)  # torchrun: every rank stops here too
         stopped = any([bool(hook.on_step(step, record)) for hook in hooks])  # every hook hears of the step
