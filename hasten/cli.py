@@ -209,10 +209,39 @@ COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models
             "config": _cmd_config}
 
 
+EXIT_SIGINT = 130  # 128 + SIGINT, as the shell reports a process a Ctrl-C stopped
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`hasten config | head`)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a Ctrl-C outside training (imports, model load) and a closed stdout end in one line."""
     global _PROCESS_ENTRY
     _PROCESS_ENTRY = argv is None
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:  # training's own handlers (train/loop.py) never let one through
+        loop = sys.modules.get("hasten.train.loop")
+        if loop is not None:
+            loop.discard_unstarted()  # a run directory made just before the Ctrl-C: nothing in it yet
+        print("interrupted (SIGINT); stopped at once", file=sys.stderr)
+        return EXIT_SIGINT
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: Python's flush at exit would otherwise raise BrokenPipeError again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (tests)
+        pass
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:  # the bench has its own parser; pass everything through
         from .bench import main as bench_main
 

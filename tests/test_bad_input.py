@@ -95,7 +95,8 @@ def test_a_broken_reward_is_one_line_naming_it(data, capsys, function, message):
 
 def test_a_reward_failing_at_step_1_leaves_no_run_directory(data, capsys):
     code = main(["train", "--model", "tiny", "--task", "jsonl", f"--task.path={data / 'data.jsonl'}",
-                 "--reward", f"{data / 'rewards.py'}:raises", *SMALL, f"--output.dir={data / 'runs'}"])
+                 "--reward", f"{data / 'rewards.py'}:raises", *SMALL, f"--output.dir={data / 'runs'}",
+                 "--output.progress=plain"])
     assert code == 2
     assert not (data / "runs").exists() or not any((data / "runs").iterdir())
     assert "run directory" not in capsys.readouterr().err  # never named: it is gone

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -205,3 +206,83 @@ def test_an_interrupted_summary_does_not_copy_the_start_eval_as_the_end(tmp_path
 
     summary = loop.run(GameJob(prepare_game(cfg, lambda _: None)), cfg, run, lambda _: None, callbacks=[Stop()])
     assert summary["status"] == "stopped" and "eval_before" in summary and "eval_after" not in summary
+
+
+# ------------------------------------------------------------------ signals
+
+
+def sigint_after(job_class: type, method: str, when):
+    """Patch job_class.method to send this process SIGINT when `when(args)` holds (before the call)."""
+    original = getattr(job_class, method)
+
+    def patched(self, *args):
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *args)
+
+    return patched
+
+
+def test_with_progress_off_a_signal_still_says_how_to_resume(tmp_path, monkeypatch):
+    monkeypatch.setattr(GameJob, "step", sigint_after(GameJob, "step", lambda step: step == 2))
+    told = []
+    summary = train(game_config(tmp_path, "quiet", **{"train.steps": 5}), log=told.append)
+    assert summary["status"] == "interrupted" and summary["steps"] == 2
+    assert f"interrupted at step 2; resume with: hasten train --resume {tmp_path / 'quiet'}" in told
+    assert any(line.startswith("SIGINT: stopping after this step") for line in told)
+
+
+def test_sft_says_how_to_resume_after_a_signal(tmp_path, monkeypatch):
+    from hasten.errors import Interrupted
+    from hasten.rft.sft import SFTJob, run_sft
+
+    records_file = tmp_path / "rft.json"
+    records_file.write_text(json.dumps([[f"What is {i} + {i}?", str(2 * i), f"<answer>{2 * i}</answer>"]
+                                        for i in range(8)]))
+    cfg = load_config(overrides=list({
+        "model.name": "tiny", "model.lora": True, "model.lora_r": 4, "task.name": "arithmetic",
+        "rft.data": str(records_file), "sft.epochs": 2, "sft.batch_size": 4, "eval.num_examples": 0,
+        "output.dir": str(tmp_path / "runs"), "output.name": "sft", "output.progress": "off",
+        "output.plot": False}.items()))
+    monkeypatch.setattr(SFTJob, "step", sigint_after(SFTJob, "step", lambda step: step == 1))
+    told = []
+    with pytest.raises(Interrupted) as stop:
+        run_sft(cfg, log=told.append)
+    assert stop.value.saved and stop.value.exit_code == 130
+    assert f"interrupted at step 1; resume with: hasten sft --resume {tmp_path / 'runs' / 'sft'}" in told
+
+
+def test_a_signal_during_the_final_eval_interrupts_it_and_resume_finishes(tmp_path, monkeypatch):
+    cfg = game_config(tmp_path, "final", **{"game.eval_games": 8, "eval.every": 0})
+    with monkeypatch.context() as patch:
+        patch.setattr(GameJob, "evaluate", sigint_after(GameJob, "evaluate", lambda step, run: step == 3))
+        told = []
+        summary = train(cfg, log=told.append)
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130 and "eval_after" not in summary
+    assert any(line.startswith("interrupted during the final eval") for line in told)
+    run = tmp_path / "final"
+    assert not [line for line in (run / "eval.jsonl").read_text().splitlines() if '"step": 3' in line]
+    resumed = train(load_config(run / "config.yaml"), log=lambda _: None, resume=run)
+    assert resumed["status"] == "finished" and set(resumed["eval_after"]) >= {"score_mean"}
+
+
+@pytest.mark.parametrize("where", ["hasten.train.policy_loop.prepare_game", "hasten.train.policy_loop.make_trackers"])
+def test_ctrl_c_during_startup_is_one_line_exit_130_and_leaves_no_directory(tmp_path, capsys, monkeypatch, where):
+    from hasten.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(where, interrupted)
+    code = main(["train", "--task", "fruit-catcher", f"--output.dir={tmp_path}", "--output.name=started"])
+    assert code == 130 and capsys.readouterr().err.strip().splitlines() == ["interrupted (SIGINT); stopped at once"]
+    assert not (tmp_path / "started").exists()
+
+
+def test_a_closed_stdout_is_no_traceback(tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "hasten.cli", "config"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    process.stdout.close()  # `| head` gone before the first line is written
+    _, err = process.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err and process.returncode == 141, err

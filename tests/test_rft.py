@@ -84,6 +84,21 @@ def test_datagen_keeps_only_correct_samples_in_the_documented_format(tmp_path, t
     assert not list((tmp_path / "out").glob(".*tmp*"))  # nothing half-written left behind
 
 
+def test_datagen_keeping_no_record_is_one_line_exit_2_and_writes_nothing(tmp_path, tokenizer, capsys, monkeypatch):
+    from hasten.rft import cli as rft_cli
+
+    cfg = datagen_config(tmp_path, "one")
+    task = make_task(cfg.task)
+    script = {row["question"]: ["<answer>-1</answer>"] * 4 for row in task.train_rows}
+    monkeypatch.setattr("hasten.rft.datagen.load_generator",
+                        lambda cfg, log: (type("P", (), {"tokenizer": tokenizer}), ScriptedEngine(tokenizer, task, script)))
+    code = rft_cli.main(["rft", "datagen", "--task.num_train=3", "--task.num_eval=2", "--oversample=4",
+                         "--rft.prompts_per_batch=2", f"--data={tmp_path / 'out' / 'rft.json'}"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and error.startswith("rft error: no sample was correct (3 questions x 4 samples)"), error
+    assert not (tmp_path / "out" / "rft.json").exists()
+
+
 def test_trim_to_answer():
     assert trim_to_answer("a <answer>3</answer> b") == "a <answer>3</answer>"
     assert trim_to_answer("a <answer>3") is None

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ..config import Config
+from ..errors import UserError
 from ..rollout import SamplingParams
 from ..tasks import Task, make_task
 from ..rollout.prompts import encode_prompt
@@ -80,6 +81,10 @@ def select_records(task: Task, rows: list[dict], texts: list[str], oversample: i
     return records
 
 
+class NoRecords(UserError):
+    """Rejection sampling kept nothing: there is no data set to write."""
+
+
 def run_datagen(cfg: Config, log: Callable[[str], None] = print, engine=None, tokenizer=None) -> DatagenReport:
     """Generate, filter and write cfg.rft.data. `engine`/`tokenizer` replace the loaded model (tests)."""
     task = make_task(cfg.task)
@@ -105,6 +110,10 @@ def run_datagen(cfg: Config, log: Callable[[str], None] = print, engine=None, to
         log(f"datagen: {done}/{len(rows)} questions, {counts['solved']} solved, {len(records)} records, "
             f"{generated / (time.perf_counter() - started):.0f} tok/s")
     seconds = time.perf_counter() - started
+    if not records:  # an empty file would only fail later, in `hasten sft`
+        raise NoRecords(f"rft error: no sample was correct ({len(rows)} questions x {rft.oversample} samples), so "
+                        f"nothing was written to {rft.data}; raise rft.oversample or rft.temperature, or start "
+                        "from a stronger model")
     path = write_records(rft.data, records)
     return DatagenReport(
         questions=len(rows), solved=counts["solved"], samples=len(rows) * rft.oversample,

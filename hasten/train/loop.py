@@ -111,6 +111,7 @@ class Signals:
     def __init__(self, log: Callable[[str], None]):
         self.log = log
         self.received: int | None = None
+        self.at_once = False  # the final eval: nothing is left to save, so the first signal stops it
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
@@ -124,8 +125,8 @@ class Signals:
             signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:
-            raise Interrupted(signum)
+        if self.received is not None or self.at_once:
+            raise Interrupted(signum, saved=self.at_once)
         self.received = signum
         self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
                  "(send it again to stop at once)")
@@ -245,9 +246,11 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     Under torchrun rank 0 opens it and every other rank follows that choice (distributed.py).
     """
     def open_on_main() -> tuple[RunDir, Path | None]:
+        global _unstarted
         if resume is None:
             run_dir = RunDir.create(cfg)
             run_dir.lock = RunLock(run_dir.path).acquire()
+            _unstarted = run_dir
             return run_dir, None
         run_dir, checkpoint = find_checkpoint(resume)
         run_dir.lock = RunLock(run_dir.path).acquire()  # a second writer of this run stops here, writing nothing
@@ -258,6 +261,19 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     return distributed.follow(run_dir), checkpoint  # rank 0's RunDir holds the lock; loop.run releases it
 
 
+_unstarted: RunDir | None = None  # a fresh run directory no loop.run has taken over yet
+
+
+def discard_unstarted() -> None:
+    """Remove the fresh run directory a Ctrl-C between open_run and run left (config.yaml alone)."""
+    global _unstarted
+    if _unstarted is not None:
+        shutil.rmtree(_unstarted.path, ignore_errors=True)
+        if _unstarted.lock is not None:
+            _unstarted.lock.release()
+        _unstarted = None
+
+
 def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = print,
         resume_from: Path | None = None, created: bool = True, callbacks: list[Hook] | None = None) -> dict[str, Any]:
     """Run `job` to cfg's end (or a signal) in `run_dir`; returns the summary (also summary.json).
@@ -265,11 +281,15 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
     created: this call made run_dir (a failure before the first step removes it).
     callbacks: Hooks told of each step, eval, save and the end.
     """
+    global _unstarted
+    _unstarted = None  # from here a failure or signal is this function's to handle
     progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
     hooks = list(callbacks or [])
     start = 0
+    # What a signal does is always said: above the progress view, or through `log` when it is off.
+    say = progress.message if progress.mode != "off" else log
     try:
-        with Signals(progress.message) as signals:
+        with Signals(say) as signals:
             if resume_from is not None:
                 start = restore(job, run_dir, resume_from)
                 progress.message(f"resumed from {resume_from} at step {start}")
@@ -342,8 +362,8 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
                            exit_code=128 + stop)
         checkpoint = run_dir.latest_checkpoint()
-        progress.message(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
-                         if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
+        signals.log(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
+                    if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
         return summary
     # The final save comes first: a failing final eval cannot cost the trained model, and an eval
     # may change the model in place (SFT's merges LoRA adapters into the weights for the lean engine).
@@ -354,9 +374,28 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         for hook in hooks:
             hook.on_save(job.total_steps, checkpoint)
     if job.total_steps not in evals:
-        _evaluate(job, run_dir, progress, job.total_steps, evals, hooks)
+        stop = _final_evaluate(job, run_dir, progress, signals, evals, hooks)
+        if stop is not None:  # the model is saved; a resume runs the final eval and writes the summary
+            summary = _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="interrupted",
+                               signal=signal.Signals(stop).name, exit_code=128 + stop, checkpoint=str(checkpoint))
+            signals.log(f"interrupted during the final eval (the trained model is saved in {checkpoint}); "
+                        f"resume with: {job.resume_command} {run_dir.path}")
+            return summary
     return _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="finished",
                     checkpoint=str(checkpoint))
+
+
+def _final_evaluate(job: Job, run_dir: RunDir, progress: Progress, signals: Signals, evals: dict,
+                    hooks: list[Hook]) -> int | None:
+    """The final eval, which a signal stops at once (nothing is left to save); the signal's number, or None."""
+    signals.at_once = True
+    try:
+        _evaluate(job, run_dir, progress, job.total_steps, evals, hooks)
+    except Interrupted as stop:
+        return stop.signum
+    finally:
+        signals.at_once = False
+    return None
 
 
 def _evaluate(job: Job, run_dir: RunDir, progress: Progress, step: int, evals: dict, hooks: list[Hook]) -> None:
