@@ -286,3 +286,63 @@ def test_a_closed_stdout_is_no_traceback(tmp_path):
     process.stdout.close()  # `| head` gone before the first line is written
     _, err = process.communicate(timeout=120)
     assert "Traceback" not in err and "BrokenPipe" not in err and process.returncode == 141, err
+
+
+# ------------------------------------------------------------------ threads chosen from the load
+
+
+@pytest.fixture
+def two_threads():
+    """The governor moves between 1 thread and the threads the run starts with: 2 here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_adaptive_threads_resume_bit_identically_where_the_choices_match(tmp_path, monkeypatch, two_threads):
+    """Not pinned: speed.adaptive_threads picks 1 or 2 threads per phase from a scripted load (busy on odd
+    steps), the same in both runs; the resumed run then equals the uninterrupted one bit for bit."""
+    from hasten.kernels import threads as thread_module
+    from hasten.train.trainer import GRPOJob
+
+    step_now = [0]
+    monkeypatch.setattr(thread_module, "busy_neighbours", lambda: 10_000 if step_now[0] % 2 else 0)
+    original_step = GRPOJob.step
+
+    def step(self, number):
+        step_now[0] = number
+        return original_step(self, number)
+
+    monkeypatch.setattr(GRPOJob, "step", step)
+
+    def make(name):
+        return load_config(overrides=list({
+            "model.name": "tiny", "task.name": "arithmetic", "train.steps": 4, "train.prompts_per_step": 2,
+            "generation.num_generations": 2, "generation.max_new_tokens": 6, "eval.num_examples": 0,
+            "output.dir": str(tmp_path), "output.name": name, "output.progress": "off", "output.plot": False,
+            "output.save_every": 1, "speed.adaptive_threads": True}.items()))
+
+    told = []
+    reference = train(make("reference"), log=told.append)
+    chosen = [json.loads(line)["threads/generate"] for line in (tmp_path / "reference" / "metrics.jsonl")
+              .read_text().splitlines()]
+    assert chosen == [1, 2, 1, 2]  # the threads followed the load: nothing pinned them
+    with monkeypatch.context() as patch:
+        patch.setattr(GRPOJob, "step", lambda self, number: (_ for _ in ()).throw(RuntimeError("killed"))
+                      if number == 3 else step(self, number))
+        with pytest.raises(RuntimeError):
+            train(make("crashed"), log=lambda _: None)
+    run = tmp_path / "crashed"
+    told = []
+    train(load_config(run / "config.yaml"), log=told.append, resume=run)
+    assert any("speed.adaptive_threads" in line and "train.num_threads" in line for line in told)
+    volatile = ("time/", "memory/", "tokens_per_second")
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if not k.startswith(volatile)}
+                          for line in path.read_text().splitlines()]
+    assert strip(run / "metrics.jsonl") == strip(Path(reference["run_dir"]) / "metrics.jsonl")
+    from safetensors.torch import load_file
+
+    expected = load_file(Path(reference["run_dir"]) / "checkpoint" / "model.safetensors")
+    actual = load_file(run / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)

@@ -445,6 +445,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None =
         session.scorer.close()
         raise
     run, checkpoint = loop.open_run(cfg, resume)
+    if resume is not None and session.threads is not None and session.threads.enabled:
+        log("resuming with speed.adaptive_threads: bit-identical to the uninterrupted run where both chose the "
+            "same threads per phase (metrics.jsonl threads/*); set train.num_threads to pin them")
     trackers = make_trackers(cfg, run, lambda: session.completions) if distributed.is_main() else []  # rank 0 logs
     hooks = trackers + list(callbacks or [])
     return loop.run(job, cfg, run, log, checkpoint, created=resume is None, callbacks=hooks)
