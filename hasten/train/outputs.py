@@ -166,10 +166,7 @@ class RunDir:
             written = _tree_bytes(temporary)
             shutil.rmtree(temporary, ignore_errors=True)
             if out_of_space(error):
-                raise OutOfSpace(f"checkpoint error: no space left on the disk of {self.path} to write {target.name} "
-                                 f"(needs about {_megabytes(self._checkpoint_bytes(written))}, "
-                                 f"{_megabytes(shutil.disk_usage(self.path).free)} free); free some space, then "
-                                 "resume from the last checkpoint") from None
+                raise self._out_of_space(target, written) from None
             if isinstance(error, OSError):
                 raise CheckpointError(f"checkpoint error: could not write {target}: {error.strerror or error}") from None
             raise
@@ -178,10 +175,19 @@ class RunDir:
             raise
         return target
 
-    def _checkpoint_bytes(self, written: int) -> int:
-        """What one checkpoint takes: the newest saved one's size, else (at least) what a failed save wrote."""
-        saved = [_tree_bytes(path) for path in self.checkpoints_newest_first()[:1]]
-        return max(saved + [written])
+    def _out_of_space(self, target: Path, written: int) -> OutOfSpace:
+        """The one line for a save the disk had no room for: the space one checkpoint takes (the newest
+        saved one's size; else, at least, what the failed save wrote) and what is free."""
+        saved = self.checkpoints_newest_first()[:1]
+        needed = max([_tree_bytes(path) for path in saved] + [written])
+        free = _megabytes(shutil.disk_usage(self.path).free)
+        if saved:
+            return OutOfSpace(f"checkpoint error: no space left on the disk of {self.path} to write {target.name} "
+                              f"(needs about {_megabytes(needed)}, {free} free); free some space, then resume "
+                              f"the run from its last checkpoint (--resume {self.path})")
+        return OutOfSpace(f"checkpoint error: no space left on the disk of {self.path.parent} for a checkpoint "
+                          f"(needs more than {_megabytes(needed)}, {free} free); free some space and start the "
+                          "run again (its directory is removed)")
 
     def clean_stale(self) -> list[Path]:
         """Remove what killed saves left behind (hidden .checkpoint*.tmp-* / .old-* dirs, .*.tmp-* files)."""
