@@ -19,7 +19,9 @@ Imports are lazy: `hasten --help` must not pay for torch or transformers.
 Any user error (config, data, reward file, model name) prints one line and
 exits with code 2; nothing is written before the inputs are checked.
 SIGINT / SIGTERM during training save a checkpoint and exit 130 / 143
-(train/loop.py); a second one exits at once with the same code.
+(train/loop.py); a second one exits at once with the same code. A Ctrl-C
+outside training (imports, model load) is one line and exit 130; a closed
+stdout (`hasten config | head`) exits 141 quietly. docs/operations.md lists them.
 """
 
 from __future__ import annotations

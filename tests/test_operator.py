@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -121,7 +120,8 @@ def test_checkpoints_carry_a_manifest_and_a_damaged_newest_falls_back(tmp_path, 
     told = []
     found = loop.find_checkpoint(run, told.append)
     assert found[1] == run / "checkpoint-1"
-    assert len(told) == 1 and str(weights) in told[0] and f"resuming from the previous complete checkpoint {run}/checkpoint-1" in told[0]
+    assert len(told) == 1 and str(weights) in told[0]
+    assert f"resuming from the previous complete checkpoint {run / 'checkpoint-1'}" in told[0]
     with pytest.raises(DamagedCheckpoint, match="policy.pt is damaged"):
         loop.find_checkpoint(newest)  # named explicitly: no silent substitute
 

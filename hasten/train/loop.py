@@ -12,12 +12,20 @@ once:
     resume       `run(..., resume_from=checkpoint)`: the model and job state, the
                  step, python's and torch's RNGs are restored, and metrics.jsonl /
                  eval.jsonl are cut back to what they held at that checkpoint, so
-                 the resumed run continues bit-identically (tests/test_resume.py)
+                 the resumed run continues bit-identically (tests/test_resume.py) where it
+                 uses the same threads per phase (docs/operations.md). A run killed after
+                 its final save but before its summary resumes from checkpoint/ to write it
     signals      SIGINT / SIGTERM: the current step finishes, a checkpoint and the
                  summary are written, and the run returns status "interrupted"
                  (the CLI exits 130 / 143). A second signal stops at once
                  (`Interrupted`), through every `finally`: the job's pools and
-                 threads are always closed
+                 threads are always closed. During the final eval (the model is
+                 saved) the first signal stops at once; a resume runs that eval.
+                 What a signal does is said through `log` when output.progress is off
+    owner        open_run takes an flock on <run>/.lock (integrity.py): a second writer of
+                 the run fails in one line naming the owner's pid, before writing anything
+    integrity    every checkpoint holds manifest.json (sha256 of its files); --resume RUN_DIR
+                 takes the newest whole one, saying which damaged ones it passed over
     torchrun     rank 0 alone writes the run directory (the others follow it, distributed.py),
                  every rank restores on resume, and a signal on any rank stops all after
                  the same step: every choice that decides whether a rank saves, evaluates or
@@ -216,7 +224,7 @@ def _damage(checkpoint: Path) -> str:
 def _finished(run_dir: RunDir) -> bool:
     """summary.json says the run finished (its end was written, not just its final checkpoint)."""
     try:
-        return json.loads((run_dir.path / "summary.json").read_text()).get("status") != "interrupted"
+        return json.loads((run_dir.path / "summary.json").read_text()).get("status") == "finished"
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -7,7 +7,8 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
     eval.jsonl         one JSON object per held-out evaluation: {"step": N, ...}
     checkpoint-<N>/    full-state checkpoints (output.save_every, output.save_minutes, on a signal)
     checkpoint/        the final checkpoint (full state too)
-    summary.json       end-of-run summary (status: finished | interrupted | failed)
+    summary.json       end-of-run summary (status: finished | interrupted | stopped | failed)
+    .lock              flock'd by the process writing the run (integrity.py; the kernel frees it)
     progress.png       reward and held-out accuracy curves; loss, KL, entropy, completion
                        length and step time below them
 
@@ -24,6 +25,9 @@ Choices:
   temporary directories a killed save leaves are removed when the run is
   opened again (`clean_stale`). Saving goes through `save_pretrained`, so
   plain HF models write full weights and peft models write adapters only.
+- Every checkpoint ends with manifest.json, the sha256 of its files (integrity.py),
+  checked before a resume. A save that finds the disk full raises OutOfSpace: one
+  line naming the directory and the space one checkpoint needs.
 - A checkpoint is full state: the model files plus `trainer_state.pt`
   (optimizer, schedule, scaler, RNGs, sampler position, step, log offsets:
   what train/loop.py needs to resume bit-identically) and a readable
