@@ -67,6 +67,10 @@ class RunLock:
         self._descriptor = descriptor
         return self
 
+    def __getstate__(self) -> dict:
+        """A copy sent to another process (torchrun's ranks) owns nothing: the descriptor is this process's."""
+        return {**self.__dict__, "_descriptor": None}
+
     def release(self) -> None:
         if self._descriptor is not None:
             os.close(self._descriptor)  # closing the descriptor drops the flock
