@@ -256,9 +256,8 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     def open_on_main() -> tuple[RunDir, Path | None]:
         global _unstarted
         if resume is None:
-            run_dir = RunDir.create(cfg)
+            run_dir = _unstarted = RunDir.create(cfg)
             run_dir.lock = RunLock(run_dir.path).acquire()
-            _unstarted = run_dir
             return run_dir, None
         run_dir, checkpoint = find_checkpoint(resume)
         run_dir.lock = RunLock(run_dir.path).acquire()  # a second writer of this run stops here, writing nothing
