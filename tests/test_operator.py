@@ -85,6 +85,21 @@ def test_a_second_writer_of_a_run_exits_2_naming_the_owner_and_writes_nothing(tm
     assert steps == [1, 2, 3]
 
 
+def test_two_resumes_of_one_run_at_once_leave_each_step_once(tmp_path, monkeypatch):
+    """The issue's double-submitted job: whichever comes second exits 2 (owned, or already finished)."""
+    run = crashed_run(tmp_path, monkeypatch, at=2)
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    both = [subprocess.Popen([sys.executable, "-m", "hasten.cli", "train", "--resume", str(run)], cwd=tmp_path,
+                             env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    errors = [process.communicate(timeout=300)[1] for process in both]
+    outcomes = sorted((process.returncode, error) for process, error in zip(both, errors))
+    assert [code for code, _ in outcomes] == [0, 2], outcomes
+    assert "in use by process" in outcomes[1][1] or "nothing to resume" in outcomes[1][1]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
 def test_the_lock_is_held_for_the_run_and_released_after(tmp_path):
     seen = []
 

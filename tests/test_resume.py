@@ -179,6 +179,7 @@ def test_resume_refuses_a_finished_run_and_changed_settings(data, uninterrupted)
     assert changed.returncode == 2 and "drop --train.lr" in changed.stderr
     missing = hasten(["train", "--resume", str(data)], data)
     assert missing.returncode == 2 and "no full-state checkpoint" in missing.stderr
+    assert not (data / ".lock").exists()  # not a run directory: nothing written there
 
 
 # ------------------------------------------------------------- in-process crashes: LoRA, game, SFT

@@ -259,8 +259,18 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
             run_dir = _unstarted = RunDir.create(cfg)
             run_dir.lock = RunLock(run_dir.path).acquire()
             return run_dir, None
-        run_dir, checkpoint = find_checkpoint(resume)
-        run_dir.lock = RunLock(run_dir.path).acquire()  # a second writer of this run stops here, writing nothing
+        path = Path(resume)
+        run_path = path.parent if (path / STATE_FILE).is_file() else path
+        # Own the run before choosing its checkpoint: a second writer stops here, writing nothing, and
+        # one that waited for the first to end sees the checkpoints (and summary) the first left.
+        lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
+        try:
+            run_dir, checkpoint = find_checkpoint(resume)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        run_dir.lock = lock
         run_dir.clean_stale()
         return run_dir, checkpoint
 
