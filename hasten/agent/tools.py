@@ -23,17 +23,15 @@ never holds the process open at exit) and the model gets "timed out".
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import json
 import re
-import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
+from ..userfiles import load_attribute as load_user_attribute, one_line
 
 CALL_PATTERN = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -75,7 +73,7 @@ def make_tool(fn: Callable[..., Any], origin: str | None = None) -> Tool:
     try:
         schema = get_json_schema(fn)
     except Exception as error:  # DocstringParsingException, TypeHintParsingException, ...
-        raise ToolError(f"tool error: {where}: {_one_line(error)} (a tool needs type hints on every "
+        raise ToolError(f"tool error: {where}: {one_line(error)} (a tool needs type hints on every "
                         "argument and a Google-style docstring with an Args: section)") from None
     return Tool(name, fn, schema, inspect.iscoroutinefunction(fn))
 
@@ -95,23 +93,7 @@ def load_tool(spec: str) -> Tool:
 
 def load_attribute(path_text: str, name: str, kind: str) -> Any:
     """The attribute `name` of the Python file at path_text (a tool function, an environment class)."""
-    path = Path(path_text)
-    if not path.is_file():
-        raise ToolError(f"{kind} error: '{path_text}' does not exist")
-    module_name = f"hasten_user_{kind}_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ToolError(f"{kind} error: {path_text} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # the user's file may raise anything at import time
-        sys.modules.pop(module_name, None)
-        raise ToolError(f"{kind} error: importing {path_text} failed: {_one_line(error)}") from None
-    if not hasattr(module, name):
-        raise ToolError(f"{kind} error: {path_text} has no '{name}'")
-    return getattr(module, name)
+    return load_user_attribute(path_text, name, kind, ToolError)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -180,7 +162,7 @@ class ToolRunner:
                 future.cancel()
                 return CallResult(call.name, f"error: {call.name} timed out after {timeout:g} s", True)
             except Exception as error:  # the tool's own exception: the model reads it
-                return CallResult(call.name, f"error: {_one_line(error)}", True)
+                return CallResult(call.name, f"error: {one_line(error)}", True)
         return finish
 
     def close(self) -> None:
@@ -206,7 +188,7 @@ def _start_thread(tool: Tool, call: ToolCall) -> Callable[[float], CallResult]:
         if thread.is_alive():
             return CallResult(call.name, f"error: {call.name} timed out after {timeout:g} s", True)
         if "error" in box:
-            return CallResult(call.name, f"error: {_one_line(box['error'])}", True)
+            return CallResult(call.name, f"error: {one_line(box['error'])}", True)
         return _result(call.name, box.get("value"))
     return finish
 
@@ -217,8 +199,3 @@ def _result(name: str, value: Any) -> CallResult:
 
 def _done(result: CallResult) -> Callable[[float], CallResult]:
     return lambda timeout: result
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

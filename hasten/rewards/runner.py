@@ -31,11 +31,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine
@@ -44,6 +42,7 @@ import numpy
 import torch
 
 from hasten.errors import UserError
+from hasten.userfiles import load_attribute, one_line as _summary
 
 
 # Keyword arguments every reward function receives; a dataset column with one of
@@ -147,24 +146,7 @@ def load_reward(spec: str) -> RewardFunction:
     path = Path(path_text)
     if not path.is_file() and not path_text.endswith(".py") and "/" not in path_text:
         return _load_module_reward(path_text, function_name)
-    if not path.is_file():
-        raise RewardError(f"reward error: '{path_text}' does not exist")
-    # A unique module name per path keeps two reward files that share a file
-    # name (rewards/a/reward.py, rewards/b/reward.py) from replacing each other.
-    module_name = f"hasten_user_reward_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward error: {path_text} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file may raise anything at import time
-        sys.modules.pop(module_name, None)
-        raise RewardError(f"reward error: importing {path_text} failed: {_summary(exc)}") from exc
-    if not hasattr(module, function_name):
-        raise RewardError(f"reward error: {path_text} has no function '{function_name}'")
-    fn = getattr(module, function_name)
+    fn = load_attribute(path_text, function_name, "reward", RewardError, what="function")
     if not callable(fn):
         raise RewardError(f"reward error: {path_text}:{function_name} is not callable")
     return RewardFunction(name=function_name, fn=fn)
@@ -377,9 +359,3 @@ def _validate(name: str, values: Any, count: int) -> list[float]:
             )
         result.append(number)
     return result
-
-
-def _summary(error: BaseException) -> str:
-    """'ExcType: first line of the message', so the error stays one line."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
