@@ -213,13 +213,7 @@ class Sandbox:
         with self._probe_lock:
             if self._probed is False:
                 program = TestProgram(mode="asserts", tests=("pass",))
-                job = {"code": "pass\n", "program": program.as_dict(), "preamble": "",
-                       "limits": self.limits.as_dict(), "fallback": self.fallback}
-                worker = self._idle.get()
-                try:
-                    raw = worker.call(job)
-                finally:
-                    self._idle.put(worker)
+                raw = self._call("pass\n", program, "")
                 try:
                     self._check_isolation(raw)
                     self._probed = True
@@ -229,6 +223,16 @@ class Sandbox:
                     self._say_what_is_missing(interpret(raw, program, self.limits).layers)
         if isinstance(self._probed, SandboxRefused):
             raise self._probed
+
+    def _call(self, code: str, program: TestProgram, preamble: str) -> dict:
+        """One job on the next idle worker (waiting for one), returned to the pool whatever happens."""
+        job = {"code": code, "program": program.as_dict(), "preamble": preamble,
+               "limits": self.limits.as_dict(), "fallback": self.fallback}
+        worker = self._idle.get()
+        try:
+            return worker.call(job)
+        finally:
+            self._idle.put(worker)
 
     @staticmethod
     def _say_what_is_missing(layers: dict[str, bool]) -> None:
@@ -247,13 +251,7 @@ class Sandbox:
     def _execute(self, key: str, code: str, program: TestProgram, preamble: str) -> ExecutionResult:
         """Runs in a pool thread; never raises. The result is cached before the key stops being 'running'."""
         try:
-            job = {"code": code, "program": program.as_dict(), "preamble": preamble,
-                   "limits": self.limits.as_dict(), "fallback": self.fallback}
-            worker = self._idle.get()
-            try:
-                raw = worker.call(job)
-            finally:
-                self._idle.put(worker)
+            raw = self._call(code, program, preamble)
             try:
                 self._check_isolation(raw)
             except SandboxRefused as error:
