@@ -151,7 +151,8 @@ def test_a_model_hasten_cannot_train_is_one_line_before_loading(tmp_path):
         assert words in str(caught.value) and "\n" not in str(caught.value)
     (tmp_path / "qwen2" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
                                                                 "architectures": ["Qwen3MoeForCausalLM"]}))
-    check_model_dir(tmp_path / "qwen2")  # runs through transformers
+    with pytest.raises(ModelFileError, match="has no weights"):  # past the type check (runs through transformers):
+        check_model_dir(tmp_path / "qwen2")                       # only the missing weights are left to say
 
 
 def test_save_only_model_keeps_no_trainer_state(tmp_path):

@@ -33,6 +33,9 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack")
 HEADER_LIMIT = 100_000_000  # safetensors' own limit on the header's size
 
 
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # causal LMs models/llama.py runs (families.py)
+
+
 class ModelFileError(UserError):
     """A file of a local model directory that cannot be loaded; str() is one line naming it."""
 
@@ -62,12 +65,14 @@ def check_model_type(directory: Path, config: dict) -> None:
     hasten trains causal language models: Llama, Mistral, Qwen2 and Qwen3 on its native model and lean
     engine (models/families.py), every other transformers causal-LM type (Qwen3-MoE, Gemma, Phi, ...)
     through transformers. A sequence-classification model is a reward model (reward_funcs)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     kind = config.get("model_type")
     named = config.get("architectures") or []
     generative = not named or any(name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
                                   for name in named)  # a saved head of another kind (a classifier, a masked LM)
+    if kind in NATIVE_TYPES and generative:  # the default model's path: no transformers import to decide it
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and generative:
         return
     architectures = ", ".join(named) or "no architectures"

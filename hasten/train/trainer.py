@@ -46,7 +46,7 @@ from ..rewards.reward_model import place_reward_models
 from ..rewards.batch import ScoredBatch, reward_inputs
 from ..rewards.runner import RewardScores
 from ..rollout import Engine, RowRange, SamplingParams
-from ..rollout.factory import make_engine, use_native_model
+from ..rollout.factory import check_engine_installed, make_engine, use_native_model
 from ..rollout.stops import apply_stop_strings
 from ..sandbox.pool import close_shared, shared_stats
 from ..kernels.allocator import check_in_process as check_allocator
@@ -125,6 +125,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
+        check_engine_installed(cfg)  # speed.engine=vllm without vLLM: likewise
         log(f"loading model {cfg.model.name} ...")  # the first line of a run: the load (and a first conversion) take seconds
         policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
