@@ -62,9 +62,11 @@ def test_a_cell_over_the_memory_budget_or_the_step_cap_says_why(capsys):
     assert payload["workloads"]["B8"]["rows"] == []
     assert any("no number: out of memory" in note for note in payload["workloads"]["B8"]["notes"])
 
-    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-step-cap", "0.01")
-    (cell,) = payload["workloads"]["B8"]["settings"]["grid"]
-    assert cell["skipped"] == "a step ran past the 0.01 s cap (killed)"
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4,8", "--b8-step-cap", "0.01")
+    short, long = payload["workloads"]["B8"]["settings"]["grid"]
+    assert short["skipped"] == "a step ran past the 0.01 s cap (killed)"
+    # a longer cell of the same model would only burn the cap again: not started, and it says why
+    assert long["length"] == 8 and long["skipped"] == "not started: tiny length 4 already ran past the step cap"
 
 
 @trl
@@ -170,3 +172,14 @@ def test_activation_checkpointing_is_chosen_for_a_cell_only_where_it_is_needed(c
     assert [(cell["length"], cell["mode"]) for cell in grid] == [(4, "full"), (32, "full+gc")]
     assert all("skipped" not in cell for cell in grid)
     assert grid[1]["tokens_per_s"] * grid[1]["s_per_step"] == pytest.approx(8 * 32)
+
+
+def test_past_the_cap_skips_only_cells_with_at_least_the_work_of_one_that_ran_past_it():
+    from hasten.bench.scaling import past_the_cap
+
+    capped = [(500, 256, "qwen2.5-0.5b")]
+    assert past_the_cap(capped, "qwen2.5-0.5b", 500, 64, "trl", False) is None  # shorter: still runs
+    assert past_the_cap(capped, "smollm2-135m", 135, 1024, "trl", False) is None  # smaller: still runs
+    cell = past_the_cap(capped, "qwen2.5-1.5b", 1500, 256, "trl", True)
+    assert cell.skipped == "not started: qwen2.5-0.5b length 256 already ran past the step cap"
+    assert (cell.side, cell.mode, cell.steps) == ("trl", "lora", [])

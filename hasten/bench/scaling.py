@@ -215,6 +215,7 @@ def run_b8(opts) -> Result:
                           "fixed new tokens (EOS ignored on both sides), each side in its own process")
     cells: list[Cell] = []
     rates: dict[str, Any] = {}
+    capped: dict[str, list[tuple[int, int, str]]] = {"hasten": [], "trl": []}  # (parameters, length, model)
     with tempfile.TemporaryDirectory(prefix="hasten-bench-b8-") as workdir:
         for model in b8.models:
             opts.log(f"B8: {model}: model directory")
@@ -228,8 +229,12 @@ def run_b8(opts) -> Result:
                 cfg = cell_config(opts, directory, length, lora, b8.steps)
                 for side in ["hasten"] + (["trl"] if "trl" in opts.peers else []):
                     opts.log(f"B8: {model} length {length} {side} ({'LoRA' if lora else 'full'})")
-                    cells.append(run_cell(opts, b8, cfg, shape, model, length, side, budget))
-                    result.rows.extend(cell_rows(cells[-1], cfg, shape, opts))
+                    cell = past_the_cap(capped[side], model, shape.parameters(), length, side, lora)
+                    cell = cell or run_cell(opts, b8, cfg, shape, model, length, side, budget)
+                    if cell.skipped and cell.skipped.endswith("cap (killed)"):
+                        capped[side].append((shape.parameters(), length, model))
+                    cells.append(cell)
+                    result.rows.extend(cell_rows(cell, cfg, shape, opts))
     result.settings["grid"] = [cell.summary() for cell in cells]
     result.settings["matmul_gflops_at_model_shapes"] = rates  # folded into the header's best rates
     result.settings["memory_budget_gib"] = round(budget, 1)
@@ -247,6 +252,17 @@ def run_b8(opts) -> Result:
     plot_dir = b8.plot_dir or Path(tempfile.mkdtemp(prefix="hasten-bench-b8-plot-"))
     result.settings["plot"] = str(plot_grid(result.settings["grid"], plot_dir / "b8-scaling.png"))
     return result
+
+
+def past_the_cap(capped: list[tuple[int, int, str]], model: str, parameters: int, length: int, side: str,
+                 lora: bool) -> Cell | None:
+    """A cell not started because a cell with no more parameters and no longer completions already ran
+    past the step cap on this side: a step's work grows with both, so it would only burn the cap again."""
+    for done_parameters, done_length, done_model in capped:
+        if done_parameters <= parameters and done_length <= length:
+            return Cell(model, length, side, "lora" if lora else "full",
+                        skipped=f"not started: {done_model} length {done_length} already ran past the step cap")
+    return None
 
 
 def model_config(directory: str):
