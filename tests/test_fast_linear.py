@@ -87,15 +87,18 @@ def test_small_layers_are_left_alone(model):
         assert routed == 0
 
 
-@pytest.mark.parametrize("packed", [False, True])
+# logit chunks of 5 tokens: backward recomputes each chunk of the head after the routing context has
+# ended, and must recompute it with the kernels its forward used (B8's 256-token cells hit this)
+@pytest.mark.parametrize("packed, chunk", [(False, 0), (True, 0), (True, 5)])
 def test_learner_loss_and_gradients_are_the_same_with_fast_linear(short_model, tokenizer, route_small_layers,
-                                                                  packed):
+                                                                  packed, chunk):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     advantages = group_advantages(torch.randn(rollout.num_samples), 4)
     def configure(fast):
         def apply(cfg):
             cfg.train.lr = 1e-2
             cfg.speed.packed_learning = packed
+            cfg.speed.logit_chunk_tokens = chunk
             cfg.speed.fast_linear = fast
         return apply
 

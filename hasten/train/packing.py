@@ -247,9 +247,12 @@ def packed_logprobs(
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
     # One chunk holds everything: nothing to save by recomputing it in backward.
     recompute = torch.is_grad_enabled() and step < hidden.shape[0]
+    # The head's forward as it is now: backward recomputes a chunk after a kernel switch that routes it
+    # (kernels.fast_linear) may have been undone, and checkpoint rejects a recompute that saves other tensors.
+    head_forward = head.forward
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
-        args = (head, hidden[start:start + step], targets[start:start + step], temperature, with_entropy)
+        args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy)
         if recompute:
             logps, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
