@@ -108,8 +108,22 @@ def model_dir(name: str, workdir: Path) -> str:
     from ..models.smollm2 import cache_root
 
     target = cache_root() / "b8" / name
-    if (target / "config.json").is_file():
-        return str(target)
+    if not (target / "config.json").is_file():
+        # In a child process: this one runs every cell's side beside it, and a 1.5B model built here
+        # would stay in its heap (~6 GiB) for the rest of the grid, pushing the sides out of memory.
+        code = f"from hasten.bench.scaling import build_random; build_random({name!r})"
+        built = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+        if built.returncode != 0:
+            tail = [line for line in built.stderr.splitlines() if line.strip()][-1:]
+            raise RuntimeError(f"building the random {name} model failed: {' '.join(tail)}")
+    return str(target)
+
+
+def build_random(name: str) -> None:
+    """The published shape `name` with random weights (speed only) into $HASTEN_CACHE/b8/name."""
+    from ..models.smollm2 import cache_root
+
+    target = cache_root() / "b8" / name
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -121,7 +135,6 @@ def model_dir(name: str, workdir: Path) -> str:
     Qwen2ForCausalLM(config).save_pretrained(building)  # random weights: speed only
     tokenizer.save_pretrained(building)
     building.rename(target)
-    return str(target)
 
 
 def b8_tokenizer(name: str):
@@ -230,7 +243,10 @@ def run_b8(opts) -> Result:
                 for side in ["hasten"] + (["trl"] if "trl" in opts.peers else []):
                     opts.log(f"B8: {model} length {length} {side} ({'LoRA' if lora else 'full'})")
                     cell = past_the_cap(capped[side], model, shape.parameters(), length, side, lora)
-                    cell = cell or run_cell(opts, b8, cfg, shape, model, length, side, budget)
+                    # the budget as of now when none is given: what this process and the page cache hold
+                    # since the start is not the cell's to use
+                    now = b8.memory_gib if b8.memory_gib is not None else min(budget, available_gib())
+                    cell = cell or run_cell(opts, b8, cfg, shape, model, length, side, now)
                     if cell.skipped and cell.skipped.endswith("cap (killed)"):
                         capped[side].append((shape.parameters(), length, model))
                     cells.append(cell)
