@@ -24,6 +24,7 @@ of a number: its memory estimate over the budget, a step over the cap
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -507,6 +508,10 @@ def hasten_worker(spec: dict[str, Any]) -> None:
 
     cfg = load_config(spec["config"], [tuple(pair) for pair in spec["overrides"]])
     session = prepare(cfg, log=lambda text: None)
+    # prepare's engine goes before this one is built: the lean engine holds a copy of the weights, and two
+    # of them would add a model's size to this side's peak RSS (the freed one's memory is reused)
+    session.engine = None
+    gc.collect()
     session.engine = make_engine(cfg, WithoutEos(session.policy), log=lambda text: None)  # fixed new tokens
     learner = Learner.from_config(session.policy, cfg, None)
     feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
