@@ -92,11 +92,15 @@ def test_quick_b7_hasten_side_runs_the_tool_task(capsys, tmp_path):
 @trl
 def test_quick_b7_against_trl_uses_one_tool_setup(capsys, tmp_path):
     _, payload = run(capsys, "--peers", "trl", "--b7-dir", str(tmp_path / "b7"))
-    rows = check_rows(payload, ["hasten", "trl gc=off"], seeds=1)
-    assert rows["trl gc=off"]["baseline"] == "hasten" and rows["trl gc=off s/step"]["baseline"] == "hasten s/step"
+    rows = check_rows(payload, ["hasten", "trl"], seeds=1)
+    assert rows["trl"]["baseline"] == "hasten" and rows["trl s/step"]["baseline"] == "hasten s/step"
     b7 = payload["workloads"]["B7"]
-    trl_settings = b7["settings"]["trl gc=off"]
+    trl_settings = b7["settings"]["trl"]
     assert trl_settings["max_tool_calling_iterations"] == 2 and trl_settings["max_completion_length"] == 8
+    # the tiny model's estimate fits anywhere: TRL's CPU best, checkpointing off, and the note says why
+    assert trl_settings["gradient_checkpointing"] is False
+    assert any(note.startswith("TRL ran with gradient checkpointing off: its step's memory estimate")
+               for note in b7["notes"])
     found = records(tmp_path / "b7")
     hasten, peer = found["hasten-seed0"], found["trl-seed0"]
     check_hasten_record(hasten)
@@ -127,3 +131,30 @@ def test_bad_b7_arguments_are_one_line_errors(capsys, tmp_path, argv, message):
     error = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in error[-1]
     assert not directory.exists()  # refused before anything trained or wrote
+
+
+def test_trl_checkpointing_is_chosen_once_from_the_memory_estimate_or_forced():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from hasten.bench.b7 import AGENT_CONFIG, TrlCheckpointing
+    from hasten.config import load_config
+
+    cfg = load_config(AGENT_CONFIG, [])
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # SmolLM2-135M
+    prompts = []
+    agent = SimpleNamespace(template=SimpleNamespace(encode_prompt=lambda messages, tools: prompts.append(1) or
+                                                     [0] * 500), tools={})
+    scorer = SimpleNamespace(session=SimpleNamespace(task=SimpleNamespace(train_rows=[{"prompt": []}]), agent=agent,
+                                                     policy=SimpleNamespace(model=SimpleNamespace(config=config))))
+    small = TrlCheckpointing(None, budget_gib=8.0)
+    assert small.choose(cfg, scorer) is True and small.estimate_gib > 8.0  # 32 x ~660 tokens, every layer kept
+    assert small.choose(cfg, scorer) is True and len(prompts) == 1  # chosen once, for every seed
+    assert "on: its step's memory estimate without it is" in small.note()
+    large = TrlCheckpointing(None, budget_gib=small.estimate_gib + 1)
+    assert large.choose(cfg, scorer) is False and "off:" in large.note()
+    forced = TrlCheckpointing(False, budget_gib=1.0)
+    assert forced.choose(cfg, scorer) is False and forced.estimate_gib is None
+    assert forced.note() == "TRL ran with gradient checkpointing off (--trl-checkpointing off)"

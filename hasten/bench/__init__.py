@@ -85,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", help="comma list of trl, hf, vllm, or none (default: those that import)")
     parser.add_argument("--trl-checkpointing", default="both", choices=("both", "off", "on"),
                         help="B1's TRL processes: gradient checkpointing off (TRL's CPU best), on (its default) "
-                             "or both (default); one alone needs less memory")
+                             "or both (default); one alone needs less memory. B7: off or on forces TRL's; both "
+                             "= on only where its memory estimate passes what is available")
     parser.add_argument("--trl-bf16", action="store_true",
-                        help="TRL with bf16=True (B1, B5): its best on a CPU with AMX or AVX512-BF16")
+                        help="TRL with bf16=True (B1, B5, B7): its best on a CPU with AMX or AVX512-BF16")
     parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")

@@ -299,7 +299,7 @@ def check_disk(b5: B5Options, directory: Path, steps: int, checkpoint_bytes: int
             f"are free; raise {option}-mark-minutes, lower train.steps, or point {option}-dir at a larger disk")
 
 
-def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]:
+def plan_runs(b5: B5Options, peers: list[str], directory: Path, peer_label: str = "trl gc=off") -> list[RunPlan]:
     """Per seed: hasten (its config as is, unless --b5-only-profiles), hasten under each profile, then TRL:
     A B per seed."""
     plans = []
@@ -308,7 +308,7 @@ def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]
             label = "hasten" if profile is None else f"hasten {profile}"
             plans.append(RunPlan(label, "hasten", seed, profile, directory / f"{label.replace(' ', '-')}-seed{seed}"))
         if "trl" in peers:
-            plans.append(RunPlan("trl gc=off", "peer", seed, None, directory / f"trl-seed{seed}"))
+            plans.append(RunPlan(peer_label, "peer", seed, None, directory / f"trl-seed{seed}"))
     return plans
 
 
@@ -338,6 +338,7 @@ class Workload:
     overrides: list[tuple[str, Any]]  # config keys over options.config, for the scorer and every run
     peer_spec: Callable[[dict, Any, Scorer], None] | None = None  # adds to TRL's spec (B7: tools, template)
     rows: Callable[[Result, dict, dict, float, B5Options], None] | None = None  # None: accuracy_rows
+    peer_label: str = "trl gc=off"  # TRL's row (B7: "trl", its checkpointing chosen per run and said in a note)
 
 
 def run_b5(opts) -> Result:
@@ -364,7 +365,8 @@ def run_time_to_accuracy(opts, workload: Workload) -> Result:
     opts.log(f"{name}: scoring the base model")
     scorer = Scorer(cfg, lambda text: None)
     base = scorer.base.get("accuracy")
-    plans = add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds)
+    plans = add_variants(plan_runs(b5, opts.peers, directory, workload.peer_label), b5.variants, directory,
+                         b5.seeds)
     try:
         if base is None:  # time to accuracy: a task without a verdict per answer cannot be measured
             raise UserError(f"bench error: --{name.lower()}-config {b5.config}: task '{cfg.task.name}' reports no "

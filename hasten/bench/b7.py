@@ -23,10 +23,13 @@ least TRL's) is reported in settings.b7.target, never asserted.
 
 from __future__ import annotations
 
+import functools
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import cost
 from .b5 import QUICK_OVERRIDES, B5Options, Scorer, Workload, accuracy_rows, run_time_to_accuracy
 from .report import Result, Row, pair_ratio
 
@@ -38,6 +41,7 @@ B7_QUICK_OVERRIDES = [(key, value) for key, value in QUICK_OVERRIDES if key != "
 
 def run_b7(opts) -> Result:
     from ..errors import UserError
+    from .scaling import available_gib
 
     b7: B5Options = opts.b7
     # train.warmup_from_zero: the same lr at every step on both sides, as in B5
@@ -46,7 +50,48 @@ def run_b7(opts) -> Result:
     problem = tool_problem(b7.config, overrides)
     if problem:
         raise UserError(f"bench error: --b7-config {b7.config}: {problem}")
-    return run_time_to_accuracy(opts, Workload("B7", b7, overrides, peer_spec=tool_spec, rows=b7_rows))
+    forced = {(False,): False, (True,): True}.get(tuple(opts.trl_checkpointing))  # None: both (default) = chosen
+    checkpointing = TrlCheckpointing(forced, available_gib())
+    workload = Workload("B7", b7, overrides, peer_spec=functools.partial(tool_spec, checkpointing=checkpointing),
+                        rows=functools.partial(b7_rows, checkpointing=checkpointing), peer_label="trl")
+    return run_time_to_accuracy(opts, workload)
+
+
+@dataclass
+class TrlCheckpointing:
+    """TRL's gradient checkpointing in B7, one choice for every seed: off (its CPU best) unless the estimate of
+    its step's memory without it (cost.training_memory_bytes at B7's own prompt length: every sample carries
+    its ~500-token tool prompt, where B1's carry ~48) passes the memory available when B7 started; then on.
+    --trl-checkpointing off|on forces one."""
+
+    forced: bool | None
+    budget_gib: float
+    estimate_gib: float | None = None
+    chosen: bool | None = None
+
+    def choose(self, cfg, scorer: Scorer) -> bool:
+        if self.chosen is None:
+            self.chosen = self.forced
+        if self.chosen is None:
+            from .scaling import GIB, memory_estimate
+
+            session = scorer.session
+            prompt = session.task.train_rows[0]["prompt"]
+            tokens = len(session.agent.template.encode_prompt(prompt, [t.schema for t in session.agent.tools.values()]))
+            shape = cost.Shape.from_config(session.policy.model.config)
+            self.estimate_gib = memory_estimate(shape, cfg, "trl", tokens)["total"] / GIB
+            self.chosen = self.estimate_gib > self.budget_gib
+        return self.chosen
+
+    def note(self) -> str | None:
+        if self.chosen is None:
+            return None
+        state = "on" if self.chosen else "off"
+        if self.estimate_gib is None:
+            return f"TRL ran with gradient checkpointing {state} (--trl-checkpointing {state})"
+        return (f"TRL ran with gradient checkpointing {state}: its step's memory estimate without it is "
+                f"{self.estimate_gib:.1f} GiB against {self.budget_gib:.1f} GiB available at the start "
+                "(--trl-checkpointing off|on forces one)")
 
 
 def tool_problem(config: Path, overrides: list[tuple[str, Any]]) -> str | None:
@@ -66,10 +111,12 @@ def tool_problem(config: Path, overrides: list[tuple[str, Any]]) -> str | None:
     return None
 
 
-def tool_spec(spec: dict[str, Any], cfg, scorer: Scorer) -> None:
-    """TRL's spec gets hasten's tools (by import name), its resolved tool template and its turn cap."""
+def tool_spec(spec: dict[str, Any], cfg, scorer: Scorer, checkpointing: TrlCheckpointing) -> None:
+    """TRL's spec gets hasten's tools (by import name), its resolved tool template, its turn cap, and the
+    gradient checkpointing chosen for B7."""
     from .peers import importable
 
+    spec["config"]["gradient_checkpointing"] = checkpointing.choose(cfg, scorer)
     agent = scorer.session.agent  # built from the same config: the template `auto` resolved to, the tools
     spec["agent"] = {"template": agent.template.template,
                      "tools": [importable(tool.fn, f"tool '{tool.name}'") for tool in agent.tools.values()]}
@@ -78,9 +125,13 @@ def tool_spec(spec: dict[str, Any], cfg, scorer: Scorer) -> None:
         spec["config"]["chat_template_kwargs"] = dict(cfg.generation.chat_template_kwargs)
 
 
-def b7_rows(result: Result, runs: dict, curves: dict, base: float, b7: B5Options) -> None:
+def b7_rows(result: Result, runs: dict, curves: dict, base: float, b7: B5Options,
+            checkpointing: TrlCheckpointing) -> None:
     """B5's minutes rows, then an s/step row per label; the tool-call rate on both; the setups compared."""
     accuracy_rows(result, runs, curves, base, b7)
+    note = checkpointing.note()
+    if note:
+        result.notes.append(note)
     timed = []
     for row in result.rows:
         by_seed = runs[row.name]
@@ -123,7 +174,7 @@ def target(result: Result) -> dict[str, Any]:
     """Issue 32's goal, reported: TRL minutes / hasten minutes (median of seed pairs) >= 5 and hasten's final
     accuracy >= TRL's. None where a side is missing or neither side reached +20 points."""
     rows = {row.name: row for row in result.rows}
-    hasten, peer = rows.get("hasten"), rows.get("trl gc=off")
+    hasten, peer = rows.get("hasten"), rows.get("trl")
     if hasten is None or peer is None:
         return {"goal": f">= {TARGET_RATIO:g}x TRL's minutes to +20 points, final accuracy >= TRL's", "met": None}
     ratio = pair_ratio(peer, hasten)
