@@ -95,6 +95,8 @@ def test_quick_b7_against_trl_uses_one_tool_setup(capsys, tmp_path):
     rows = check_rows(payload, ["hasten", "trl"], seeds=1)
     assert rows["trl"]["baseline"] == "hasten" and rows["trl s/step"]["baseline"] == "hasten s/step"
     b7 = payload["workloads"]["B7"]
+    assert "trl s/step/hasten s/step" in b7["ratios"]  # minutes pair with minutes only (both inf here: no ratio)
+    assert set(b7["ratios"]) <= {"trl/hasten", "trl s/step/hasten s/step"}
     trl_settings = b7["settings"]["trl"]
     assert trl_settings["max_tool_calling_iterations"] == 2 and trl_settings["max_completion_length"] == 8
     # the tiny model's estimate fits anywhere: TRL's CPU best, checkpointing off, and the note says why

@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from . import cost
-from .b5 import QUICK_OVERRIDES, B5Options, Scorer, Workload, accuracy_rows, run_time_to_accuracy
+from .b5 import (
+    QUICK_OVERRIDES,
+    B5Options,
+    Scorer,
+    Workload,
+    accuracy_rows,
+    run_time_to_accuracy,
+)
 from .report import Result, Row, pair_ratio
 
 AGENT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "agent-demo.yaml"
@@ -140,8 +147,7 @@ def b7_rows(result: Result, runs: dict, curves: dict, base: float, b7: B5Options
         calls = [step["tools/call_frequency"] for step in steps if "tools/call_frequency" in step]
         row.extra["tool_calls"] = statistics.mean(calls) if calls else float("nan")
         seconds = [statistics.median(step["seconds"] for step in by_seed[seed]["steps"]) for seed in seeds]
-        timed.append(Row(f"{row.name} s/step", row.side, "s/step", seconds,
-                         baseline=None if row.side == "hasten" else "hasten s/step",
+        timed.append(Row(f"{row.name} s/step", row.side, "s/step", seconds,  # a peer's: against each hasten s/step
                          extra={"final_accuracy": row.extra["final_accuracy"], "tool_calls": row.extra["tool_calls"]}))
     result.rows += timed
     result.settings["b7"] = {"setup": compare_setups(result, runs, b7), "target": target(result)}
