@@ -67,9 +67,9 @@ def run_b7(opts) -> Result:
 @dataclass
 class TrlCheckpointing:
     """TRL's gradient checkpointing in B7, one choice for every seed: off (its CPU best) unless the estimate of
-    its step's memory without it (cost.training_memory_bytes at B7's own prompt length: every sample carries
-    its ~500-token tool prompt, where B1's carry ~48) passes the memory available when B7 started; then on.
-    --trl-checkpointing off|on forces one."""
+    its step's memory without it passes the memory available when B7 started; then on. The estimate is
+    cost.training_memory_bytes at B7's own prompt length: every TRL sample carries the ~400-token tool prompt
+    (401 for SmolLM2), where B1's carry ~48. --trl-checkpointing off|on forces one."""
 
     forced: bool | None
     budget_gib: float
