@@ -5,6 +5,8 @@
                  [--speculative ngram,layers:8] [--speculative-tokens K] [--batch-sizes 1,4,16,64]
     hasten bench --workloads B5 [--b5-config configs/demo.yaml] [--seeds 0,1,2] [--profiles balanced]
                  [--b5-minutes 15] [--b5-mark-minutes 1] [--b5-dir DIR]     (time to accuracy; b5.py)
+    hasten bench --workloads B7 [--b7-model NAME|DIR] [--seeds 0,1,2] [--b7-minutes 30] [--b7-dir DIR]
+                 (agentic GRPO against TRL's tools=: the calculator task, B5's procedure; b7.py)
     hasten bench --workloads B8 [--b8-lengths 64,256,1024] [--b8-models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b]
                  [--b8-steps 3] [--b8-step-cap 600] [--b8-memory-gib G]   (scaling grid; scaling.py)
     hasten bench ... --report DIR      (also write DIR/results.md, DIR/results.json and the PNGs)
@@ -14,7 +16,8 @@ The workloads and rules are docs/benchmarks.md's: B1 one GRPO step against
 TRL's GRPOTrainer, B2 decode against transformers' generate (and vLLM), B3
 the learning pass packed against padded, B4 startup against TRL's import and
 construction, B5 time to accuracy against TRL (b5.py, not in the default
-set: it trains for --b5-minutes per side). Runs of hasten and its peer alternate (A B A B) and every ratio
+set: it trains for --b5-minutes per side), B7 the same on a tool task against
+TRL's tools= (b7.py, asked for by name too). Runs of hasten and its peer alternate (A B A B) and every ratio
 is a median over such pairs, because the machines are shared and noisy; the
 fp32 matmul peak is measured in the same run (start and end, the better one
 kept), with the rates at the model's shapes and the memory bandwidth, so the
@@ -58,9 +61,10 @@ from ..errors import UserError
 from .contention import Neighbours, label, parse_levels
 from .machine import machine_figures
 
-WORKLOADS = ("B1", "B2", "B3", "B4", "B5", "B6", "B8")  # B5: time to accuracy (b5.py); B6: fruit-catcher
-# (games.py); B8: the scaling grid (scaling.py), asked for by name: it runs for hours at full size
-DEFAULT_WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B5 trains for minutes per side: asked for by name
+WORKLOADS = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")  # B5: time to accuracy (b5.py); B6: fruit-catcher
+# (games.py); B7: agentic time to accuracy (b7.py); B8: the scaling grid (scaling.py), asked for by name: it
+# runs for hours at full size
+DEFAULT_WORKLOADS = ("B1", "B2", "B3", "B4", "B6")  # B5 and B7 train for minutes per side: asked for by name
 PEERS = ("trl", "hf", "vllm")
 PEER_MODULES = {"trl": "trl", "hf": "transformers", "vllm": "vllm"}
 
@@ -81,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", help="comma list of trl, hf, vllm, or none (default: those that import)")
     parser.add_argument("--trl-checkpointing", default="both", choices=("both", "off", "on"),
                         help="B1's TRL processes: gradient checkpointing off (TRL's CPU best), on (its default) "
-                             "or both (default); one alone needs less memory")
+                             "or both (default); one alone needs less memory. B7: off or on forces TRL's; both "
+                             "= on only where its memory estimate passes what is available")
     parser.add_argument("--trl-bf16", action="store_true",
-                        help="TRL with bf16=True (B1, B5): its best on a CPU with AMX or AVX512-BF16")
+                        help="TRL with bf16=True (B1, B5, B7): its best on a CPU with AMX or AVX512-BF16")
     parser.add_argument("--model", default="smollm2-135m", help="model name, as for hasten train")
     parser.add_argument("--quick", action="store_true", help="tiny model, toy sizes: checks that every path runs")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -100,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                              "each level (B1 alternates them step by step and reports each side's slowdown)")
     b5 = parser.add_argument_group("B5, time to accuracy (b5.py)")
     b5.add_argument("--b5-config", help="the task trained (default: configs/demo.yaml)")
-    b5.add_argument("--seeds", default="0", help="comma list of train.seed values, one run per side each (default 0)")
-    b5.add_argument("--profiles", default="", help="comma list of hasten profiles, one more hasten run each")
+    b5.add_argument("--seeds", default="0",
+                    help="B5, B7: comma list of train.seed values, one run per side each (default 0)")
+    b5.add_argument("--profiles", default="", help="B5, B7: comma list of hasten profiles, one more hasten run each")
     b5.add_argument("--b5-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="one more hasten run per seed with these config keys, e.g. "
                          "bf16:speed.precision=bf16,speed.generation_precision=bf16 (repeatable)")
@@ -113,6 +119,15 @@ def _parser() -> argparse.ArgumentParser:
     b5.add_argument("--b5-keep-checkpoints", action="store_true", help="keep the weight files once scored")
     b5.add_argument("--b5-only-profiles", action="store_true",
                     help="hasten runs only for --profiles and --b5-variant, not for the config as it is")
+    b7 = parser.add_argument_group("B7, agentic GRPO against TRL's tools= (b7.py; --seeds, --profiles as B5)")
+    b7.add_argument("--b7-model", help="the model both sides start from: a name or a local checkpoint directory "
+                                       "(default: --model)")
+    b7.add_argument("--b7-config", help="the tool task trained (default: configs/agent-demo.yaml)")
+    b7.add_argument("--b7-minutes", type=float, default=30.0, help="training-time budget per run (default 30)")
+    b7.add_argument("--b7-mark-minutes", type=float,
+                    help="a checkpoint after the first step past every M training minutes (default 2; --quick 0)")
+    b7.add_argument("--b7-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
+    b7.add_argument("--b7-keep-checkpoints", action="store_true", help="keep the weight files once scored")
     b8 = parser.add_argument_group("B8, the scaling grid (scaling.py)")
     b8.add_argument("--b8-lengths", help="comma list of completion lengths (default 64,256,1024; --quick 4,8)")
     b8.add_argument("--b8-models", help="comma list of smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, tiny, qwen-tiny "
@@ -164,7 +179,8 @@ def _options(args) -> Any:
         contention = parse_levels(args.contention)
     except ValueError as error:
         raise BenchError(f"bench error: --contention: {error}") from None
-    b5 = _b5_options(args) if "B5" in workloads else None
+    b5 = _accuracy_options(args, "B5") if "B5" in workloads else None
+    b7 = _accuracy_options(args, "B7") if "B7" in workloads else None
     if "B8" in workloads:
         from .scaling import parse_options
 
@@ -183,33 +199,47 @@ def _options(args) -> Any:
     return BenchOptions(workloads=workloads, peers=peers, model=args.model if not args.quick else "tiny",
                         quick=args.quick, repeats=args.repeats, config=config, log=log,
                         trl_checkpointing={"both": (False, True), "off": (False,), "on": (True,)}[args.trl_checkpointing],
-                        contention=contention, b5=b5, trl_bf16=args.trl_bf16, speculative=speculative,
+                        contention=contention, b5=b5, b7=b7, trl_bf16=args.trl_bf16, speculative=speculative,
                         speculative_tokens=args.speculative_tokens, batch_sizes=batch_sizes, b8=b8,
                         report=report)
 
 
-def _b5_options(args) -> Any:
+def _accuracy_options(args, workload: str) -> Any:
+    """B5's or B7's options: its --b5-* / --b7-* arguments, and the --seeds and --profiles they share."""
+    from ..profiles import PROFILES
     from .b5 import DEMO_CONFIG, B5Options
+    from .b7 import AGENT_CONFIG
 
-    config = Path(args.b5_config) if args.b5_config else DEMO_CONFIG
+    prefix = workload.lower()
+    given = getattr(args, f"{prefix}_config")
+    config = Path(given) if given else {"b5": DEMO_CONFIG, "b7": AGENT_CONFIG}[prefix]
     if not config.is_file():
-        raise BenchError(f"bench error: --b5-config '{config}' does not exist")
+        raise BenchError(f"bench error: --{prefix}-config '{config}' does not exist")
     try:
         seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
     except ValueError:
         raise BenchError(f"bench error: --seeds must be a comma list of integers (got '{args.seeds}')") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise BenchError(f"bench error: --seeds needs distinct integers (got '{args.seeds}')")
-    from ..profiles import PROFILES
-
     profiles = [name.strip() for name in args.profiles.split(",") if name.strip()]
     unknown = [name for name in profiles if name not in PROFILES]
     if unknown:
         raise BenchError(f"bench error: unknown profile {', '.join(unknown)} (available: {', '.join(PROFILES)})")
-    mark = args.b5_mark_minutes if args.b5_mark_minutes is not None else (0.0 if args.quick else 1.0)
-    if args.b5_minutes <= 0 or mark < 0:
-        raise BenchError(f"bench error: --b5-minutes must be > 0 and --b5-mark-minutes >= 0 "
-                         f"(got {args.b5_minutes:g}, {mark:g})")
+    minutes, mark = getattr(args, f"{prefix}_minutes"), getattr(args, f"{prefix}_mark_minutes")
+    mark = mark if mark is not None else (0.0 if args.quick else {"b5": 1.0, "b7": 2.0}[prefix])
+    if minutes <= 0 or mark < 0:
+        raise BenchError(f"bench error: --{prefix}-minutes must be > 0 and --{prefix}-mark-minutes >= 0 "
+                         f"(got {minutes:g}, {mark:g})")
+    variants = _variants(args) if workload == "B5" else []
+    only_profiles = args.b5_only_profiles and workload == "B5"
+    directory = getattr(args, f"{prefix}_dir")
+    return B5Options(config, seeds, profiles, minutes, mark, Path(directory) if directory else None,
+                     getattr(args, f"{prefix}_keep_checkpoints"), variants, config_run=not only_profiles,
+                     model=_b7_model(args) if workload == "B7" else None)
+
+
+def _variants(args) -> list[tuple[str, list[tuple[str, str]]]]:
+    """--b5-variant LABEL:KEY=VALUE[,KEY=VALUE] (repeatable) -> [(label, [(key, value)])]."""
     variants = []
     for text in args.b5_variant:
         label, _, keys = text.partition(":")
@@ -218,11 +248,23 @@ def _b5_options(args) -> Any:
                 or any(not sep or not key.strip() for key, sep, _ in pairs):
             raise BenchError(f"bench error: --b5-variant '{text}' is not LABEL:KEY=VALUE[,KEY=VALUE...]")
         variants.append((label.strip(), [(key.strip(), value.strip()) for key, _, value in pairs]))
-    if args.b5_only_profiles and not (profiles or variants):
+    if args.b5_only_profiles and not (args.profiles.strip() or variants):
         raise BenchError("bench error: --b5-only-profiles needs --profiles or --b5-variant (else no hasten run)")
-    return B5Options(config, seeds, profiles, args.b5_minutes, mark,
-                     Path(args.b5_dir) if args.b5_dir else None, args.b5_keep_checkpoints, variants,
-                     config_run=not args.b5_only_profiles)
+    return variants
+
+
+def _b7_model(args) -> str:
+    """--b7-model checked as model.name is (a registry name, a model directory, a hub id); default --model."""
+    from ..models import check_name
+
+    if args.b7_model is None:
+        return "tiny" if args.quick else args.model
+    try:
+        check_name(args.b7_model)
+    except UserError as error:
+        raise BenchError(f"bench error: --b7-model: {str(error).splitlines()[0]}") from None
+    path = Path(args.b7_model).expanduser()
+    return str(path.resolve()) if path.is_dir() else args.b7_model  # a directory: its absolute path, in the settings
 
 
 def main(argv: list[str] | None = None, process: bool = False) -> int:
@@ -292,6 +334,10 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
             from .b5 import run_b5
 
             return run_b5(opts)
+        if workload == "B7":  # B5's procedure on a tool task
+            from .b7 import run_b7
+
+            return run_b7(opts)
         if workload == "B8":  # each cell in its own processes: its own module
             from .scaling import run_b8
 

@@ -36,6 +36,10 @@ checkpoint at or above it; inf = not reached within the budget), final
 accuracy and median seconds per step; the peer's ratio is the median over
 seeds of TRL minutes / hasten minutes. A PNG of every curve and curves.json
 go to --b5-dir (default: a new temporary directory, printed).
+
+B7 (b7.py) runs this same procedure (run_time_to_accuracy, given a Workload)
+on a tool task: the workers then also keep each step's tool-call rate and
+write down the tool setup their run used (agentic.py).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .report import Result, Row
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 TARGET_GAIN = 0.20  # +20 points of held-out accuracy over the base model
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # B7: kept per step on both sides
 # --quick: the tiny model, 2 steps of 2 prompts x 4 generations x 8 tokens, 8 held-out questions.
 QUICK_OVERRIDES = [("model.name", "tiny"), ("train.prompts_per_step", 2), ("generation.num_generations", 4),
                    ("generation.max_new_tokens", 8), ("train.steps", 2), ("train.warmup_steps", 1),
@@ -73,6 +78,7 @@ class B5Options:
     keep_checkpoints: bool = False
     variants: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)  # --b5-variant: label, keys
     config_run: bool = True  # a hasten run of the config as it is (--b5-only-profiles: False)
+    model: str | None = None  # B7: --b7-model (B5 trains --model)
 
 
 @dataclass
@@ -131,6 +137,7 @@ def hasten_worker(spec: dict[str, Any]) -> None:
     from ..compare import typed
     from ..config import load_config
     from ..train.trainer import GRPOJob, prepare
+    from .agentic import HastenAgentWatch
     from .workloads import hasten_settings
 
     launched = time.perf_counter()
@@ -140,19 +147,24 @@ def hasten_worker(spec: dict[str, Any]) -> None:
         print(text, file=sys.stderr, flush=True)
 
     job = GRPOJob(prepare(cfg, log=log), log)
+    watch = HastenAgentWatch(job.session) if job.session.agent is not None else None  # B7: tools
     clock = TrainingClock(spec["minutes"], spec["mark_minutes"], Path(spec["directory"]))
     startup = time.perf_counter() - launched
+    extra = {}
     try:
         for step in range(1, cfg.train.steps + 1):
             began = time.perf_counter()
             record = job.step(step)
             seconds = time.perf_counter() - began
-            if clock.after_step(step, {"seconds": seconds, "reward_mean": record["reward_mean"]}, job.save_model,
-                                last=step == cfg.train.steps):
+            tools = {key: record[key] for key in TOOL_METRICS if key in record}
+            if clock.after_step(step, {"seconds": seconds, "reward_mean": record["reward_mean"], **tools},
+                                job.save_model, last=step == cfg.train.steps):
                 break
+        if watch is not None:
+            extra["agent"] = watch.record().to_dict()
     finally:
         job.close()
-    clock.write(startup_seconds=startup, settings=hasten_settings(cfg))
+    clock.write(startup_seconds=startup, settings=hasten_settings(cfg), **extra)
 
 
 def trl_worker(spec: dict[str, Any]) -> None:
@@ -162,6 +174,7 @@ def trl_worker(spec: dict[str, Any]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from .agentic import TrlAgentWatch, trl_tool_arguments
     from .peers import RewardLog
 
     rewards = RewardLog(spec["rewards"])
@@ -169,6 +182,7 @@ def trl_worker(spec: dict[str, Any]) -> None:
 
     class Marks(TrainerCallback):
         clock: TrainingClock
+        watch: TrlAgentWatch | None = None  # B7: tools
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.clock = TrainingClock(spec["minutes"], spec["mark_minutes"], directory)
@@ -177,22 +191,28 @@ def trl_worker(spec: dict[str, Any]) -> None:
             self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            record = {"seconds": time.perf_counter() - self.began, **rewards.take()}
+            record = {"seconds": time.perf_counter() - self.began, **rewards.take(),
+                      **(self.watch.step_metrics() if self.watch is not None else {})}
             if self.clock.after_step(state.global_step, record, lambda target: model.save_pretrained(target),
                                      last=state.global_step >= args.max_steps):
                 control.should_training_stop = True
 
     marks = Marks()
     output_dir = tempfile.mkdtemp(prefix="hasten-b5-trl-")
+    extra = {}
     try:
+        tools = trl_tool_arguments(spec) if spec.get("agent") else {}  # B7: tools= and hasten's template
         trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=rewards.functions,
                               args=GRPOConfig(output_dir=output_dir, **spec["config"]),
-                              train_dataset=Dataset.from_list(spec["rows"]), callbacks=[marks])
+                              train_dataset=Dataset.from_list(spec["rows"]), callbacks=[marks], **tools)
+        marks.watch = TrlAgentWatch(trainer) if tools else None
         startup = time.perf_counter() - launched
         trainer.train()
+        if marks.watch is not None:
+            extra["agent"] = marks.watch.record().to_dict()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
-    marks.clock.write(startup_seconds=startup, settings={"model": spec["model_dir"], **spec["config"]})
+    marks.clock.write(startup_seconds=startup, settings={"model": spec["model_dir"], **spec["config"]}, **extra)
 
 
 def run_worker(side: str, spec: dict[str, Any], directory: Path, allocator: str = "glibc") -> dict[str, Any]:
@@ -232,7 +252,7 @@ class Scorer:
         metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards,
                               min(cfg.eval.num_examples, len(session.task.eval_rows)), cfg.eval.max_new_tokens,
                               cfg.eval.batch_size, cfg.generation.chat_template_kwargs, None,
-                              cfg.generation.stop_strings)
+                              cfg.generation.stop_strings, agent=session.agent)  # B7: the tool loop
         return metrics
 
     def score(self, directory: str | Path) -> dict[str, float]:
@@ -244,6 +264,8 @@ class Scorer:
 
     def close(self) -> None:
         self.session.scorer.close()
+        if self.session.agent is not None:
+            self.session.agent.close()
 
 
 # ------------------------------------------------------------------ the workload
@@ -256,8 +278,10 @@ def checkpoints_per_run(b5: B5Options, steps: int) -> int:
     return min(steps, math.ceil(b5.minutes / b5.mark_minutes) + 1)
 
 
-def check_disk(b5: B5Options, directory: Path, steps: int, checkpoint_bytes: int, runs: int) -> None:
-    """Refuse before training when the checkpoints B5 will hold at once cannot fit in --b5-dir.
+def check_disk(b5: B5Options, directory: Path, steps: int, checkpoint_bytes: int, runs: int,
+               workload: str = "B5") -> None:
+    """Refuse before training when the checkpoints the workload (B5, B7) will hold at once cannot fit in its
+    --b5-dir (--b7-dir).
 
     Weights are deleted once a run is scored, so one run's checkpoints are on disk at a time
     (all runs' with --b5-keep-checkpoints). A full disk mid-run would kill a worker and lose the run.
@@ -268,13 +292,14 @@ def check_disk(b5: B5Options, directory: Path, steps: int, checkpoint_bytes: int
     needed = int(count * checkpoint_bytes * 1.05) + (64 << 20)  # 5% + tokenizer/config files
     free = shutil.disk_usage(directory).free
     if needed > free:
+        option = f"--{workload.lower()}"
         raise UserError(
-            f"bench error: --b5-dir {directory}: B5 would hold up to {count} checkpoints of "
+            f"bench error: {option}-dir {directory}: {workload} would hold up to {count} checkpoints of "
             f"{checkpoint_bytes / 2**20:.0f} MiB ({needed / 2**30:.1f} GiB) there, but only {free / 2**30:.1f} GiB "
-            f"are free; raise --b5-mark-minutes, lower train.steps, or point --b5-dir at a larger disk")
+            f"are free; raise {option}-mark-minutes, lower train.steps, or point {option}-dir at a larger disk")
 
 
-def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]:
+def plan_runs(b5: B5Options, peers: list[str], directory: Path, peer_label: str = "trl gc=off") -> list[RunPlan]:
     """Per seed: hasten (its config as is, unless --b5-only-profiles), hasten under each profile, then TRL:
     A B per seed."""
     plans = []
@@ -283,7 +308,7 @@ def plan_runs(b5: B5Options, peers: list[str], directory: Path) -> list[RunPlan]
             label = "hasten" if profile is None else f"hasten {profile}"
             plans.append(RunPlan(label, "hasten", seed, profile, directory / f"{label.replace(' ', '-')}-seed{seed}"))
         if "trl" in peers:
-            plans.append(RunPlan("trl gc=off", "peer", seed, None, directory / f"trl-seed{seed}"))
+            plans.append(RunPlan(peer_label, "peer", seed, None, directory / f"trl-seed{seed}"))
     return plans
 
 
@@ -304,39 +329,51 @@ def minutes_to_target(curve: list[list[float]], target: float) -> float:
     return next((minutes for minutes, _, accuracy in curve if accuracy >= target), math.inf)
 
 
-def run_b5(opts) -> Result:
-    from ..config import load_config
-    from ..errors import UserError
-    from ..compare import typed
-    from ..kernels.allocator import resolve as resolve_allocator
-    from ..tasks import make_task
-    from ..tasks.sampler import PromptSampler
-    from ..train.trainer import build_rewards
-    from .peers import PeerError
-    from .workloads import peer_model_dir, trl_spec
+@dataclass
+class Workload:
+    """What a time-to-accuracy workload changes in the procedure B5 and B7 share (b7.py is the other)."""
 
-    b5: B5Options = opts.b5
+    name: str  # "B5" | "B7": the result, log lines, settings key, option names in messages, the plot's name
+    options: B5Options
+    overrides: list[tuple[str, Any]]  # config keys over options.config, for the scorer and every run
+    peer_spec: Callable[[dict, Any, Scorer], None] | None = None  # adds to TRL's spec (B7: tools, template)
+    rows: Callable[[Result, dict, dict, float, B5Options], None] | None = None  # None: accuracy_rows
+    peer_label: str = "trl gc=off"  # TRL's row (B7: "trl", its checkpointing chosen per run and said in a note)
+
+
+def run_b5(opts) -> Result:
     # The same lr at every step on both sides: transformers' warmup starts at lr 0, hasten's
     # default at lr/warmup_steps (one step ahead); B5 runs hasten with TRL's schedule.
     overrides = [("model.name", opts.model), ("train.warmup_from_zero", True)] + (QUICK_OVERRIDES if opts.quick else [])
-    cfg = load_config(b5.config, overrides)
-    directory = Path(b5.directory or tempfile.mkdtemp(prefix="hasten-b5-"))
+    return run_time_to_accuracy(opts, Workload("B5", opts.b5, overrides))
+
+
+def run_time_to_accuracy(opts, workload: Workload) -> Result:
+    """Score the base model, then train each planned run in its own process and score its checkpoints."""
+    from ..config import load_config
+    from ..errors import UserError
+    from .peers import PeerError
+
+    b5, name = workload.options, workload.name
+    cfg = load_config(b5.config, workload.overrides)
+    directory = Path(b5.directory or tempfile.mkdtemp(prefix=f"hasten-{name.lower()}-"))
     directory.mkdir(parents=True, exist_ok=True)
-    opts.log(f"B5: output directory {directory}")
-    result = Result("B5", f"time to accuracy: {cfg.task.name} ({b5.config.name}), held-out greedy accuracy on "
+    opts.log(f"{name}: output directory {directory}")
+    result = Result(name, f"time to accuracy: {cfg.task.name} ({b5.config.name}), held-out greedy accuracy on "
                           f"{cfg.eval.num_examples} questions against training minutes; stop at "
                           f"{b5.minutes:g} min or {cfg.train.steps} steps")
-    opts.log("B5: scoring the base model")
+    opts.log(f"{name}: scoring the base model")
     scorer = Scorer(cfg, lambda text: None)
     base = scorer.base.get("accuracy")
-    if base is None:  # B5 is time to accuracy: a task without a verdict per answer cannot be measured
-        scorer.close()
-        raise UserError(f"bench error: --b5-config {b5.config}: task '{cfg.task.name}' reports no held-out accuracy")
-    plans = add_variants(plan_runs(b5, opts.peers, directory), b5.variants, directory, b5.seeds)
-    model = scorer.session.policy.model
-    try:  # the checkpoints are saved in fp32 whatever the run computes in
-        check_disk(b5, directory, cfg.train.steps, sum(4 * p.numel() for p in model.parameters()),
-                   len(plans))
+    plans = add_variants(plan_runs(b5, opts.peers, directory, workload.peer_label), b5.variants, directory,
+                         b5.seeds)
+    try:
+        if base is None:  # time to accuracy: a task without a verdict per answer cannot be measured
+            raise UserError(f"bench error: --{name.lower()}-config {b5.config}: task '{cfg.task.name}' reports no "
+                            "held-out accuracy")
+        model = scorer.session.policy.model  # the checkpoints are saved in fp32 whatever the run computes in
+        check_disk(b5, directory, cfg.train.steps, sum(4 * p.numel() for p in model.parameters()), len(plans),
+                   name)
     except Exception:
         scorer.close()
         if b5.directory is None:
@@ -349,49 +386,27 @@ def run_b5(opts) -> Result:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     try:
         for plan in plans:
-            opts.log(f"B5: {plan.label} seed {plan.seed}: training")
-            seeded = overrides + [("train.seed", plan.seed)] + plan.overrides
+            opts.log(f"{name}: {plan.label} seed {plan.seed}: training")
             try:
-                allocator = "glibc"  # TRL's documented setup
-                if plan.side == "hasten":
-                    spec = {"config": str(b5.config), "overrides": [list(pair) for pair in seeded],
-                            "profile": plan.profile}
-                    run_cfg = load_config(b5.config, typed(seeded), profile=plan.profile)  # variants' keys are text
-                    allocator = resolve_allocator(run_cfg.speed.allocator)
-                else:
-                    run_cfg = load_config(b5.config, seeded)
-                    task = make_task(run_cfg.task, run_cfg)
-                    rows = PromptSampler(task.train_rows, plan.seed).next(
-                        run_cfg.train.prompts_per_step * run_cfg.train.steps)  # hasten's prompt stream, in order
-                    spec = trl_spec(run_cfg, rows, build_rewards(run_cfg, task),
-                                    peer_model_dir(run_cfg.model.name, directory), False, run_cfg.train.steps,
-                                    opts.trl_bf16)
-                spec.update(minutes=b5.minutes, mark_minutes=b5.mark_minutes, directory=str(plan.directory))
-                record = run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory, allocator)
+                record = train_run(opts, workload, plan, scorer, directory)
             except PeerError as error:
                 result.notes.append(str(error))
                 continue
-            opts.log(f"B5: {plan.label} seed {plan.seed}: scoring {len(record['checkpoints'])} checkpoints")
-            curve = [[0.0, 0, base]]
-            for checkpoint in record["checkpoints"]:
-                accuracy = scorer.score(checkpoint["path"]).get("accuracy", 0.0)
-                checkpoint["accuracy"] = accuracy
-                curve.append([checkpoint["train_seconds"] / 60, checkpoint["step"], accuracy])
-                if not b5.keep_checkpoints:
-                    for weights in Path(checkpoint["path"]).glob("*.safetensors"):
-                        weights.unlink()
-            curves.setdefault(plan.label, {})[plan.seed] = curve
+            opts.log(f"{name}: {plan.label} seed {plan.seed}: scoring {len(record['checkpoints'])} checkpoints")
+            curves.setdefault(plan.label, {})[plan.seed] = score_run(scorer, record, base, b5.keep_checkpoints)
             runs.setdefault(plan.label, {})[plan.seed] = {**record, "side": plan.side}
             result.settings.setdefault(plan.label, record.get("settings"))
     finally:
         scorer.close()
-    _rows(result, runs, curves, base, b5)
+    (workload.rows or accuracy_rows)(result, runs, curves, base, b5)
     (directory / "curves.json").write_text(json.dumps({"base_accuracy": base, "curves": curves}))
-    plot = plot_curves(curves, base, directory / "b5-accuracy.png", b5.minutes)
-    result.settings["b5"] = {"directory": str(directory), "plot": str(plot), "seeds": b5.seeds,
-                             "profiles": b5.profiles, "minutes": b5.minutes, "mark_minutes": b5.mark_minutes,
-                             "base_accuracy": base, "target_accuracy": base + TARGET_GAIN,
-                             "eval_examples": min(cfg.eval.num_examples, scorer.base.get("num_examples", 0))}
+    plot = plot_curves(curves, base, directory / f"{name.lower()}-accuracy.png", b5.minutes, name)
+    result.settings["plot"] = str(plot)  # --report copies it
+    result.settings.setdefault(name.lower(), {}).update({  # B7's rows put its own keys there first
+        "directory": str(directory), "plot": str(plot), "seeds": b5.seeds, "profiles": b5.profiles,
+        "minutes": b5.minutes, "mark_minutes": b5.mark_minutes, "base_accuracy": base,
+        "target_accuracy": base + TARGET_GAIN,
+        "eval_examples": min(cfg.eval.num_examples, scorer.base.get("num_examples", 0))})
     result.settings["curves"] = {label: {str(seed): curve for seed, curve in by_seed.items()}
                                  for label, by_seed in curves.items()}
     result.notes += [
@@ -405,7 +420,51 @@ def run_b5(opts) -> Result:
     return result
 
 
-def _rows(result: Result, runs: dict, curves: dict, base: float, b5: B5Options) -> None:
+def train_run(opts, workload: Workload, plan: RunPlan, scorer: Scorer, directory: Path) -> dict[str, Any]:
+    """One planned run in its own process (PeerError when it fails): its run.json."""
+    from ..compare import typed
+    from ..config import load_config
+    from ..kernels.allocator import resolve as resolve_allocator
+    from ..tasks import make_task
+    from ..tasks.sampler import PromptSampler
+    from ..train.trainer import build_rewards
+    from .workloads import peer_model_dir, trl_spec
+
+    b5 = workload.options
+    seeded = workload.overrides + [("train.seed", plan.seed)] + plan.overrides
+    allocator = "glibc"  # TRL's documented setup
+    if plan.side == "hasten":
+        spec = {"config": str(b5.config), "overrides": [list(pair) for pair in seeded], "profile": plan.profile}
+        run_cfg = load_config(b5.config, typed(seeded), profile=plan.profile)  # variants' keys are text
+        allocator = resolve_allocator(run_cfg.speed.allocator)
+    else:
+        run_cfg = load_config(b5.config, seeded)
+        task = make_task(run_cfg.task, run_cfg)
+        rows = PromptSampler(task.train_rows, plan.seed).next(
+            run_cfg.train.prompts_per_step * run_cfg.train.steps)  # hasten's prompt stream, in order
+        spec = trl_spec(run_cfg, rows, build_rewards(run_cfg, task), peer_model_dir(run_cfg.model.name, directory),
+                        False, run_cfg.train.steps, opts.trl_bf16)
+        if workload.peer_spec is not None:
+            workload.peer_spec(spec, run_cfg, scorer)
+    spec.update(minutes=b5.minutes, mark_minutes=b5.mark_minutes, directory=str(plan.directory))
+    return run_worker(plan.side if plan.side == "hasten" else "trl", spec, plan.directory, allocator)
+
+
+def score_run(scorer: Scorer, record: dict[str, Any], base: float, keep: bool) -> list[list[float]]:
+    """The run's curve: (training minutes, step, accuracy) from the base model's point on; weights deleted
+    once scored unless `keep`."""
+    curve = [[0.0, 0, base]]
+    for checkpoint in record["checkpoints"]:
+        accuracy = scorer.score(checkpoint["path"]).get("accuracy", 0.0)
+        checkpoint["accuracy"] = accuracy
+        curve.append([checkpoint["train_seconds"] / 60, checkpoint["step"], accuracy])
+        if not keep:
+            for weights in Path(checkpoint["path"]).glob("*.safetensors"):
+                weights.unlink()
+    return curve
+
+
+def accuracy_rows(result: Result, runs: dict, curves: dict, base: float, b5: B5Options) -> None:
     """One row per label: minutes to +20 per seed (in seed order, so peer and hasten pair by seed)."""
     for label, by_seed in runs.items():
         seeds = [seed for seed in b5.seeds if seed in by_seed]
@@ -424,7 +483,7 @@ def _rows(result: Result, runs: dict, curves: dict, base: float, b5: B5Options) 
         }))
 
 
-def plot_curves(curves: dict, base: float, target: Path, minutes: float) -> Path:
+def plot_curves(curves: dict, base: float, target: Path, minutes: float, workload: str = "B5") -> Path:
     """Held-out accuracy against training minutes, one line per run; the base and +20 lines dashed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -445,7 +504,7 @@ def plot_curves(curves: dict, base: float, target: Path, minutes: float) -> Path
     axes.set_ylim(-0.02, 1.02)
     axes.set_xlabel("training minutes (checkpoint saving excluded)")
     axes.set_ylabel("held-out accuracy (greedy)")
-    axes.set_title("B5: time to accuracy")
+    axes.set_title(f"{workload}: time to accuracy")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.savefig(target, format="png", dpi=100)

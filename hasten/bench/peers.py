@@ -104,13 +104,21 @@ def trl_schedule(train) -> dict[str, Any]:
 
 def reward_spec(rewards) -> list[list[Any]]:
     """hasten's reward functions as [name, "module:function", weight] for the TRL process."""
-    spec = []
-    for reward in rewards:
-        module, qualname = getattr(reward.fn, "__module__", None), getattr(reward.fn, "__qualname__", "")
-        if not module or "<" in qualname or "." in qualname:
-            raise PeerError(f"reward '{reward.name}' is not a module-level function; TRL's process cannot import it")
-        spec.append([reward.name, f"{module}:{qualname}", reward.weight])
-    return spec
+    return [[reward.name, importable(reward.fn, f"reward '{reward.name}'"), reward.weight] for reward in rewards]
+
+
+def importable(fn, what: str) -> str:
+    """"module:function" for a module-level function (a reward, a tool) that TRL's process imports again."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or "<" in qualname or "." in qualname:
+        raise PeerError(f"{what} is not a module-level function; TRL's process cannot import it")
+    return f"{module}:{qualname}"
+
+
+def imported(target: str):
+    """The function a "module:function" string names (importable's inverse, in the worker)."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def peer_env(allocator: str = "glibc") -> dict[str, str]:
@@ -217,8 +225,7 @@ class RewardLog:
         self.completion_tokens = 0
 
     def _wrap(self, name: str, target: str):
-        module, _, attribute = target.partition(":")
-        function = getattr(importlib.import_module(module), attribute)
+        function = imported(target)
 
         def reward(prompts, completions, **kwargs):
             scores = function(prompts, completions, **kwargs)

@@ -91,7 +91,7 @@ class Result:
         return [row for row in self.rows if row.side == "peer"]
 
     def baseline_of(self, peer: Row) -> Row | None:
-        candidates = self.hasten_rows()
+        candidates = [row for row in self.hasten_rows() if row.unit == peer.unit]  # B7: minutes and s/step rows
         if peer.baseline is not None:
             candidates = [row for row in candidates if row.name == peer.baseline]
         return candidates[0] if candidates else None
@@ -283,7 +283,8 @@ def all_ratios(result: Result) -> dict[str, float]:
     """Each peer row against its named baseline, or else every hasten row: {"peer/hasten": ratio}."""
     ratios = {}
     for peer in result.peer_rows():
-        bases = [result.baseline_of(peer)] if peer.baseline else result.hasten_rows()
+        bases = [result.baseline_of(peer)] if peer.baseline else [row for row in result.hasten_rows()
+                                                                   if row.unit == peer.unit]
         for base in filter(None, bases):
             ratio = pair_ratio(peer, base)
             if ratio is not None:

@@ -162,10 +162,13 @@ def cell_config(opts, directory: str, length: int, lora: bool, steps: int):
     return load_config(opts.config, overrides)
 
 
-def memory_estimate(shape: cost.Shape, cfg, side: str) -> dict[str, float]:
+def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None = None) -> dict[str, float]:
+    """cost.training_memory_bytes for one side's step of `cfg` (prompt_tokens: B1's ~48 unless given; B7's are
+    longer)."""
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
+    prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
     return cost.training_memory_bytes(
-        shape, samples, cfg.generation.num_generations, PROMPT_TOKENS, cfg.generation.max_new_tokens, cfg.model.lora,
+        shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0,
         checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten")
 

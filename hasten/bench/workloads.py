@@ -50,6 +50,7 @@ class BenchOptions:
     trl_bf16: bool = False  # TRL with bf16=True (B1, B5): its best on a CPU with AMX / AVX512-BF16
     contention: list[int] = field(default_factory=lambda: [0])  # busy neighbour processes, one level per entry
     b5: Any = None  # b5.B5Options when B5 is asked for
+    b7: Any = None  # the same for B7 (b7.py), with its model
     speculative: tuple[str, ...] = ()  # B2: extra lean+speculative rows: "ngram", "layers:N" or a draft model
     speculative_tokens: int = 4  # their k
     batch_sizes: tuple[int, ...] = ()  # B2: also the sweep over decode batch sizes (sampled and greedy)
