@@ -41,6 +41,7 @@ def test_quick_grid_runs_every_cell_to_the_fixed_length_and_writes_the_report(ca
         # EOS cannot end a row: every sample generated exactly `length` tokens
         assert cell["tokens_per_s"] * cell["s_per_step"] == pytest.approx(samples * cell["length"])
         assert cell["peak_rss_mib"] > 0 and cell["generate_s"] > 0 and cell["learn_s"] > 0
+        assert [set(threads) for threads in cell["threads"]] == [{"threads/generate", "threads/learn"}]
     rows = {row["name"]: row for row in b8["rows"]}
     assert set(rows) == {"hasten tiny L=4", "hasten tiny L=8", "hasten qwen-tiny L=4", "hasten qwen-tiny L=8"}
     assert all(set(row["phase_limits"]) == {"generate", "learn"} for row in rows.values())

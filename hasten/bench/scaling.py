@@ -84,7 +84,9 @@ class Cell:
         tokens = statistics.median(step["completion_tokens"] for step in measured)
         return {**out, "s_per_step": seconds, "generate_s": statistics.median(s["generate"] for s in measured),
                 "learn_s": statistics.median(s["learn"] for s in measured), "tokens_per_s": tokens / seconds,
-                "peak_rss_mib": max(step["peak_rss_mib"] for step in self.steps), "steps": len(self.steps)}
+                "peak_rss_mib": max(step["peak_rss_mib"] for step in self.steps), "steps": len(self.steps),
+                # hasten's adaptive threads per measured step: fewer than the cores means it saw a busy neighbour
+                **({"threads": [step["threads"] for step in measured]} if "threads" in measured[0] else {})}
 
 
 def available_gib() -> float:
@@ -524,7 +526,8 @@ def hasten_worker(spec: dict[str, Any]) -> None:
             samples = cfg.train.prompts_per_step * cfg.generation.num_generations
             _emit({"seconds": record["time/step"], "generate": record["time/generate"], "learn": record["time/learn"],
                    "completion_tokens": record["completion_length"] * samples, "num_samples": samples,
-                   "peak_rss_mib": peak_rss_mib()})
+                   "peak_rss_mib": peak_rss_mib(),  # the intra-op threads each phase ran with (adaptive threads)
+                   "threads": {key: record[key] for key in ("threads/generate", "threads/learn") if key in record}})
     finally:
         feeder.close()
 
