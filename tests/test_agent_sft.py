@@ -136,6 +136,8 @@ def test_sft_on_demonstrations_then_grpo_from_its_checkpoint(tmp_path, capsys, t
     targets = sum(example.num_targets for example in examples)
     assert report["target_tokens"] == targets < sum(len(example.completion_ids) for example in examples)
     assert report["eval"]["num_examples"] == 2 and "tools/call_rate" in report["eval"]  # the tool loop evaluated
+    written = [json.loads(line) for line in (tmp_path / "runs" / "sft" / "demonstrations.jsonl").open()]
+    assert written == json.loads(json.dumps(demonstrations(make_task(cfg.task), 4)))  # what was trained on
     checkpoint = tmp_path / "runs" / "sft" / "checkpoint"
     assert (checkpoint / "config.json").is_file()  # a full model: GRPO loads it natively
     code = cli_main(["train", "--model", str(checkpoint), "--task", "calculator", "--steps", "1",

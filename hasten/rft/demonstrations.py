@@ -11,7 +11,9 @@ module turns the task's training rows into SFT examples:
     ids        agent/demonstrations.py on the run's tool template and tool schemas, exactly the
                tokens the tool loop builds; tool-result tokens are context, not targets
 
-The template and the schemas come from the same place as in `hasten train`
+`hasten sft` also writes them to its run directory as demonstrations.jsonl
+(TRL's conversational prompt-completion rows), so what was trained on can
+be read. The template and the schemas come from the same place as in `hasten train`
 (agent.make_agent, generation.tool_template), so the SFT checkpoint has
 learned the very prompt and call format GRPO samples from. Keep task.* the
 same in both stages (configs/agent-sft.yaml and configs/agent-demo.yaml
@@ -20,6 +22,8 @@ agree): the held-out rows are drawn first from task.seed, task.num_eval.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from ..agent import make_agent
@@ -71,3 +75,13 @@ def demonstration_examples(cfg: Config, task: Task, tokenizer) -> list[Example]:
                                        tokenizer.eos_token_id)
         examples.append(Example(encoded.prompt_ids, encoded.completion_ids, encoded.target_mask))
     return examples
+
+
+DEMONSTRATIONS_FILE = "demonstrations.jsonl"
+
+
+def save_demonstrations(path: Path, task: Task, count: int = 0) -> Path:
+    """The rows demonstration_examples trains on, one JSON object a line (the run directory's copy)."""
+    lines = [json.dumps(row, ensure_ascii=False) for row in demonstrations(task, count)]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path

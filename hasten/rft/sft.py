@@ -67,7 +67,7 @@ from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
-from .demonstrations import check_demonstrations, demonstration_examples
+from .demonstrations import DEMONSTRATIONS_FILE, check_demonstrations, demonstration_examples, save_demonstrations
 from .prompts import PromptFormat
 
 
@@ -339,6 +339,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
     log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
+    if not from_records and resume is None and distributed.is_main():  # what the tool conversations were
+        save_demonstrations(run.path / DEMONSTRATIONS_FILE, task, cfg.sft.max_examples)
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
                        callbacks=make_trackers(cfg, run, list))  # output.report_to
     if summary["status"] != "finished":  # checkpoint and summary written; the CLI exits 130 / 143
