@@ -26,6 +26,7 @@ from hasten.rft.prompts import question_of
 from hasten.rft.profiles import load_rft_config
 from hasten.rollout import SamplingParams
 from hasten.tasks import make_task
+from hasten.train.evaluate import evaluate
 from test_agent import ScriptedEngine
 
 FACTORS = re.compile(r"What is (\d+) x (\d+)\?")
@@ -163,3 +164,24 @@ def test_the_two_stage_configs_agree_on_task_and_template():
     assert len(trained) == sft.sft.max_examples
     assert not held_out & {question_of({"prompt": row["prompt"]}) for row in trained}
     assert {json.dumps(row["prompt"]) for row in trained} <= {json.dumps(row["prompt"]) for row in grpo_task.train_rows}
+
+
+def test_held_out_eval_reports_the_tool_call_rate(tokenizer):
+    """With tools, evaluate() counts the completions that called a tool and the calls per completion."""
+    task = calculator_task(num_train=2, num_eval=3)
+    first = task.eval_rows[0]
+    a, b = map(int, FACTORS.match(first["question"]).groups())
+    call_text = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
+
+    def script(text, sample):
+        if text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n"):
+            return f"<answer>{a * b}</answer>"
+        return call_text if text.endswith(first["question"] + "<|im_end|>\n<|im_start|>assistant\n") \
+            else "<answer>7</answer>"  # no call, a wrong answer
+
+    agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(calculator)], None,
+                  AgentSettings(max_turns=2), tokenizer.pad_token_id or 0)
+    metrics, _ = evaluate(task, ScriptedEngine(tokenizer, script), tokenizer, [], 3, 2000, 2, agent=agent)
+    assert metrics["tools/call_rate"] == pytest.approx(1 / 3)
+    assert metrics["tools/call_frequency"] == pytest.approx(1 / 3)
+    assert metrics["accuracy"] == pytest.approx(1 / 3)
