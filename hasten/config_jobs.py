@@ -73,6 +73,7 @@ class RFTConfig:
 class SFTConfig:
     """Supervised fine-tuning on RFT records (`hasten sft`); profiles in hasten/rft/profiles.py."""
 
+    source: str = "records"  # records (rft.data) | task: the task's correct tool conversations (calculator; docs/agentic.md)
     epochs: int = 3  # passes over the records
     lr: float = 2e-4  # a LoRA rate; a full fine-tune wants ~1e-5
     batch_size: int = 16  # examples per optimizer step
@@ -99,6 +100,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "code.source": ("builtin", "mbpp", "jsonl"),
     "code.eval_source": ("heldout", "humaneval"),
     "rft.keep": ("one", "all"),
+    "sft.source": ("records", "task"),
     "sft.lr_schedule": ("cosine", "linear", "constant"),
     "sft.precision": ("auto", "fp32", "bf16", "fp16"),
     "sft.adamw": ("fused", "foreach", "plain"),

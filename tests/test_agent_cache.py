@@ -117,3 +117,39 @@ def test_tool_loop_with_cache_equals_re_prefill(engine, temperature):
     assert batches[0].metrics["tools/model_turns"] == 2.0  # the forced call ran and every rollout went on
     same(cached, plain)
     assert torch.equal(cached.tool_mask, plain.tool_mask)
+
+
+def test_rows_whose_tool_results_differ_in_length_fit_the_cache(engine):
+    """A later turn decodes every row for the largest budget left; a row whose long tool result used most of
+    its own budget must still fit (the cache once held only the longest prompt + max_new_tokens)."""
+    lean, tokenizer = engine
+    answers = iter(["x" * 40, "7"])  # the group's two rollouts get tool results of different lengths
+
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: The key.
+        """
+        return next(answers, "7")
+
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>'
+    script = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    rows = [{"prompt": [{"role": "user", "content": "Look k up."}]}]
+    sampling = SamplingParams(max_new_tokens=200, temperature=0.0)
+    batches = []
+    for kv_cache in (True, False):
+        answers = iter(["x" * 40, "7"])
+        agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(lookup)], None,
+                      AgentSettings(max_turns=1, kv_cache=kv_cache), tokenizer.pad_token_id)
+        hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
+        try:
+            batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
+        finally:
+            hook.remove()
+            agent.close()
+    for batch in batches:  # (which rollout gets the long result depends on the tool threads' order)
+        tool_tokens = sorted(int(((1 - batch.rollout.tool_mask[row]) * batch.rollout.completion_mask[row]).sum())
+                             for row in range(2))
+        assert tool_tokens[0] < tool_tokens[1]  # both tool turns appended, of different lengths
+        assert batch.metrics["tools/model_turns"] == 2.0  # and every rollout went on after its tool turn

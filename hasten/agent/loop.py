@@ -103,7 +103,10 @@ class Agent:
         conversations = self._start(rows, num_generations)
         cache = None
         if self.settings.kv_cache and isinstance(engine, LeanEngine):  # the fast path: no re-prefill per turn
-            cache = ConversationCache(engine, max(len(c.prompt_ids) for c in conversations) + sampling.max_new_tokens)
+            # A later turn decodes every active row for the largest budget left (_continue), so a row that
+            # has used most of its own budget may write up to max_new_tokens past it: room for both.
+            cache = ConversationCache(engine, max(len(c.prompt_ids) for c in conversations)
+                                      + 2 * sampling.max_new_tokens)
         first = self._first_turn(engine, cache, conversations, num_generations, sampling, seed, row_range)
         calls = failures = 0
         for turn in range(1, self.settings.max_turns + 1):

@@ -82,7 +82,7 @@ class ToolTemplate:
                                                       **special, **self.kwargs)
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        return self._ids(self.render(messages, tools, add_generation_prompt=True))
+        return self.text_ids(self.render(messages, tools, add_generation_prompt=True))
 
     def tool_turn_ids(self, results: list[tuple[str, str]]) -> list[int]:
         """The tokens between an assistant turn's end-of-turn token and the next assistant turn's first token.
@@ -102,9 +102,10 @@ class ToolTemplate:
         if not full.startswith(prefix):
             raise ConfigError("config error: the tool template renders a conversation whose start changes when a "
                               "tool turn is added; generation.tool_template needs a prefix-preserving template")
-        return self._ids(full[len(prefix):])
+        return self.text_ids(full[len(prefix):])
 
-    def _ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
+        """Text as ids, no special tokens added (as encode_prompt tokenizes a rendered prompt)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -1,7 +1,10 @@
 """SFT batches and their loss: packed rows with a block mask, or the plain padded batch.
 
 An example is prompt ids + completion ids (the reasoning and EOS). Only
-completion tokens are targets: the prompt is context, never learned.
+completion tokens are targets: the prompt is context, never learned. A
+multi-turn tool conversation (sft.source=task, rft/demonstrations.py) also
+carries `target_mask` over its completion: 0 marks tool-result tokens, which
+the model reads as context but never learns (GRPO's tool_mask).
 
 Packed (sft.packing, the fast path): examples are placed first-fit
 decreasing into rows of at most `pack_length` tokens,
@@ -43,10 +46,23 @@ IGNORE = -100  # label of a position that is not a target (transformers' convent
 class Example:
     prompt_ids: list[int]
     completion_ids: list[int]  # the targets: reasoning tokens then EOS
+    target_mask: tuple[int, ...] | None = None  # per completion token, 1 = a target; None = all are
+
+    def __post_init__(self):
+        if self.target_mask is not None and len(self.target_mask) != len(self.completion_ids):
+            raise ValueError(f"target_mask has {len(self.target_mask)} entries for "
+                             f"{len(self.completion_ids)} completion tokens")
 
     @property
     def input_length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids) - 1  # the last token is only a target
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.completion_ids) if self.target_mask is None else sum(self.target_mask)
+
+    def is_target(self, index: int) -> bool:
+        return self.target_mask is None or bool(self.target_mask[index])
 
 
 @dataclass
@@ -107,7 +123,8 @@ def pack_examples(examples: list[Example], pack_length: int) -> PackedSFTBatch:
             position_ids[row, offset:offset + length] = torch.arange(length)
             segments[row, offset:offset + length] = segment
             first_source = offset + len(example.prompt_ids) - 1  # the last prompt token predicts completion[0]
-            sources += [(row, first_source + j, token) for j, token in enumerate(example.completion_ids)]
+            sources += [(row, first_source + j, token) for j, token in enumerate(example.completion_ids)
+                        if example.is_target(j)]
             offset += length
     source = torch.tensor(sources, dtype=torch.long)  # (M, 3)
     return PackedSFTBatch(input_ids, position_ids, block_mask(segments), *source.unbind(dim=1))
@@ -123,6 +140,10 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedSFTBatch:
         input_ids[row, :tokens.numel()] = tokens
         attention_mask[row, :tokens.numel()] = 1
         labels[row, len(example.prompt_ids):tokens.numel()] = tokens[len(example.prompt_ids):]
+        if example.target_mask is not None:  # tool-result tokens: context, not targets
+            start = len(example.prompt_ids)
+            masked = torch.tensor(example.target_mask, dtype=torch.bool).logical_not()
+            labels[row, start:start + masked.numel()][masked] = IGNORE
     return PaddedSFTBatch(input_ids, attention_mask, labels)
 
 

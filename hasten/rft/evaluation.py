@@ -5,7 +5,8 @@ on greedy completions of the first `eval.num_examples` held-out questions),
 with the RFT defaults: 100 held-out questions, LoRA adapters merged into the
 base weights first so the lean engine generates (a peft model would fall
 back to the slower transformers forward; merging does not change the
-function the model computes beyond float rounding).
+function the model computes beyond float rounding). A tool task (calculator)
+is evaluated through its tool loop, as `hasten eval` does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..agent import make_agent
 from ..config import Config
 from ..tasks import Task, make_task
 from ..train.evaluate import evaluate
@@ -26,9 +28,16 @@ def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None])
         policy.model = policy.model.merge_and_unload()
     policy.model.eval()
     engine = make_engine(cfg, policy, log)
+    parts = make_agent(cfg, task)  # a tool task: the tool loop generates, as in `hasten train`'s evals
+    agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     started = time.perf_counter()
     count = min(cfg.eval.num_examples, len(task.eval_rows))
-    metrics, _ = evaluate(task, engine, policy.tokenizer, [], count, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    try:
+        metrics, _ = evaluate(task, engine, policy.tokenizer, [], count, cfg.eval.max_new_tokens,
+                              cfg.eval.batch_size, agent=agent)
+    finally:
+        if agent is not None:
+            agent.close()
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 

@@ -2,8 +2,10 @@
 
 Each record becomes one example: the task's prompt for its question (the
 same prompt `hasten rft test` will use) as context, and its reasoning plus
-EOS as the only loss targets. An optimizer step takes `sft.batch_size`
-examples, split into `sft.gradient_accumulation_steps` micro-batches; each
+EOS as the only loss targets. With sft.source=task the examples are the
+task's own correct tool conversations instead (rft/demonstrations.py): the
+assistant turns are the targets, the tool results context. An optimizer
+step takes `sft.batch_size` examples, split into `sft.gradient_accumulation_steps` micro-batches; each
 micro-batch's summed token loss is divided by the step's total target
 tokens, so the gradient is the token-mean over the whole step however it
 is split. AdamW, warmup then cosine decay, clipping, precision and the NaN
@@ -65,6 +67,7 @@ from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import RFTRecord, load_records
+from .demonstrations import DEMONSTRATIONS_FILE, check_demonstrations, demonstration_examples, save_demonstrations
 from .prompts import PromptFormat
 
 
@@ -224,7 +227,7 @@ class SFTJob:
         started = time.perf_counter()
         if self.batches is None:
             self.batches = self._loader(step - 1)
-        step_targets = sum(len(self.examples[i].completion_ids) for micro in self.plan[step - 1] for i in micro)
+        step_targets = sum(self.examples[i].num_targets for micro in self.plan[step - 1] for i in micro)
         micro_batches = self.share[step - 1]  # this rank's (all of them in one process)
         loss_total = 0.0
         for _ in micro_batches:
@@ -307,18 +310,22 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     if cfg.speed.keep_freed_memory:
         keep_freed_memory()
     check_trackers(cfg)
-    records = load_records(cfg.rft.data)  # raises before anything loads or is written
+    from_records = cfg.sft.source == "records"
+    records = load_records(cfg.rft.data) if from_records else []  # raises before anything loads or is written
     if resume is None:
         check_output_dir(cfg)
     if cfg.sft.max_examples:
         records = records[:cfg.sft.max_examples]
     task = make_task(cfg.task)
+    if not from_records:
+        check_demonstrations(task)
     random.seed(cfg.sft.seed)
     torch.manual_seed(cfg.sft.seed)  # the LoRA initialization
     policy = load_policy(cfg.model, log)
     policy.model.to(device)
     distributed.broadcast_parameters(policy.model)  # the LoRA init is equal by seed; rank 0's by construction
-    examples = to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0])
+    examples = (to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0]) if from_records
+                else demonstration_examples(cfg, task, policy.tokenizer))  # sft.source=task: tool conversations
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")
 
@@ -332,6 +339,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
     log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
+    if not from_records and resume is None and distributed.is_main():  # what the tool conversations were
+        save_demonstrations(run.path / DEMONSTRATIONS_FILE, task, cfg.sft.max_examples)
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
                        callbacks=make_trackers(cfg, run, list))  # output.report_to
     if summary["status"] != "finished":  # checkpoint and summary written; the CLI exits 130 / 143
@@ -341,7 +350,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     report = SFTReport(
         run_dir=str(run.path), checkpoint=str(final), examples=len(examples), optimizer_steps=len(job.losses),
         train_seconds=job.train_seconds, trained_tokens=cfg.sft.epochs * sum(e.input_length for e in examples),
-        target_tokens=cfg.sft.epochs * sum(len(e.completion_ids) for e in examples),
+        target_tokens=cfg.sft.epochs * sum(e.num_targets for e in examples),
         first_loss=job.losses[0], final_loss=job.losses[-1], adapter_mb=weights_megabytes(final),
         settings={"profile": profile, **job.settings()}, eval=summary.get("eval_after", {}),
     )

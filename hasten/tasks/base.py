@@ -59,6 +59,10 @@ class Task:
     # (a class or {name: class}); agent/__init__.py make_agent adds the config's and the API's to these.
     tools: list[Callable[..., Any]] = field(default_factory=list)
     environment: Any = None
+    # A correct completion for a row, as TRL's conversational completion (assistant turns with their
+    # tool_calls, tool turns with the tool's real result, the final answer): the SFT warm start's data
+    # (`hasten sft --sft.source=task`, rft/demonstrations.py). None: the task has no demonstrations.
+    demonstrate: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
 
     @staticmethod
     def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

@@ -12,11 +12,18 @@ With task.worked_example (the default) the prompt opens with one solved
 question as a whole tool conversation (assistant tool call, tool result,
 assistant answer), so the base model sees the format once; without it, it
 has to discover the tool from the schema alone.
+
+The base model still never calls the tool (docs/agentic.md), so the task
+also gives `demonstrate(row)`: that same solved conversation for any row,
+the tool's result computed by the real tool. `hasten sft --sft.source=task`
+fine-tunes on these for the training rows (configs/agent-sft.yaml), the warm
+start GRPO then improves on.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from hasten.agent.builtin_tools import calculator
@@ -33,13 +40,30 @@ def question_for(a: int, b: int) -> str:
     return f"What is {a} x {b}? Use the calculator tool, then put the final number inside <answer></answer>."
 
 
+QUESTION = re.compile(r"What is (\d+) x (\d+)\?")
+
+
+def solution(a: int, b: int) -> list[dict[str, Any]]:
+    """The assistant's side of a solved question: call the tool, read its (real) result, answer with it."""
+    expression = f"{a} * {b}"
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    result = calculator(expression)
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": result},
+            {"role": "assistant", "content": f"{a} x {b} = {result}.\n<answer>{result}</answer>"}]
+
+
 def worked_example() -> list[dict[str, Any]]:
     """One solved question, as the tool conversation the model should reproduce."""
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "218 * 4073"}}}
-    return [{"role": "user", "content": question_for(218, 4073)},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": calculator("218 * 4073")},
-            {"role": "assistant", "content": f"218 x 4073 = {218 * 4073}.\n<answer>{218 * 4073}</answer>"}]
+    return [{"role": "user", "content": question_for(218, 4073)}, *solution(218, 4073)]
+
+
+def demonstrate(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's correct tool conversation (Task.demonstrate): the completion SFT trains on."""
+    found = QUESTION.match(row["question"])
+    if found is None:
+        raise ValueError(f"not a calculator question: {row['question']!r:.80}")
+    return solution(int(found.group(1)), int(found.group(2)))
 
 
 def build_calculator(cfg: TaskConfig) -> Task:
@@ -65,4 +89,5 @@ def build_calculator(cfg: TaskConfig) -> Task:
         ],
         check=check_numeric_answer,
         tools=[calculator],
+        demonstrate=demonstrate,
     )

@@ -1,7 +1,8 @@
 """Held-out evaluation: greedy completions, scored by the task.
 
 Reports accuracy (fraction judged correct), answer rate (fraction with a
-parseable answer), the mean total reward under the run's reward functions
+parseable answer), with tools the tool-call rate (completions that called a
+tool) and calls per completion, the mean total reward under the run's reward functions
 and each function's mean over the samples it applied to (rewards/<name>), on the first `num_examples` held-out rows, plus whatever the
 task's own `metrics` function adds (chess: format rate, FEN exact match,
 mean similarity). Greedy decoding makes the numbers a property of the
@@ -49,11 +50,14 @@ def evaluate(
     reward_total = 0.0
     samples = []
     texts: list[str] = []  # every completion, for the task's own metrics
+    tool_calls = [0, 0]  # with an agent: tool calls in all, completions with at least one
     per_function: dict[str, list] = {}  # reward name -> [sum of its scores, samples it applied to]
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
         if agent is not None:
             inputs = agent.generate(engine, batch, 1, greedy, seed=0).inputs
+            calls = [tool_calls_in(messages) for messages in inputs.completions]
+            tool_calls = [tool_calls[0] + sum(calls), tool_calls[1] + sum(count > 0 for count in calls)]
         else:
             prompts = [encode_prompt(tokenizer, r["prompt"], **(template_kwargs or {})) for r in batch]
             rollout = apply_stop_strings(engine.generate(prompts, 1, greedy, seed=0), tokenizer, stop_strings or [],
@@ -85,6 +89,9 @@ def evaluate(
     if judged:
         metrics["accuracy"] = correct / judged
         metrics["answer_rate"] = parsed / judged
+    if agent is not None and rows:
+        metrics["tools/call_rate"] = tool_calls[1] / len(rows)  # completions that called a tool
+        metrics["tools/call_frequency"] = tool_calls[0] / len(rows)  # calls per completion, as in training
     if reward_functions and rows:
         metrics["reward_mean"] = reward_total / len(rows)
         metrics.update({f"rewards/{name}": total / count for name, (total, count) in per_function.items() if count})
@@ -93,3 +100,8 @@ def evaluate(
     if task.evaluate_more is not None:
         metrics.update(task.evaluate_more(engine, tokenizer, rows, samples, max_new_tokens, batch_size))
     return metrics, samples
+
+
+def tool_calls_in(messages: list[dict[str, Any]]) -> int:
+    """Tool calls (well-formed or not) in one completion's messages (TRL's layout, agent/loop.py)."""
+    return sum(len(message.get("tool_calls") or []) for message in messages if message["role"] == "assistant")
