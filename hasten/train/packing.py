@@ -199,6 +199,37 @@ class TargetLogSoftmax(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
+class _HeadAsItRan:
+    """Calls `head` with its hooks and the forward it had when this was made.
+
+    A kernel switch (kernels.fast_linear) routes a Linear by setting an instance
+    `forward` and deletes it afterwards; a checkpointed chunk recomputed in backward
+    must run through the same kernel, and through the module's hooks (peft, test
+    fixtures), so the instance forward is put back for the call only.
+    """
+
+    def __init__(self, head):
+        self.head = head
+        self.forward = vars(head).get("forward")
+
+    def __call__(self, hidden):
+        head = self.head
+        now = vars(head).get("forward")
+        if now is self.forward:
+            return head(hidden)
+        if self.forward is None:
+            del head.forward
+        else:
+            head.forward = self.forward
+        try:
+            return head(hidden)
+        finally:
+            if now is None:
+                vars(head).pop("forward", None)
+            else:
+                head.forward = now
+
+
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor)."""
     return TargetLogSoftmax.apply(head(hidden), targets, temperature, with_entropy)
@@ -247,9 +278,9 @@ def packed_logprobs(
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
     # One chunk holds everything: nothing to save by recomputing it in backward.
     recompute = torch.is_grad_enabled() and step < hidden.shape[0]
-    # The head's forward as it is now: backward recomputes a chunk after a kernel switch that routes it
+    # The head as it runs now: backward recomputes a chunk after a kernel switch that routes it
     # (kernels.fast_linear) may have been undone, and checkpoint rejects a recompute that saves other tensors.
-    head_forward = head.forward
+    head_forward = _HeadAsItRan(head)
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy)
