@@ -83,7 +83,7 @@ class GenerationConfig:
 
 @dataclass
 class AlgoConfig:
-    loss: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | gspo | cispo | sapo (TRL's default is dapo)
+    loss: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | gspo | cispo | sapo | luspo | vespo (TRL's default is dapo)
     scale_rewards: str = "group"  # group | batch | none
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip: ratio <= 1 + epsilon_high (None = epsilon)
@@ -96,8 +96,19 @@ class AlgoConfig:
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL from the sampler exceeds this
     sapo_temperature_pos: float = 1.0  # algo.loss=sapo: the gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # algo.loss=sapo: the gate's temperature for the others
+    vespo_k_pos: float = 2.0  # algo.loss=vespo: the gamma weight's exponent for advantages >= 0 (TRL's key)
+    vespo_lambda_pos: float = 3.0  # algo.loss=vespo: the gamma weight's decay for advantages >= 0
+    vespo_k_neg: float = 3.0  # algo.loss=vespo: the exponent for negative advantages
+    vespo_lambda_neg: float = 2.0  # algo.loss=vespo: the decay for negative advantages
     top_entropy_quantile: float = 1.0  # < 1: only this top fraction of each chunk's tokens by entropy gets a policy gradient (TRL's key; 1 = all)
     importance_sampling_level: str = "token"  # token | sequence: every token takes its sequence's ratio exp(mean log-ratio) (GSPO's; TRL's key), with any loss
+    kl_bias_correction: bool = False  # beta > 0: the KL term times the importance ratio (TRL's use_bias_correction_kl, on there by default): the unbiased reverse-KL gradient
+    entropy_coef: float = 0.0  # entropy bonus: loss - entropy_coef x the mean token entropy (TRL's key); adaptive: the starting value
+    adaptive_entropy: bool = False  # move entropy_coef each optimizer step toward entropy_target (TRL's use_adaptive_entropy, Skywork-OR1)
+    entropy_coef_min: float = 0.0  # adaptive_entropy: the coefficient's floor
+    entropy_coef_max: float = 1.0  # adaptive_entropy: the coefficient's ceiling
+    entropy_coef_delta: float = 0.005  # adaptive_entropy: the coefficient's step per optimizer step
+    entropy_target: float = 0.2  # adaptive_entropy: the bonus applies while the mean token entropy (nats) is at or below this
 
 
 @dataclass
@@ -226,7 +237,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"),
+    "algo.loss": ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.importance_sampling_level": ("token", "sequence"),
     "output.tracker_names": ("hasten", "trl"),
@@ -254,6 +265,9 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # output.report_to (tr
 _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("model.device", lambda v: DEVICE_SETTING.fullmatch(v) is not None, "auto, cpu, cuda or cuda:N"),
     ("algo.top_entropy_quantile", lambda v: 0.0 <= v <= 1.0, "between 0 and 1"),
+    ("algo.entropy_coef_min", lambda v: v >= 0, ">= 0"),
+    ("algo.entropy_coef_max", lambda v: v >= 0, ">= 0"),
+    ("algo.entropy_coef_delta", lambda v: v >= 0, ">= 0"),
     ("model.lora_r", lambda v: v > 0, "> 0"),
     ("model.lora_alpha", lambda v: v > 0, "> 0"),
     ("model.lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -431,6 +445,11 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
+    sampler = cfg.speed.engine == "vllm" or cfg.speed.generation_precision != "fp32"
+    if cfg.algo.loss == "vespo" and sampler and cfg.speed.vllm_importance_sampling_correction:
+        raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "
+                          "speed.generation_precision=bf16) is not supported (TRL folds those ratios into VESPO's "
+                          "weight); set speed.vllm_importance_sampling_correction=false")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")
     if cfg.train.gradient_accumulation_steps > cfg.train.prompts_per_step * cfg.generation.num_generations:

@@ -23,7 +23,7 @@ def test_listing_shows_type_default_choices_and_task_defaults():
     text = render(["train", "algo"])
     assert "train.lr_schedule  (str, default 'cosine')  [cosine | linear | constant]" in text
     assert "train.lr  (float, default 1e-06; fruit-catcher: 0.003)  [> 0]" in text
-    assert "algo.loss  (str, default 'dapo')  [grpo | bnpo | dr_grpo | dapo | gspo | cispo | sapo]" in text
+    assert "algo.loss  (str, default 'dapo')  [grpo | bnpo | dr_grpo | dapo | gspo | cispo | sapo | luspo | vespo]" in text
     assert "speed." not in text
 
 

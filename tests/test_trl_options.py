@@ -112,8 +112,9 @@ def test_high_entropy_mask_equals_trl(quantile):
 
 def test_top_entropy_quantile_maps_and_masks_the_policy_gradient():
     assert mapped(top_entropy_quantile=0.2)["algo.top_entropy_quantile"] == 0.2
-    with pytest.raises(APIError, match="entropy_coef=0.1 is not supported"):
-        mapped(entropy_coef=0.1)
+    assert mapped(entropy_coef=0.1)["algo.entropy_coef"] == 0.1  # the bonus: tests/test_entropy_and_kl.py
+    with pytest.raises(APIError, match="vllm_enable_sleep_mode=True is not supported"):
+        mapped(vllm_enable_sleep_mode=True)
 
 
 def test_top_entropy_quantile_changes_the_learner_gradient(model, tokenizer):

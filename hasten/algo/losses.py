@@ -9,7 +9,9 @@ defined per chunk, as in TRL).
 Per token, with ratio r = exp(logp - old_logp) and advantage A of its sample:
     l = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
 where KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (unbiased,
-always >= 0). The variants differ in how tokens are averaged:
+always >= 0); LossSettings.kl_bias_correction multiplies it by the ratio r (TRL's
+use_bias_correction_kl, on by default there: r is 1 in value on-policy but not in
+gradient, which makes the KL gradient the unbiased reverse-KL one). The variants differ in how tokens are averaged:
   grpo     mean over each sequence's tokens, then mean over sequences
            (the paper's form; favours short correct answers, long wrong ones)
   bnpo     sum over tokens / tokens in this chunk
@@ -23,6 +25,10 @@ with any loss_type; with grpo it equals gspo).
   cispo    -min(r, epsilon_high).detach() x A x logp per token, dapo's sum (CISPO)
   sapo     -sigmoid(tau (r - 1)) x 4 / tau x A per token, grpo's means (SAPO;
            tau = sapo_temperature_pos for A > 0, _neg otherwise)
+  luspo    the clipped surrogate summed over each sequence's tokens, mean over
+           sequences (LUSPO: GSPO without the length normalisation)
+  vespo    -phi(w) x A x logp per token, dapo's sum (VESPO), phi(w) = e^lambda
+           w^k e^(-lambda w) of the sequence ratio w = exp(sum_t log r), detached
 LossSettings.delta caps the unclipped ratio (two-sided clipping) and
 off_policy_threshold drops negative-advantage sequences that drifted too far
 from the sampling policy; both as TRL 1.16 computes them.
@@ -31,11 +37,15 @@ r = 1 in value while its gradient is the policy gradient. When a different
 implementation sampled (vLLM), `importance_weights` w = min(pi_old / pi_sampler,
 cap) multiply each token's surrogate before the KL term (TRL's
 vllm_importance_sampling_correction); None leaves every loss unchanged.
+The entropy bonus (TRL's entropy_coef) is not a loss of the registry: it is
+`entropy_term` of each chunk, subtracted by the learner with the coefficient
+algo/entropy.py's control gives (the same for every loss type, as in TRL).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,11 +59,16 @@ class LossSettings:
     beta: float = 0.0
     sequence_level: bool = False  # every token's ratio is its sequence's exp(mean_t(logp - old_logp)) (TRL's
     # importance_sampling_level="sequence"); the loss then averages tokens as its type says
-    surrogate: str = "clip"  # clip (PPO's) | cispo | sapo: the per-token policy term (set by the registry)
+    surrogate: str = "clip"  # clip (PPO's) | cispo | sapo | vespo: the per-token policy term (set by the registry)
     delta: float | None = None  # two-sided clipping: the unclipped ratio capped at delta (TRL's delta)
     off_policy_threshold: float | None = None  # drop sequences with A < 0 whose mean KL(old || current) exceeds it
     sapo_temperature_pos: float = 1.0  # SAPO's soft-gate temperatures for A > 0 and A <= 0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # VESPO's gamma weight: exponent and decay for A >= 0 and for A < 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    kl_bias_correction: bool = False  # KL x the ratio r (TRL's use_bias_correction_kl); False: plain k3
 
     @property
     def upper(self) -> float:
@@ -85,11 +100,13 @@ class LossInputs:
 Metrics = dict[str, float]
 
 
-def _kl(inputs: LossInputs) -> torch.Tensor | None:
+def _kl(inputs: LossInputs, settings: LossSettings, ratio: torch.Tensor) -> torch.Tensor | None:
+    """(N, T) k3 per token, times the importance ratio `ratio` ((N, T) or (N, 1)) with kl_bias_correction."""
     if inputs.ref_logps is None:
         return None
     delta = inputs.ref_logps - inputs.logps  # (N, T)
-    return torch.exp(delta) - delta - 1  # k3, >= 0
+    kl = torch.exp(delta) - delta - 1  # k3, >= 0
+    return kl * ratio if settings.kl_bias_correction else kl
 
 
 def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
@@ -116,7 +133,7 @@ def _token_losses(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Ten
             "clip_ratio/low": float((low * mask).sum() / tokens),
             "clip_ratio/high": float((high * mask).sum() / tokens),
         }
-    kl = _kl(inputs)
+    kl = _kl(inputs, settings, ratio)
     if kl is not None and settings.beta > 0:
         losses = losses + settings.beta * kl
         metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
@@ -130,6 +147,10 @@ def _surrogate(inputs: LossInputs, ratio: torch.Tensor, advantages: torch.Tensor
     if settings.surrogate == "cispo":
         weight = torch.clamp(ratio, max=settings.upper).detach()
         return -weight * advantages * inputs.logps
+    if settings.surrogate == "vespo":
+        weight = vespo_weights(advantages, inputs.logps - inputs.old_logps, inputs.completion_mask.to(ratio.dtype),
+                               settings)  # (N, 1)
+        return -weight * advantages * inputs.logps
     if settings.surrogate == "sapo":
         temperature = torch.where(advantages > 0, torch.full_like(advantages, settings.sapo_temperature_pos),
                                   torch.full_like(advantages, settings.sapo_temperature_neg))  # (N, 1)
@@ -137,6 +158,20 @@ def _surrogate(inputs: LossInputs, ratio: torch.Tensor, advantages: torch.Tensor
     clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     capped = ratio if settings.delta is None else torch.clamp(ratio, max=settings.delta)
     return -torch.min(capped * advantages, clipped * advantages)
+
+
+@torch.no_grad()
+def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  settings: LossSettings) -> torch.Tensor:
+    """(N, 1) VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), in log space, of the
+    sequence ratio w = exp(sum_t log r) (clamped as TRL clamps it), k and lambda by the advantage's sign
+    (arXiv:2602.10693; TRL's get_gamma_weights without a vLLM ratio). advantages: (N, 1); log_ratio, mask: (N, T)."""
+    lower = math.log(1e-8)
+    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(dim=1, keepdim=True), lower, 20.0)  # (N, 1)
+    positive = advantages >= 0
+    k = torch.where(positive, settings.vespo_k_pos, settings.vespo_k_neg)
+    lam = torch.where(positive, settings.vespo_lambda_pos, settings.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
@@ -190,7 +225,7 @@ def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
             "clip_ratio/low": float((low.float() * present).sum() / sequences),
             "clip_ratio/high": float((high.float() * present).sum() / sequences),
         }
-    kl = _kl(inputs)
+    kl = _kl(inputs, settings, ratio[:, None])
     if kl is not None and settings.beta > 0:
         losses = losses + settings.beta * (kl * mask).sum(dim=1) / lengths
         # Logged token-weighted, as the other losses (and TRL) log it.
@@ -210,6 +245,16 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
     return ((entropies * mask) >= threshold) & present
 
 
+def entropy_term(entropies: torch.Tensor, mask: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """The chunk's share of the entropy bonus: the mean entropy over `mask`'s tokens, / num_chunks.
+
+    entropies: (N, T) with grad; mask: (N, T) the loss mask, times the high-entropy mask when
+    top_entropy_quantile < 1. TRL's bonus is this mean per micro-batch divided by the accumulation
+    steps, never a loss type's normaliser; the learner subtracts coefficient x this from the loss."""
+    mask = mask.to(entropies.dtype)
+    return (entropies * mask).sum() / mask.sum().clamp(min=1) / num_chunks
+
+
 def cispo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
     """CISPO: -min(r, epsilon_high) (detached) x A x logp per token, summed over the batch's tokens (as dapo)."""
     return dapo_loss(inputs, dataclasses.replace(settings, surrogate="cispo"))
@@ -220,6 +265,19 @@ def sapo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     return grpo_loss(inputs, dataclasses.replace(settings, surrogate="sapo"))
 
 
+def luspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """LUSPO: the clipped surrogate (and KL) summed over each sequence's tokens, mean over sequences
+    (arXiv:2602.05261); TRL pairs it with importance_sampling_level="sequence"."""
+    losses, metrics = _token_losses(inputs, settings)
+    return losses.sum() / inputs.total_sequences, metrics
+
+
+def vespo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """VESPO: -phi(w) x A x logp per token with the detached gamma weight of the sequence ratio, summed
+    over the batch's tokens (as dapo)."""
+    return dapo_loss(inputs, dataclasses.replace(settings, surrogate="vespo"))
+
+
 LOSSES: dict[str, Callable[[LossInputs, LossSettings], tuple[torch.Tensor, Metrics]]] = {
     "grpo": grpo_loss,
     "bnpo": bnpo_loss,
@@ -228,4 +286,6 @@ LOSSES: dict[str, Callable[[LossInputs, LossSettings], tuple[torch.Tensor, Metri
     "gspo": gspo_loss,
     "cispo": cispo_loss,
     "sapo": sapo_loss,
+    "luspo": luspo_loss,
+    "vespo": vespo_loss,
 }

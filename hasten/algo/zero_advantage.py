@@ -46,15 +46,16 @@ from __future__ import annotations
 import torch
 
 
-def learning_rows(rows: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+def learning_rows(rows: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, beta: float,
+                  entropy_bonus: bool = False) -> torch.Tensor:
     """The samples of `rows` (indices into the batch) whose loss can have a gradient, in order; `rows`
     itself when none is left out (the learner then knows the chunk is whole).
 
     advantages: (N,) of the whole batch; mask: (N, T) the loss mask. A sample
-    is left out when its loss mask is empty, or, without a KL term (beta == 0),
-    when its advantage is exactly 0.
+    is left out when its loss mask is empty, or, without a KL term (beta == 0)
+    and without the entropy bonus (algo.entropy_coef), when its advantage is exactly 0.
     """
     keep = mask[rows.to(mask.device)].sum(dim=1).cpu() > 0
-    if beta == 0:
+    if beta == 0 and not entropy_bonus:
         keep &= advantages[rows.to(advantages.device)].cpu() != 0
     return rows if bool(keep.all()) else rows[keep.to(rows.device)]

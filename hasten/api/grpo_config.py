@@ -109,6 +109,13 @@ class _GRPOFields(_TrainingFields):
     reward_weights: list[float] | None = None
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile
+    entropy_coef: float = 0.0  # algo.entropy_coef (the bonus: loss - coef x mean token entropy)
+    use_adaptive_entropy: bool = False  # algo.adaptive_entropy, with the four keys below
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    use_bias_correction_kl: bool = True  # algo.kl_bias_correction (TRL's default on; hasten's CLI: off)
     sync_ref_model: bool = False  # every ref_model_sync_steps: algo.ref_model_sync_steps
     ref_model_sync_steps: int = 512
     ref_model_mixup_alpha: float = 0.6  # algo.ref_model_mixup_alpha
@@ -116,6 +123,10 @@ class _GRPOFields(_TrainingFields):
     off_policy_mask_threshold: float | None = None  # algo.off_policy_mask_threshold
     sapo_temperature_pos: float = 1.0  # algo.sapo_temperature_pos
     sapo_temperature_neg: float = 1.05  # algo.sapo_temperature_neg
+    vespo_k_pos: float = 2.0  # algo.vespo_k_pos, and the three below
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     multi_objective_aggregation: str = "sum_then_normalize"  # | normalize_then_sum (rewards.aggregation)
     shuffle_dataset: bool = True  # False: prompts in dataset order (train.shuffle)
     # accepted, changing nothing hasten computes: sequences are packed, not padded (speed.packed_learning)
@@ -296,10 +307,16 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),
             ("algo.importance_sampling_level", self._importance_level()),
             ("algo.top_entropy_quantile", self.top_entropy_quantile), ("algo.delta", self.delta),
+            ("algo.entropy_coef", self.entropy_coef), ("algo.adaptive_entropy", bool(self.use_adaptive_entropy)),
+            ("algo.entropy_coef_min", self.entropy_coef_min), ("algo.entropy_coef_max", self.entropy_coef_max),
+            ("algo.entropy_coef_delta", self.entropy_coef_delta), ("algo.entropy_target", self.entropy_target),
+            ("algo.kl_bias_correction", bool(self.use_bias_correction_kl)),
             ("algo.ref_model_sync_steps", self._sync_steps()), ("algo.ref_model_mixup_alpha", self.ref_model_mixup_alpha),
             ("algo.off_policy_mask_threshold", self.off_policy_mask_threshold),
             ("algo.sapo_temperature_pos", self.sapo_temperature_pos),
             ("algo.sapo_temperature_neg", self.sapo_temperature_neg),
+            *[(f"algo.{name}", getattr(self, name)) for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                                                 "vespo_lambda_neg")],
             ("rewards.aggregation", self.multi_objective_aggregation), ("train.shuffle", bool(self.shuffle_dataset)),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
             ("rewards.task_rewards", False), ("rewards.weights", self.reward_weights),
@@ -365,7 +382,8 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
         if level == "sequence" and loss == "grpo":
             return "gspo"  # the same loss (tests/test_losses.py); other losses: algo.importance_sampling_level
         if loss not in CHOICES["algo.loss"] or loss == "gspo":
-            raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo, cispo, sapo; "
+            raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+                              "luspo, vespo; "
                            "GSPO is importance_sampling_level='sequence')")
         return loss
 

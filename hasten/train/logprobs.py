@@ -19,7 +19,7 @@ import torch
 @dataclass
 class TokenStats:
     logps: torch.Tensor  # (N, T) log-prob of each completion token
-    entropy: torch.Tensor | None  # (N, T) detached, only when asked for
+    entropy: torch.Tensor | None  # (N, T) only when asked for; detached unless entropy_grad
 
 
 def completion_logprobs(
@@ -30,7 +30,9 @@ def completion_logprobs(
     completion_mask: torch.Tensor,  # (N, T)
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> TokenStats:
+    """entropy_grad: the entropy keeps its gradient (the entropy bonus, algo.entropy_coef)."""
     device = next(model.parameters()).device
     width = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)  # (N, P+T)
@@ -45,7 +47,7 @@ def completion_logprobs(
     logps = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (N, T)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            log_probs = torch.log_softmax(logits.detach(), dim=-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            log_probs = torch.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)  # (N, T)
     return TokenStats(logps=logps, entropy=entropy)

@@ -159,11 +159,14 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def find_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -> tuple[RunDir, Path]:
+def find_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr,
+                    total_steps: int | None = None) -> tuple[RunDir, Path]:
     """`--resume PATH`: a run directory (its newest whole full-state checkpoint) or one checkpoint-<N>/ in it.
 
     A run directory's newest checkpoint that fails its manifest (integrity.py) is passed over for the
     previous whole one, saying so in one line; a checkpoint named explicitly must be whole.
+    total_steps: the resumed run's length when it may be longer than the saved one (the API's
+    resume_from_checkpoint with a larger max_steps): a finished run is then continued, not refused.
     """
     path = Path(path)
     if not path.is_dir():
@@ -182,7 +185,8 @@ def find_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -> t
         readable = json.loads((checkpoint / STATE_SUMMARY).read_text())
     except (OSError, ValueError):
         readable = {}
-    if readable.get("final") and _finished(run_dir):  # killed before summary.json: resuming writes it
+    longer = total_steps is not None and total_steps > int(readable.get("step") or 0)
+    if readable.get("final") and _finished(run_dir) and not longer:  # killed before summary.json: resuming writes it
         raise CheckpointError(f"resume error: {run_dir.path} finished at step {readable.get('step')}; "
                               "nothing to resume")
     return run_dir, checkpoint
@@ -265,17 +269,27 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
         # one that waited for the first to end sees the checkpoints (and summary) the first left.
         lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
         try:
-            run_dir, checkpoint = find_checkpoint(resume)
+            run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
         run_dir.lock = lock
         run_dir.clean_stale()
+        _record_length(cfg, run_dir)
         return run_dir, checkpoint
 
     run_dir, checkpoint = distributed.from_main(open_on_main)
     return distributed.follow(run_dir), checkpoint  # rank 0's RunDir holds the lock; loop.run releases it
+
+
+def _record_length(cfg: Config, run_dir: RunDir) -> None:
+    """A resumed run made longer (the API's resume with a larger max_steps): its config.yaml says so."""
+    from ..config import load_config, save_config
+
+    path = run_dir.path / "config.yaml"
+    if load_config(path).train.steps < cfg.train.steps:
+        save_config(cfg, path)
 
 
 _unstarted: RunDir | None = None  # a fresh run directory no loop.run has taken over yet

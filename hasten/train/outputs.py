@@ -367,9 +367,15 @@ def save_model_files(model, tokenizer, directory: Path, state: dict | None = Non
         # Adapters only. "auto" would look the base model up on the hub to see whether
         # the vocabulary changed; hasten never trains the embeddings through LoRA.
         model.save_pretrained(directory, save_embedding_layers=False)
-        registry_name = getattr(model.get_base_model(), "_hasten_registry_name", None)
-        if registry_name is not None:  # the base's cache path may not exist elsewhere; hasten resolves the name
+        base = model.get_base_model()
+        registry_name = getattr(base, "_hasten_registry_name", None)
+        if registry_name is not None:  # hasten loads the adapter onto these weights (models/__init__.py)
             (Path(directory) / "hasten_base.json").write_text(json.dumps({"name": registry_name}) + "\n")
+        origin = getattr(base, "_hasten_base_origin", None)
+        if origin is not None:  # the model card says what the recorded base name stood for here
+            card = Path(directory) / "README.md"
+            text = card.read_text() if card.is_file() else ""
+            card.write_text(text.rstrip("\n") + f"\n\n## Base model weights\n\nTrained on {origin}.\n")
     elif state is not None:
         model.save_pretrained(directory, state_dict=state)
     else:

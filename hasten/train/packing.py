@@ -161,11 +161,13 @@ class TargetLogSoftmax(torch.autograd.Function):
     softmax is formed once, in place, and kept for backward, where the
     gradient is one pass: (onehot(target) - softmax) * grad / T. The
     entropy comes from the same softmax and the shifted logits (H = log sum
-    exp(z - max) - sum p * (z - max)) and is not differentiated, as elsewhere.
+    exp(z - max) - sum p * (z - max)). It is differentiated only when asked
+    (entropy_grad: the entropy bonus, algo.entropy_coef): dH/dz = -p (log p + H),
+    from p * (z - max), which the entropy's sum already formed and is then kept too.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         scaled = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         if temperature != 1.0:
             scaled = scaled / temperature  # (chunk, V)
@@ -178,25 +180,38 @@ class TargetLogSoftmax(torch.autograd.Function):
         normalizer = (peak + total.log()).squeeze(-1)  # (chunk,) logsumexp
         logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - normalizer  # (chunk,)
         entropy = logps.new_empty(0)
+        weighted = None  # p * (z - peak), kept for the entropy's gradient
         if with_entropy:
             # H = log(total) - sum p * (z - peak), on the shifted logits and with sum's pairwise
             # reduction: `logsumexp - einsum(p, z)` cancels two ~20-nat numbers and its dot
             # accumulates 49k terms in a row, which was 2-5e-3 nats off in fp32 on SmolLM2's vocabulary.
-            entropy = total.log().squeeze(-1) - shifted.mul_(probs).sum(dim=-1)  # (chunk,)
-        ctx.save_for_backward(probs, targets)
+            weighted = shifted.mul_(probs)  # (chunk, V)
+            entropy = total.log().squeeze(-1) - weighted.sum(dim=-1)  # (chunk,)
+        entropy_grad = entropy_grad and with_entropy
+        if entropy_grad:
+            ctx.save_for_backward(probs, targets, weighted, total.log().squeeze(-1) - entropy)
+        else:
+            ctx.save_for_backward(probs, targets)
+            ctx.mark_non_differentiable(entropy)
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        probs, targets = ctx.saved_tensors
+        if ctx.entropy_grad:
+            probs, targets, weighted, offset = ctx.saved_tensors  # offset = log(total) - H, (chunk,)
+        else:
+            probs, targets = ctx.saved_tensors
         grad = probs * -grad_logps[:, None]  # (chunk, V)
         grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
+        if ctx.entropy_grad and grad_entropy is not None:
+            # dH/dz = -p (log p + H) = -(p (z - peak)) + p (log(total) - H)
+            grad.add_((probs * offset[:, None] - weighted) * grad_entropy[:, None])
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 class _HeadAsItRan:
@@ -230,9 +245,9 @@ class _HeadAsItRan:
                 head.forward = now
 
 
-def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
+def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor)."""
-    return TargetLogSoftmax.apply(head(hidden), targets, temperature, with_entropy)
+    return TargetLogSoftmax.apply(head(hidden), targets, temperature, with_entropy, entropy_grad)
 
 
 def packed_logprobs(
@@ -244,8 +259,11 @@ def packed_logprobs(
     chunk_tokens: int = 1024,
     grouped: bool = False,
     shared_prefix: bool = False,
+    entropy_grad: bool = False,
 ) -> TokenStats:
     """Same result as logprobs.completion_logprobs on the same samples, from a packed pass.
+
+    entropy_grad: the entropy has a gradient (the entropy bonus); else it is detached.
 
     grouped (speed.grouped_attention): attention on the allowed blocks only
     (grouped_attention.py) instead of the dense kernel under the block mask.
@@ -283,7 +301,8 @@ def packed_logprobs(
     head_forward = _HeadAsItRan(head)
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
-        args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy)
+        args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy,
+                entropy_grad)
         if recompute:
             logps, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -296,7 +315,8 @@ def packed_logprobs(
     logps = torch.zeros(shape, device=device, dtype=flat.dtype).index_put(index, flat)  # (n, T)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(shape, device=device).index_put(index, torch.cat(entropies))
+        flat_entropy = torch.cat(entropies)  # (M,)
+        entropy = torch.zeros(shape, device=device, dtype=flat_entropy.dtype).index_put(index, flat_entropy)
     return TokenStats(logps=logps, entropy=entropy)
 
 # speed.min_pack_ratio: the packed pass puts each group in one row; rows of very different lengths pad to

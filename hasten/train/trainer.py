@@ -385,6 +385,8 @@ class GRPOJob:
         if fsdp.is_sharded(self.session.policy.model):
             self.full_state = fsdp.full_model_state(self.session.policy.model)  # for save_model, on rank 0
         state = {"optimization": self.learner.optimization.state_dict()}
+        if self.cfg.algo.adaptive_entropy:  # the adaptive coefficient and its last entropy (algo/entropy.py)
+            state["entropy_control"] = self.learner.entropy_control.state_dict()
         if self.pipeline is not None:  # first: the batch in flight draws from the feeder
             state["pipeline"] = self.pipeline.state_dict(self.session.policy.tokenizer)
         return {**state, "feeder": self.feeder.state_dict()}
@@ -394,6 +396,8 @@ class GRPOJob:
         load_trained_weights(self.session.policy.model, directory, fsdp.load_full_weights if sharded else None)
         self.session.engine.weights_changed()
         self.learner.optimization.load_state_dict(state["optimization"])
+        if "entropy_control" in state:
+            self.learner.entropy_control.load_state_dict(state["entropy_control"])
         self.feeder.load_state_dict(state["feeder"])
         if self.pipeline is not None:
             self.pipeline.load_state_dict(state.get("pipeline", {}), self.session.policy.tokenizer, Collected)

@@ -123,9 +123,14 @@ def test_training_loss_types(lib, models, tmp_path, loss_type):
     assert_trained(trainer, before)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
 def test_training_other_loss_types(lib, models, tmp_path, loss_type):
     trainer, before = train_grpo(lib, tmp_path, models, loss_type=loss_type)
+    assert_trained(trainer, before)
+
+
+def test_training_luspo(lib, models, tmp_path):
+    trainer, before = train_grpo(lib, tmp_path, models, loss_type="luspo", importance_sampling_level="sequence")
     assert_trained(trainer, before)
 
 
@@ -335,6 +340,38 @@ def test_training_with_cast_lm_head_to_fp32(lib, models, tmp_path, model):
 def test_training_with_entropy_filter(lib, models, tmp_path):
     trainer, before = train_grpo(lib, tmp_path, models, top_entropy_quantile=0.2)
     assert_trained(trainer, before)
+
+
+def test_training_with_entropy_bonus(lib, models, tmp_path):
+    trainer, before = train_grpo(lib, tmp_path, models, entropy_coef=0.01, logging_steps=1)
+    assert_trained(trainer, before)
+    assert [entry["entropy_coef"] for entry in trainer.state.log_history if "entropy_coef" in entry][:2] == \
+        pytest.approx([0.01, 0.01])
+
+
+def test_training_with_adaptive_entropy(lib, models, tmp_path):
+    trainer, before = train_grpo(lib, tmp_path, models, use_adaptive_entropy=True, entropy_coef=0.01,
+                                 entropy_target=100.0, entropy_coef_delta=0.01, logging_steps=1)
+    assert_trained(trainer, before)
+    coefficients = [entry["entropy_coef"] for entry in trainer.state.log_history if "entropy_coef" in entry]
+    assert coefficients[:2] == pytest.approx([0.02, 0.03])  # the entropy stays below the target: it rises
+
+
+def test_training_beta_non_zero_without_bias_correction(lib, models, tmp_path):
+    trainer, before = train_grpo(lib, tmp_path, models, beta=0.1, use_bias_correction_kl=False)
+    assert_trained(trainer, before)
+
+
+def test_resume_finished_run_with_more_steps(lib, models, tmp_path):
+    """A finished run resumed with a larger max_steps continues from its last checkpoint to the new end."""
+    first, _ = train_grpo(lib, tmp_path, models, reward_funcs=varied_reward, logging_steps=1)
+    assert first.state.global_step == 2
+    second = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward,
+                             args=grpo_args(lib, tmp_path, max_steps=4, logging_steps=1),
+                             train_dataset=prompt_dataset())
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 4
+    assert [entry["step"] for entry in second.state.log_history if "loss" in entry][-2:] == [3, 4]
 
 
 def test_training_with_sampling_fields(lib, models, tmp_path):
