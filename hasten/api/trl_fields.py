@@ -55,7 +55,7 @@ PACKING = ("hasten packs whole examples with a block mask (each sees only itself
 # SFTConfig's own fields (beyond TrainingArguments) hasten's SFTConfig does not take: name -> (TRL 1.16
 # default, why hasten does not take another value)
 SFT_ONLY: dict[str, tuple[Any, str]] = {
-    "model_init_kwargs": (None, SFT), "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
+    "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
     "router_aux_loss_coef": (None, GRPO_ONLY["router_aux_loss_coef"][1]), "chat_template_path": (None, SFT),
     "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),

@@ -172,3 +172,36 @@ def test_sft_train_with_multiple_eval_dataset(lib, models, tmp_path):
     trainer.train()
     keys = {key for entry in trainer.state.log_history for key in entry}
     assert {"eval_data1_loss", "eval_data2_loss"} <= keys
+
+
+def test_sft_train_model_torch_dtype(lib, models, tmp_path):
+    trainer = lib.SFTTrainer(model=models["qwen2"],
+                             args=sft_args(lib, tmp_path, model_init_kwargs={"dtype": torch.float16}),
+                             train_dataset=sft_dataset("language_modeling"))
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert all(value.dtype == torch.float16 for value in trainer.model.parameters())
+
+
+@unsupported_on_hasten("an IterableDataset with max_steps: hasten plans SFT by epochs over a materialized dataset")
+def test_sft_train_with_iterable_dataset(lib, models, tmp_path):
+    dataset = sft_dataset("language_modeling").to_iterable_dataset()
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, max_steps=3), train_dataset=dataset)
+    before = snapshot(trainer)
+    trainer.train()
+    _sft_trained(trainer, before)
+
+
+@unsupported_on_hasten("peft prompt tuning (PromptEncoderConfig): hasten trains LoRA adapters only")
+def test_sft_prompt_tuning(lib, models, tmp_path):
+    from peft import PromptEncoderConfig, TaskType
+
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path),
+                             train_dataset=sft_dataset("language_modeling"),
+                             peft_config=PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=8))
+    before = snapshot(trainer)
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    for name, value in before.items():
+        changed = not torch.allclose(value, trainer.model.get_parameter(name))
+        assert changed == ("prompt_encoder" in name), f"{name}: changed={changed}"
