@@ -139,6 +139,15 @@ class GRPOTrainer:
     def reward_funcs(self) -> list:
         return [function.fn for function in self.session.rewards]
 
+    @property
+    def reward_processing_classes(self) -> list:
+        """One per reward_funcs entry, as TRL's: a reward model's tokenizer (the one given, or its own), None
+        for a function."""
+        from ..rewards.reward_model import RewardModel
+
+        return [function.fn.tokenizer if isinstance(function.fn, RewardModel) else None
+                for function in self.session.rewards]
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **unsupported: Any) -> TrainOutput:
         """Run to args' end. resume_from_checkpoint: True = the newest checkpoint in output_dir, or a
         checkpoint / run directory path; the run continues bit-identically (train/loop.py)."""

@@ -83,6 +83,9 @@ def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:
     if getattr(policy.model, "hasten_native", False):
         raise APIError("GRPOTrainer: peft needs a transformers model, not hasten's native Llama "
                        "(pass the model by name, or speed={'model_impl': 'hf'})")
+    if not hasattr(peft_config, "target_modules") or not hasattr(peft_config, "r"):
+        raise APIError(f"peft_config: {type(peft_config).__name__} is not supported (hasten trains LoRA adapters: "
+                       "give a peft LoraConfig)")
     targets = peft_config.target_modules
     cfg.model.lora = True  # the record in config.yaml; the adapters are peft_config's, as given
     cfg.model.lora_r, cfg.model.lora_alpha = int(peft_config.r), int(peft_config.lora_alpha)

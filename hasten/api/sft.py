@@ -230,7 +230,14 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
 
     examples, dropped = [], 0
     for number, row in enumerate(rows, start=1):
-        if "prompt" in row and "completion" in row:
+        row = _chatml(row)
+        if "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added, every token after the first
+            if "completion_mask" in row or "assistant_masks" in row:
+                raise APIError(f"SFTTrainer: train_dataset row {number}: a pretokenized completion_mask / "
+                               "assistant_masks column is not supported (give prompt + completion text)")
+            tokens = list(row["input_ids"])
+            example = Example(tokens[:1], tokens[1:])
+        elif "prompt" in row and "completion" in row:
             prompt = encode_prompt(tokenizer, row["prompt"])
             completion = row["completion"]
             text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
@@ -256,3 +263,15 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
     if not examples:
         raise APIError("SFTTrainer: no example has a target token")
     return examples
+
+
+_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def _chatml(row: dict[str, Any]) -> dict[str, Any]:
+    """A ShareGPT-style row ("conversations" of {"from", "value"}) as a "messages" row, as TRL converts it."""
+    if "conversations" not in row or "messages" in row:
+        return row
+    messages = [{"role": _ROLES.get(m.get("from"), m.get("from")), "content": m.get("value")}
+                for m in row["conversations"]]
+    return {**{k: v for k, v in row.items() if k != "conversations"}, "messages": messages}

@@ -40,6 +40,22 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "remove_unused_columns": (False, "every dataset column reaches the reward functions, as with TRL's default"),
 }
 
+SFT = "hasten's SFT (rft/sft.py) has no counterpart for this option"
+PACKING = ("hasten packs whole examples with a block mask (each sees only itself: the unpacked loss), as TRL's "
+           "bfd; wrapped packing, which cuts examples across rows, is not implemented")
+
+# SFTConfig's own fields (beyond TrainingArguments) hasten's SFTConfig does not take: name -> (TRL 1.16
+# default, why hasten does not take another value)
+SFT_ONLY: dict[str, tuple[Any, str]] = {
+    "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
+    "router_aux_loss_coef": (None, GRPO_ONLY["router_aux_loss_coef"][1]), "chat_template_path": (None, SFT),
+    "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
+    "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
+    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING), "padding_free": (False, PACKING),
+    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT), "assistant_only_loss": (False, SFT),
+    "loss_type": ("nll", SFT), "activation_offloading": (False, SFT),
+}
+
 # TrainingArguments fields whose defaults TRL's GRPOConfig overrides (the rest come from transformers).
 TRL_OVERRIDES = {"logging_steps": 10, "gradient_checkpointing": True, "bf16": None, "learning_rate": 1e-6,
                  "remove_unused_columns": False}
@@ -62,6 +78,9 @@ def unsupported_value(name: str, value: Any, trainer: str = "GRPOConfig") -> str
     """Why `name=value` cannot be honoured (None: it is the TRL default, so nothing is lost)."""
     if name in GRPO_ONLY and trainer == "GRPOConfig":
         default, reason = GRPO_ONLY[name]
+        return None if value == default else f"{name}={value!r} is not supported by hasten ({reason})"
+    if name in SFT_ONLY and trainer == "SFTConfig":
+        default, reason = SFT_ONLY[name]
         return None if value == default else f"{name}={value!r} is not supported by hasten ({reason})"
     defaults = training_arguments_defaults()
     if name in defaults:
