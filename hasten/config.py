@@ -144,6 +144,9 @@ class EvalConfig:
 class OutputConfig:
     dir: str = "runs"  # parent directory of run directories
     name: str | None = None  # None = <time>-<task>
+    # A run already in <dir>/<name>: beside = this run gets <name>-2 (-3, ...); set_aside = the earlier run is
+    # renamed <name>.previous-N and this run writes <name> itself (TRL's output_dir; the API's choice)
+    earlier_run: str = "beside"
     # Full-state checkpoints (model, optimizer, schedule, RNGs, sampler; `hasten train --resume`):
     save_every: int = 0  # every N steps; 0 = by wall-clock only (save_minutes) and at the end
     save_minutes: float = 30.0  # also when this long has passed since the last one; 0 = off. A short run never pays
@@ -245,6 +248,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.distributed": ("ddp", "fsdp"),
     "output.progress": ("auto", "live", "plain", "off"),
+    "output.earlier_run": ("beside", "set_aside"),
     "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),
     "speed.speculative": ("off", "ngram", "draft"),

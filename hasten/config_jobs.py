@@ -75,6 +75,7 @@ class SFTConfig:
 
     source: str = "records"  # records (rft.data) | task: the task's correct tool conversations (calculator; docs/agentic.md)
     epochs: int = 3  # passes over the records
+    max_steps: int = 0  # > 0: exactly this many optimizer steps, epochs repeating as needed (TRL's max_steps); 0 = epochs
     lr: float = 2e-4  # a LoRA rate; a full fine-tune wants ~1e-5
     batch_size: int = 16  # examples per optimizer step
     gradient_accumulation_steps: int = 4  # micro-batches per step (16 / 4 = 4 examples each; at most 1 each)
@@ -136,6 +137,7 @@ RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("rft.max_new_tokens", lambda v: v > 0, "> 0"),
     ("rft.prompts_per_batch", lambda v: v >= 1, ">= 1"),
     ("sft.epochs", lambda v: v >= 1, ">= 1"),
+    ("sft.max_steps", lambda v: v >= 0, ">= 0"),
     ("sft.lr", lambda v: v > 0, "> 0"),
     ("sft.batch_size", lambda v: v >= 1, ">= 1"),
     ("sft.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),

@@ -115,7 +115,7 @@ def test_config_yaml_records_the_mapping_with_trl_defaults(tmp_path):
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 is not supported by hasten"),
     ({"push_to_hub": True}, "push_to_hub=True is not supported"),
     ({"not_a_field": 1}, "not_a_field is not a GRPOConfig field"),
-    ({"loss_type": "vespo"}, "loss_type='vespo' is not supported"),
+    ({"loss_type": "ppo"}, "loss_type='ppo' is not supported"),
     ({"importance_sampling_level": "tokens"}, "importance_sampling_level must be 'token' or 'sequence'"),
     ({"steps_per_generation": 2}, "steps_per_generation=2 with gradient_accumulation_steps=1 is not supported"),
     ({"per_device_train_batch_size": 6}, "generation_batch_size (6) must be divisible by num_generations (4)"),
@@ -217,6 +217,27 @@ def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
     assert (tmp_path / "b" / "run" / "metrics.jsonl").read_text().count("\n") == 3
 
 
+def test_a_rerun_writes_output_dir_and_keeps_the_earlier_run_beside_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    said = []
+    first = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=quick_args(tmp_path, max_steps=1),
+                        train_dataset=rows())
+    first.train()
+    again = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=quick_args(tmp_path, max_steps=1, seed=7,
+                                                                               learning_rate=1e-2),
+                        train_dataset=rows(), log=said.append)
+    again.train()
+    run, earlier = tmp_path / "run", tmp_path / "run.previous-1"
+    assert again.run_dir == run and (earlier / "checkpoint").is_dir()  # TRL's output_dir; nothing deleted
+    assert any(f"kept as {earlier}" in line for line in said)
+    loaded = AutoModelForCausalLM.from_pretrained(run / "checkpoint")  # what a script loads afterwards
+    trained, saved = dict(again.model.named_parameters()), dict(loaded.named_parameters())
+    assert trained.keys() == saved.keys()
+    for name, value in trained.items():
+        assert torch.equal(value, saved[name]), name
+
+
 def test_lora_through_peft_config(tmp_path):
     from peft import LoraConfig
 
@@ -288,8 +309,40 @@ def test_sft_trainer_prompt_completion_and_text_rows(tmp_path):
                                                    disable_tqdm=True),
                       train_dataset=[{"text": "hello world"}, {"text": "more text"}])
     assert text.train().metrics["status"] == "finished"
-    with pytest.raises(APIError, match="max_steps is not supported for SFT"):
-        SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "x"), max_steps=3), train_dataset=data)
+    # max_steps replaces num_train_epochs, as TRL: 5 steps of 4 from 6 rows run into a second pass
+    longer = SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "x"), max_steps=5, num_train_epochs=1.5, logging_steps=1,
+                                                     per_device_train_batch_size=4, disable_tqdm=True),
+                        train_dataset=data)
+    assert longer.train().global_step == 5
+    assert len([e for e in longer.state.log_history if "loss" in e]) == 5
+
+
+def test_sft_plan_with_max_steps_repeats_epochs_with_a_fresh_shuffle_each():
+    from hasten.config_jobs import SFTConfig as Settings
+    from hasten.rft.sft import plan_steps
+
+    settings = Settings(batch_size=4, gradient_accumulation_steps=2, max_steps=5, seed=3)
+    plan = plan_steps(6, settings)
+    flat = [[index for micro in step for index in micro] for step in plan]
+    assert [len(step) for step in flat] == [4, 2, 4, 2, 4]  # ceil(6 / 4) = 2 steps an epoch, the third cut short
+    assert sorted(flat[0] + flat[1]) == sorted(flat[2] + flat[3]) == list(range(6))
+    assert flat[0] + flat[1] != flat[2] + flat[3]  # a new order each epoch
+    settings.max_steps = 0
+    assert len(plan_steps(6, settings)) == 3 * 2  # sft.epochs (3)
+
+
+def test_sft_iterable_dataset_reads_what_max_steps_needs(tmp_path):
+    from datasets import Dataset
+
+    from hasten import SFTConfig, SFTTrainer
+
+    stream = Dataset.from_dict({"text": [f"row {i}" for i in range(100)]}).to_iterable_dataset()
+    with pytest.raises(APIError, match="IterableDataset, which needs max_steps > 0"):
+        SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "a")), train_dataset=stream)
+    trainer = SFTTrainer(model="tiny", args=SFTConfig(output_dir=str(tmp_path / "b"), max_steps=2,
+                                                      per_device_train_batch_size=3, disable_tqdm=True),
+                         train_dataset=stream)
+    assert len(trainer.examples) == 6  # 2 steps x 3 rows: the stream is not read to its end
 
 
 def test_a_missing_tracker_package_is_one_error_before_anything_is_written(tmp_path):

@@ -46,6 +46,41 @@ def test_create_never_overwrites_a_previous_run(tmp_path):
     assert RunDir.create(make_config(tmp_path, name="fresh")).path.name == "fresh"
 
 
+def test_set_aside_moves_an_earlier_run_and_takes_its_name(tmp_path):
+    cfg = make_config(tmp_path, name="out")
+    cfg.output.earlier_run = "set_aside"
+    first = RunDir.create(cfg)
+    first.log_step({"step": 1, "loss": 0.5})
+    second = RunDir.create(cfg)  # TRL's output_dir: the new run writes "out" itself
+    third = RunDir.create(cfg)
+    root = tmp_path / "runs"
+    assert second.path == third.path == root / "out"
+    assert sorted(p.name for p in root.iterdir()) == ["out", "out.previous-1", "out.previous-2"]
+    assert json.loads((root / "out.previous-1" / "metrics.jsonl").read_text())["loss"] == 0.5  # nothing lost
+    assert not (root / "out" / "metrics.jsonl").exists()
+
+
+def test_set_aside_never_moves_a_live_run_or_files_that_are_not_a_run(tmp_path):
+    from hasten.train.integrity import RunInUse, RunLock
+
+    cfg = make_config(tmp_path, name="out")
+    cfg.output.earlier_run = "set_aside"
+    live = RunDir.create(cfg)
+    lock = RunLock(live.path).acquire()  # another process writing it, as loop.open_run holds it
+    try:
+        with pytest.raises(RunInUse, match="in use by process"):
+            RunDir.create(cfg)
+    finally:
+        lock.release()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["out"]
+    mine = tmp_path / "runs" / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    cfg.output.name = "mine"
+    assert RunDir.create(cfg).path.name == "mine-2"  # not a run: left alone, the new run goes beside it
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
 def test_config_yaml_round_trips(tmp_path):
     cfg = make_config(tmp_path, name="exp")
     cfg.train.lr = 3e-6

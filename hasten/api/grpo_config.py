@@ -234,6 +234,7 @@ class TrainingConfig:
             raise self._error("report_to='all' is not supported; name the trackers (tensorboard, wandb, trackio, "
                               "mlflow)")
         return [("output.dir", str(directory.parent)), ("output.name", directory.name),
+                ("output.earlier_run", "set_aside"),
                 ("output.save_every", save_every), ("output.save_minutes", 0.0),
                 ("output.save_total_limit", self.save_total_limit or 0), ("output.report_to", report),
                 ("output.log_every", max(1, _every(self.logging_steps, steps, self.iterations))),
@@ -383,8 +384,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             return "gspo"  # the same loss (tests/test_losses.py); other losses: algo.importance_sampling_level
         if loss not in CHOICES["algo.loss"] or loss == "gspo":
             raise self._error(f"loss_type={loss!r} is not supported (hasten has grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
-                              "luspo, vespo; "
-                           "GSPO is importance_sampling_level='sequence')")
+                              "luspo, vespo; GSPO is importance_sampling_level='sequence')")
         return loss
 
     def _stop_strings(self) -> list[str]:

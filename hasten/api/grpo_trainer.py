@@ -15,9 +15,9 @@ resume and signals as `hasten train`) with the callbacks bridged in
 trained policy afterwards, as in TRL.
 
 Differences a TRL user meets (docs/trl.md has all of them): the run
-directory is output_dir itself unless it holds another run, in which case
-a fresh `<output_dir>-2` is used (hasten never overwrites a run; the log
-says so); `train()` a second time on the same trainer is an error; an
+directory is output_dir itself, as TRL's; an earlier run there is renamed
+`<output_dir>.previous-N` first instead of being overwritten (the log says
+so); `train()` a second time on the same trainer is an error; an
 interrupted run (Ctrl-C) returns with metrics["status"] == "interrupted"
 after saving a checkpoint instead of raising KeyboardInterrupt.
 """
@@ -165,10 +165,8 @@ class GRPOTrainer:
         bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class,
                                 cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
                                 cfg.output.log_every, self._evaluate_sets if named else None, self.eval_every)
-        target = Path(cfg.output.dir) / cfg.output.name
-        if resume is None and target.is_dir() and any(target.iterdir()):
-            self.log(f"output_dir {target} holds an earlier run; hasten never overwrites one, so this run "
-                     "gets a fresh directory beside it (resume_from_checkpoint=True continues the earlier run)")
+        if resume is None:
+            _say_where(cfg, self.log)
         summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
         self._finished = True
         self.run_dir = Path(summary["run_dir"])
@@ -241,6 +239,22 @@ class GRPOTrainer:
             target.mkdir(parents=True, exist_ok=True)
             save_model_files(self.model, self.processing_class, target, state)
         return target
+
+
+def _say_where(cfg: Config, log: Callable[[str], None]) -> None:
+    """The log line for a fresh run whose output_dir is taken (outputs.RunDir.create does the move)."""
+    from ..train import distributed
+    from ..train.outputs import aside_name, holds_run
+
+    target = Path(cfg.output.dir) / cfg.output.name
+    if not distributed.is_main() or not target.is_dir() or not any(target.iterdir()):
+        return
+    if holds_run(target):
+        log(f"output_dir {target} holds an earlier run: it is kept as {aside_name(target)} and this run writes "
+            f"{target} (resume_from_checkpoint=True would have continued it)")
+    else:
+        log(f"output_dir {target} holds files that are not a hasten run; this run gets a fresh directory "
+            "beside it")
 
 
 def _check_same_config(cfg: Config, saved_path: Path) -> None:

@@ -15,13 +15,16 @@ Mapping (docs/trl.md): per_device_train_batch_size x gradient_accumulation_steps
 examples per optimizer step (sft.batch_size), split into
 gradient_accumulation_steps micro-batches; each step's loss is the token
 mean over the whole step, as TRL's (num_items_in_batch). num_train_epochs
-must be whole and max_steps -1 (hasten plans SFT by epochs). packing=None
+must be whole; max_steps > 0 replaces it (epochs repeat until that many
+steps, as TRL's), and an IterableDataset needs it (its first max_steps x batch
+rows are read, then repeat as epochs). packing=None
 keeps hasten's packed rows (a block mask: every example sees only itself,
 so the loss is the unpacked one); False runs the padded batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -33,7 +36,7 @@ from typing import Any
 from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, TrainingConfig, _TrainingFields
-from .grpo_trainer import TrainOutput, _check_same_config, _records
+from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where
 from .inputs import build_policy, model_name
 
 
@@ -55,9 +58,7 @@ class SFTConfig(TrainingConfig, _SFTFields):
     fields_class = _SFTFields
 
     def overrides(self) -> list[tuple[str, Any]]:
-        if self.max_steps > 0:
-            raise self._error("max_steps is not supported for SFT (hasten plans SFT by epochs: use num_train_epochs)")
-        if self.num_train_epochs != int(self.num_train_epochs) or self.num_train_epochs < 1:
+        if self.max_steps <= 0 and (self.num_train_epochs != int(self.num_train_epochs) or self.num_train_epochs < 1):
             raise self._error(f"num_train_epochs must be a whole number >= 1 for SFT (got {self.num_train_epochs})")
         if self.profile is not None or self.tf32:
             raise self._error(f"{'profile' if self.profile is not None else 'tf32'} is not supported for SFT "
@@ -66,7 +67,8 @@ class SFTConfig(TrainingConfig, _SFTFields):
             raise self._error("completion_only_loss=False is not supported (prompt-completion rows train on the "
                               "completion; use a 'text' column for loss on every token)")
         mode = self._precision_mode()
-        pairs = [("sft.epochs", int(self.num_train_epochs)), ("sft.lr", self.learning_rate),
+        pairs = [("sft.epochs", max(1, int(self.num_train_epochs))), ("sft.max_steps", max(0, self.max_steps)),
+                 ("sft.lr", self.learning_rate),
                  ("sft.batch_size", self.per_device_train_batch_size * self.gradient_accumulation_steps),
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
@@ -86,7 +88,7 @@ class SFTConfig(TrainingConfig, _SFTFields):
     def steps_and_warmup(self, num_examples: int) -> tuple[int, list[tuple[str, Any]]]:
         """Optimizer steps of the run, and the output / warmup keys that depend on them."""
         batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        steps = int(self.num_train_epochs) * -(-num_examples // batch)
+        steps = self.max_steps if self.max_steps > 0 else int(self.num_train_epochs) * -(-num_examples // batch)
         return steps, [("sft.warmup_steps", self._warmup(steps)), *self._output(steps)]
 
 
@@ -105,7 +107,7 @@ class SFTTrainer:
         if train_dataset is None:
             raise APIError("SFTTrainer: train_dataset is required")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
-        rows = _rows(train_dataset)
+        rows = _rows(_head(train_dataset, args), "train_dataset")
         base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
         steps, more = args.steps_and_warmup(len(rows))
         self.config: Config = load_config(None, base + more, profile=None)
@@ -114,8 +116,16 @@ class SFTTrainer:
         self.policy = build_policy(model, self.config, processing_class, peft_config, log)
         self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
         self.eval_dataset = eval_dataset
-        self.eval_examples = [] if eval_dataset is None else to_examples(
-            _rows(eval_dataset), self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
+        # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss)
+        named = {} if eval_dataset is None else dict(eval_dataset) if isinstance(eval_dataset, dict) \
+            else {None: eval_dataset}
+        if isinstance(eval_dataset, dict) and not named:
+            raise APIError("SFTTrainer: eval_dataset is an empty dict")
+        self.eval_sets = {
+            name: to_examples(_rows(dataset, "eval_dataset" if name is None else f"eval_dataset['{name}']"),
+                              self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
+            for name, dataset in named.items()}
+        self.eval_examples = [example for examples in self.eval_sets.values() for example in examples]
         if args.eval_strategy not in ("no", "steps", "epoch"):
             raise APIError(f"SFTConfig: eval_strategy={args.eval_strategy!r} is not supported (no | steps | epoch)")
         self.state = TrainerState(max_steps=steps, num_train_epochs=args.num_train_epochs,
@@ -146,8 +156,10 @@ class SFTTrainer:
         evaluator = self.evaluate_loss if self.eval_examples and self.args.eval_strategy != "no" else None
         job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer,
                      evaluator)
+        if resume is None:
+            _say_where(cfg, self.log)
         run, checkpoint = loop.open_run(cfg, resume)
-        steps_per_epoch = max(1, job.total_steps / cfg.sft.epochs)
+        steps_per_epoch = max(1, -(-len(self.examples) // cfg.sft.batch_size))
         if evaluator is not None:  # the loop evaluates every eval_every steps and after the last
             every = self.args.eval_steps or self.args.logging_steps
             job.eval_every = int(steps_per_epoch) if self.args.eval_strategy == "epoch" else \
@@ -161,7 +173,15 @@ class SFTTrainer:
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
 
     def evaluate_loss(self) -> dict[str, float]:
-        """The mean cross-entropy over eval_dataset's target tokens (TRL's eval_loss), in eval mode."""
+        """The mean cross-entropy over eval_dataset's target tokens (TRL's eval_loss), in eval mode; a dict of
+        eval datasets gives <name>_loss, <name>_runtime, ... for each (TRL's eval_<name>_loss)."""
+        metrics: dict[str, float] = {}
+        for name, examples in self.eval_sets.items():
+            prefix = "" if name is None else f"{name}_"
+            metrics.update({f"{prefix}{key}": value for key, value in self._loss_on(examples).items()})
+        return metrics
+
+    def _loss_on(self, examples: list) -> dict[str, float]:
         import torch
 
         model, pad = self.policy.model, self.policy.pad_token_id
@@ -171,8 +191,8 @@ class SFTTrainer:
         total = tokens = 0.0
         size = self.args.per_device_eval_batch_size
         with torch.no_grad():
-            for start in range(0, len(self.eval_examples), size):
-                batch = self.eval_examples[start:start + size]
+            for start in range(0, len(examples), size):
+                batch = examples[start:start + size]
                 ids = [e.prompt_ids + e.completion_ids for e in batch]
                 width = max(map(len, ids))
                 inputs = torch.full((len(ids), width), pad, dtype=torch.long)
@@ -188,7 +208,7 @@ class SFTTrainer:
                 tokens += float((targets != -100).sum())
         model.train(was_training)
         return {"loss": total / max(tokens, 1.0), "seconds": time.perf_counter() - started,
-                "num_examples": len(self.eval_examples)}
+                "num_examples": len(examples)}
 
     def save_model(self, output_dir: str | None = None) -> Path:
         from ..train.outputs import save_model_files
@@ -200,14 +220,28 @@ class SFTTrainer:
         return target
 
 
-def _rows(dataset: Any) -> list[dict[str, Any]]:
+def _head(dataset: Any, args: SFTConfig) -> Any:
+    """An IterableDataset (datasets' streaming one) as the rows max_steps reads from it, as a list."""
+    try:
+        from datasets import IterableDataset
+    except ImportError:  # no datasets: nothing can be one
+        return dataset
+    if not isinstance(dataset, IterableDataset):
+        return dataset
+    if args.max_steps <= 0:
+        raise APIError("SFTTrainer: train_dataset is an IterableDataset, which needs max_steps > 0 (as TRL)")
+    need = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return list(itertools.islice(iter(dataset), need))
+
+
+def _rows(dataset: Any, argument: str = "train_dataset") -> list[dict[str, Any]]:
     if isinstance(dataset, (str, Path)):
         return _file_rows(str(dataset))
     if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
         return dataset.to_list()
     if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset) and dataset:
         return list(dataset)
-    raise APIError("SFTTrainer: train_dataset must be a non-empty list of dicts, a datasets.Dataset or a file path")
+    raise APIError(f"SFTTrainer: {argument} must be a non-empty list of dicts, a datasets.Dataset or a file path")
 
 
 def _file_rows(path: str) -> list[dict[str, Any]]:

@@ -138,17 +138,20 @@ class CompiledOrEager:
 
 
 def plan_steps(num_examples: int, sft: SFTConfig) -> list[list[list[int]]]:
-    """Per optimizer step, its micro-batches of example indices; a fresh seeded shuffle per epoch."""
+    """Per optimizer step, its micro-batches of example indices; a fresh seeded shuffle per epoch.
+    sft.max_steps > 0: that many steps, from as many epochs as they need (the last one cut short)."""
     rng = random.Random(sft.seed)
-    steps = []
-    for _ in range(sft.epochs):
+    steps: list[list[list[int]]] = []
+    per_epoch = -(-num_examples // sft.batch_size)
+    epochs = sft.epochs if sft.max_steps <= 0 else -(-sft.max_steps // per_epoch)
+    for _ in range(epochs):
         order = list(range(num_examples))
         rng.shuffle(order)
         for start in range(0, num_examples, sft.batch_size):
             chunk = torch.tensor(order[start:start + sft.batch_size])
             micro = [part.tolist() for part in chunk.tensor_split(sft.gradient_accumulation_steps) if part.numel()]
             steps.append(micro)
-    return steps
+    return steps if sft.max_steps <= 0 else steps[:sft.max_steps]
 
 
 class MicroBatches(torch.utils.data.Dataset):
@@ -215,6 +218,10 @@ class SFTJob:
         self.losses: list[float] = []
         self.train_seconds = 0.0
         self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
+
+    def planned(self) -> list[int]:
+        """Every example index the whole plan trains on, repeats included."""
+        return [index for step in self.plan for micro in step for index in micro]
 
     def _loader(self, first_step: int):
         skip = sum(len(micro) for micro in self.share[:first_step])
@@ -338,7 +345,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
 
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
-    log(f"sft: {len(examples)} examples x {cfg.sft.epochs} epochs, run directory {run.path}")
+    length = f"{cfg.sft.epochs} epochs" if cfg.sft.max_steps <= 0 else f"{cfg.sft.max_steps} steps"
+    log(f"sft: {len(examples)} examples x {length}, run directory {run.path}")
     if not from_records and resume is None and distributed.is_main():  # what the tool conversations were
         save_demonstrations(run.path / DEMONSTRATIONS_FILE, task, cfg.sft.max_examples)
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
@@ -349,8 +357,8 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     final = Path(summary["checkpoint"])
     report = SFTReport(
         run_dir=str(run.path), checkpoint=str(final), examples=len(examples), optimizer_steps=len(job.losses),
-        train_seconds=job.train_seconds, trained_tokens=cfg.sft.epochs * sum(e.input_length for e in examples),
-        target_tokens=cfg.sft.epochs * sum(e.num_targets for e in examples),
+        train_seconds=job.train_seconds, trained_tokens=sum(examples[i].input_length for i in job.planned()),
+        target_tokens=sum(examples[i].num_targets for i in job.planned()),
         first_loss=job.losses[0], final_loss=job.losses[-1], adapter_mb=weights_megabytes(final),
         settings={"profile": profile, **job.settings()}, eval=summary.get("eval_after", {}),
     )

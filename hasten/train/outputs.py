@@ -14,7 +14,10 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
 
 Choices:
 - A run never overwrites another: an existing non-empty directory gets a
-  `-2`, `-3`, ... suffix instead.
+  `-2`, `-3`, ... suffix instead; or, with output.earlier_run=set_aside (the
+  TRL API's output_dir), an earlier run there is renamed `<name>.previous-N`
+  and the new run takes the name (a directory that is not a run, or one a live
+  process writes, is never moved).
 - Logs are strict JSON (NaN and infinities become null, tensor and numpy
   scalars become numbers) so `json.loads`, jq and pandas read every line.
   Each line is written with its own open/append/close: a killed run loses at
@@ -53,6 +56,7 @@ from typing import Any, Callable
 
 from hasten.config import Config, save_config
 from hasten.errors import UserError
+from hasten.train.integrity import RunLock
 
 STATE_FILE = "trainer_state.pt"
 STATE_SUMMARY = "trainer_state.json"
@@ -93,6 +97,8 @@ class RunDir:
         name = cfg.output.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task.name}"
         root = Path(cfg.output.dir)
         root.mkdir(parents=True, exist_ok=True)
+        if cfg.output.earlier_run == "set_aside":
+            set_aside(root / name)
         suffix = 1
         while True:
             candidate = root / (name if suffix == 1 else f"{name}-{suffix}")
@@ -409,6 +415,34 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def aside_name(path: Path) -> Path:
+    """Where set_aside would move the run at `path`: `<name>.previous-N`, the first N not taken."""
+    number = 1
+    while (target := path.with_name(f"{path.name}.previous-{number}")).exists():
+        number += 1
+    return target
+
+
+def holds_run(path: Path) -> bool:
+    """`path` is a run directory (a config.yaml that RunDir.create wrote)."""
+    return (path / "config.yaml").is_file()
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename the earlier run at `path` to aside_name(path), so a new run can write `path` (TRL's
+    output_dir) with nothing deleted. None when `path` is not a run (left alone: the new run goes beside
+    it); RunInUse when a live process writes it."""
+    if not holds_run(path):
+        return None
+    lock = RunLock(path).acquire()  # a live run keeps its directory
+    try:
+        target = aside_name(path)
+        os.rename(path, target)
+    finally:
+        lock.release()
+    return target
 
 
 def _append_json_line(path: Path, record: dict[str, Any]) -> None:

@@ -8,30 +8,12 @@ there that mirrors it, or says why none does.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
 from .conftest import PROMPTS, prompt_dataset, sft_dataset, unsupported_on_hasten
 from .test_trl_conformance import _lora_checks, assert_trained, grpo_args, sft_args, snapshot
-
-
-def fails_on_hasten(reason: str):
-    """A known gap, not a declared "not supported": on hasten the test must still fail (then it reports xfail
-    with the reason; passing is an error, so the mark cannot outlive the gap); on TRL it runs as written."""
-    def decorate(test):
-        @functools.wraps(test)
-        def run(*args, **kwargs):
-            if kwargs["lib"].name != "hasten":
-                return test(*args, **kwargs)
-            try:
-                test(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - any failure is the known gap
-                pytest.xfail(f"{reason} ({type(error).__name__})")
-            pytest.fail(f"passes on hasten now: remove @fails_on_hasten ({reason})")
-        return run
-    return decorate
 
 
 # ------------------------------------------------------------------ GRPO
@@ -162,8 +144,6 @@ def test_sft_train_completion_only(lib, models, tmp_path):
     _sft_trained(trainer, before)
 
 
-@fails_on_hasten("hasten's SFTTrainer takes one eval_dataset: a dict of them is refused as rows ('train_dataset "
-                 "must be a non-empty list of dicts', which also names the wrong argument); no eval_<name>_loss yet")
 def test_sft_train_with_multiple_eval_dataset(lib, models, tmp_path):
     held_out = sft_dataset("language_modeling")
     trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, eval_strategy="epoch"),
@@ -183,7 +163,6 @@ def test_sft_train_model_torch_dtype(lib, models, tmp_path):
     assert all(value.dtype == torch.float16 for value in trainer.model.parameters())
 
 
-@unsupported_on_hasten("an IterableDataset with max_steps: hasten plans SFT by epochs over a materialized dataset")
 def test_sft_train_with_iterable_dataset(lib, models, tmp_path):
     dataset = sft_dataset("language_modeling").to_iterable_dataset()
     trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, max_steps=3), train_dataset=dataset)
