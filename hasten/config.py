@@ -144,9 +144,7 @@ class EvalConfig:
 class OutputConfig:
     dir: str = "runs"  # parent directory of run directories
     name: str | None = None  # None = <time>-<task>
-    # A run already in <dir>/<name>: beside = this run gets <name>-2 (-3, ...); set_aside = the earlier run is
-    # renamed <name>.previous-N and this run writes <name> itself (TRL's output_dir; the API's choice)
-    earlier_run: str = "beside"
+    earlier_run: str = "beside"  # a run already in <dir>/<name>: beside = this run gets <name>-2; set_aside = it is renamed <name>.previous-N and this run writes <name> (TRL's output_dir; the API's choice)
     # Full-state checkpoints (model, optimizer, schedule, RNGs, sampler; `hasten train --resume`):
     save_every: int = 0  # every N steps; 0 = by wall-clock only (save_minutes) and at the end
     save_minutes: float = 30.0  # also when this long has passed since the last one; 0 = off. A short run never pays
@@ -180,7 +178,7 @@ class SpeedConfig:
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (kernels/grouped_attention.py)
     shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (kernels/shared_prefix.py)
     skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (algo/zero_advantage.py)
-    token_budget: int = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off
+    token_budget: int | str = 0  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off; auto = activations under 1/4 of the machine's memory
     fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (kernels/fast_linear.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine
     speculative_tokens: int = 4  # k: tokens drafted per verify forward (rollout/speculative.py)
@@ -314,7 +312,7 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("output.log_every", lambda v: v >= 1, ">= 1"),
     ("output.report_to", lambda v: all(t in TRACKERS for t in v), f"a list of {' | '.join(TRACKERS)}"),
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
-    ("speed.token_budget", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("speed.token_budget", lambda v: v == "auto" or (isinstance(v, int) and v >= 0), ">= 0 (0 = off) or auto"),
     ("speed.fast_linear", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.attention_fp32", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.min_pack_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -493,7 +491,7 @@ def _validate_sharding(cfg: Config) -> None:
         reason = f"speed.engine={speed.engine} (the lean engine samples from the gathered weights; use auto or lean)"
     elif cfg.model.lora:
         reason = "model.lora=true (adapters are not sharded; train LoRA with train.distributed=ddp)"
-    elif speed.token_budget:
+    elif speed.token_budget not in (0, "auto"):  # auto is off under FSDP (train/learner.py's token_budget)
         reason = ("speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives "
                   "must line up)")
     elif speed.async_steps:

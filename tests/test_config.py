@@ -53,7 +53,7 @@ def test_resolved_config_round_trips(tmp_path):
         ([("train.steps", 2.5)], "train.steps must be int (got 2.5)"),
         ([("model.lora", "yes")], "model.lora must be bool (got 'yes')"),
         ([("train.lr", -1.0)], "train.lr must be > 0 (got -1.0)"),
-        ([("algo.loss", "ppo")], "algo.loss must be one of grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo (got 'ppo')"),
+        ([("algo.loss", "ppo")], "algo.loss must be one of grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo, luspo, vespo (got 'ppo')"),
         ([("algo.scale_rewards", "std")], "algo.scale_rewards must be one of group, batch, none"),
         ([("generation.num_generations", 1)], "generation.num_generations must be >= 2"),
         ([("generation.top_p", 0.0)], "generation.top_p must be in (0, 1]"),

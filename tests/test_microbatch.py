@@ -69,3 +69,49 @@ def test_learner_gradient_is_the_same_with_a_token_budget(short_model, tokenizer
     assert whole["entropy"] == pytest.approx(split["entropy"], rel=1e-5)
     for a, b in zip(whole_grads, split_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_budget_is_a_quarter_of_the_machine_over_the_models_activations():
+    from types import SimpleNamespace
+
+    from hasten.bench import cost
+    from hasten.train.microbatch import AUTO_FLOOR, activation_bytes_per_token, resolve_budget
+
+    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    per_token = activation_bytes_per_token(smollm2, checkpointing=False)
+    shape = cost.Shape(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+    estimate = cost.training_memory_bytes(shape, 1, 1, 0, 1, lora=True)["activations"]
+    assert per_token == estimate  # the bench's memory model and the learner's budget agree
+    gib = 1024 ** 3
+    assert resolve_budget("auto", smollm2, False, total_bytes=24 * gib) == 6 * gib // per_token  # ~4,300 tokens
+    assert resolve_budget("auto", smollm2, True, total_bytes=24 * gib) > 6 * gib // per_token  # checkpointing
+    assert resolve_budget("auto", smollm2, False, total_bytes=gib) == AUTO_FLOOR
+    assert resolve_budget(512, smollm2, False, total_bytes=gib) == 512  # a number stays as given
+
+
+@pytest.mark.parametrize("loss, sharded, more, expected", [
+    ("dapo", False, [], "auto"), ("bnpo", False, [], 0), ("dapo", True, [], 0),
+    ("dapo", False, [("algo.entropy_coef", 0.01)], 0), ("grpo", False, [("algo.top_entropy_quantile", 0.2)], 0)])
+def test_auto_budget_is_off_where_a_split_changes_the_result(loss, sharded, more, expected):
+    from types import SimpleNamespace
+
+    from hasten.train.learner import token_budget
+    from hasten.train.microbatch import resolve_budget
+
+    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    cfg = load_config(None, [("speed.token_budget", "auto"), ("algo.loss", loss), *more])
+    budget = token_budget(cfg, sharded, tiny)
+    assert budget == (resolve_budget("auto", tiny, False) if expected == "auto" else 0)
+    assert load_config(None, [("speed.token_budget", 300)]).speed.token_budget == 300
+    with pytest.raises(ConfigError, match="speed.token_budget"):
+        load_config(None, [("speed.token_budget", "big")])
+
+
+def test_the_plan_line_names_the_resolved_budget(short_model, tokenizer):
+    from hasten.train.learner import LearningPlan
+
+    cfg = load_config(None, [("speed.token_budget", "auto")])
+    plan = LearningPlan.resolve(cfg, False, short_model.config)
+    assert plan.settings.token_budget >= 1024
+    assert f"micro-batches of <= {plan.settings.token_budget} tokens" in plan.describe()

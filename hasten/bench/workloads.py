@@ -549,15 +549,15 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     from ..algo import LOSSES, LossInputs, LossSettings
     from ..train.logprobs import completion_logprobs
     from ..kernels.fast_linear import onednn_linears, resolve
-    from ..train.microbatch import micro_batches
+    from ..train.microbatch import micro_batches, resolve_budget
     from ..train.packing import packed_logprobs
 
     cfg = side.cfg
     model = side.session.policy.model if packed else side.hf_policy().model  # the peer is transformers' pass
     temperature, mask = cfg.generation.temperature, rollout.completion_mask
     settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
-    chunks = micro_batches(rollout, cfg.train.gradient_accumulation_steps,
-                           cfg.speed.token_budget if packed else 0, packed)
+    budget = resolve_budget(cfg.speed.token_budget, model.config, cfg.speed.gradient_checkpointing) if packed else 0
+    chunks = micro_batches(rollout, cfg.train.gradient_accumulation_steps, budget, packed)
     for rows in chunks:
         if packed:  # hasten's learning pass, with its speed flags as configured
             with onednn_linears(model, resolve(cfg.speed.fast_linear)):

@@ -47,7 +47,7 @@ from ..algo.zero_advantage import learning_rows
 from . import distributed, fsdp
 from ..kernels.fast_linear import onednn_linears, resolve as resolve_fast_linear
 from .logprobs import TokenStats, completion_logprobs
-from .microbatch import micro_batches
+from .microbatch import micro_batches, resolve_budget
 from .optimization import Optimization, OptimizerSettings
 from .packing import pack_ratio, packed_logprobs
 
@@ -133,7 +133,8 @@ class LearnerSettings:
     entropy: EntropySettings = EntropySettings()  # algo.entropy_coef and the adaptive control's keys
 
     @classmethod
-    def from_config(cls, cfg: Config, sharded: bool) -> LearnerSettings:
+    def from_config(cls, cfg: Config, sharded: bool, model_config=None) -> LearnerSettings:
+        """model_config: the policy's (transformers') config, which speed.token_budget=auto sizes from."""
         algo, speed = cfg.algo, cfg.speed
         # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
         loss = LossSettings(algo.epsilon, algo.epsilon_high, algo.beta, algo.importance_sampling_level == "sequence",
@@ -146,9 +147,25 @@ class LearnerSettings:
         entropy = EntropySettings(algo.entropy_coef, algo.adaptive_entropy, algo.entropy_coef_min,
                                   algo.entropy_coef_max, algo.entropy_coef_delta, algo.entropy_target)
         return cls(algo.loss, loss, algo.num_iterations,
-                   cfg.train.gradient_accumulation_steps, speed.token_budget, speed.packed_learning,
+                   cfg.train.gradient_accumulation_steps, token_budget(cfg, sharded, model_config),
+                   speed.packed_learning,
                    speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile,
                    entropy)
+
+
+def token_budget(cfg: Config, sharded: bool, model_config) -> int:
+    """speed.token_budget in tokens. auto (microbatch.resolve_budget) is off where a split would change
+    what is learned or cannot run: bnpo's normalizer, the entropy bonus's mean and top_entropy_quantile's
+    threshold are per micro-batch; FSDP's ranks must run the same passes."""
+    setting = cfg.speed.token_budget
+    if setting != "auto":
+        return setting
+    algo = cfg.algo
+    if sharded or algo.loss == "bnpo" or algo.entropy_coef or algo.adaptive_entropy or algo.top_entropy_quantile < 1:
+        return 0
+    if model_config is None:
+        raise ValueError("speed.token_budget=auto needs the policy's model config")
+    return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -209,8 +226,9 @@ class LearningPlan:
     correction: Correction
 
     @classmethod
-    def resolve(cls, cfg: Config, sharded: bool) -> LearningPlan:
-        return cls(LearnerSettings.from_config(cfg, sharded), LogprobPass.choose(cfg), Correction.for_run(cfg))
+    def resolve(cls, cfg: Config, sharded: bool, model_config=None) -> LearningPlan:
+        return cls(LearnerSettings.from_config(cfg, sharded, model_config), LogprobPass.choose(cfg),
+                   Correction.for_run(cfg))
 
     def describe(self) -> str:
         """A few words for the run's plan line: the pass and the correction."""
@@ -223,6 +241,8 @@ class LearningPlan:
         fixes = (["stale-weight ratios"] if correction.stale else []) + (
             [f"importance weights capped at {correction.cap:g} ({correction.sampler})"] if correction.cap else [])
         skipping = ", zero-advantage samples skipped" if self.settings.skip_zero_advantage else ""
+        if self.settings.token_budget:
+            skipping = f", micro-batches of <= {self.settings.token_budget} tokens{skipping}"
         return f"{learning} learning pass{skipping}, {'; '.join(fixes) if fixes else 'on-policy'}"
 
 
@@ -261,7 +281,7 @@ class Learner:
         """The learner for `cfg`: its optimizer built, the model's checkpointing set, and the plan (the run's,
         resolved in prepare; else resolved here) taken as it is. correction: replaces the plan's (tests)."""
         sharded = fsdp.is_sharded(policy.model)
-        plan = plan if plan is not None else LearningPlan.resolve(cfg, sharded)
+        plan = plan if plan is not None else LearningPlan.resolve(cfg, sharded, policy.model.config)
         if correction is not None:
             plan = dataclasses.replace(plan, correction=correction)
         parameters = [p for p in policy.model.parameters() if p.requires_grad]

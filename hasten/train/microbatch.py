@@ -6,7 +6,10 @@ that no micro-batch holds more than `budget` tokens of model input. The
 budget bounds peak activation memory by what it actually depends on, the
 tokens in one forward, rather than by a sample count that is too small for
 short completions and too large for long ones. On a CPU the biggest batch
-that fits is the fastest, so the default is off (0).
+that fits is the fastest, so the default is off (0). `auto` (resolve_budget)
+is the largest budget whose activations, estimated from the model's shape,
+stay under a quarter of the machine's memory: a batch that fits runs whole,
+a long-completion batch is split instead of filling the memory.
 
 Tokens are counted as the forward will see them:
 - packed pass (speed.packed_learning): each group's prompt once, plus each
@@ -27,6 +30,45 @@ from __future__ import annotations
 import torch
 
 from ..rollout import Rollout
+
+AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
+AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too small to be fast)
+
+
+def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
+    """fp32 bytes the learning pass keeps for backward per input token (bench/cost.py's estimate):
+    per layer ~10 hidden-wide tensors, 4 intermediate-wide, k and v; with activation checkpointing each
+    layer's input, plus one layer's full set while it is recomputed."""
+    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    kv_width = getattr(model_config, "num_key_value_heads", None) or heads
+    per_layer = (10 * hidden + 4 * model_config.intermediate_size + 2 * kv_width * head_dim) * 4
+    return layers * hidden * 4 + per_layer if checkpointing else layers * per_layer
+
+
+def machine_bytes() -> int:
+    """The machine's memory (a cgroup v2 limit, where lower): fixed for a machine, so a resumed run
+    resolves the same budget."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            text = limit.read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total
+
+
+def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None) -> int:
+    """speed.token_budget as tokens: a number as given; auto from the model's shape and the machine."""
+    if setting != "auto":
+        return int(setting)
+    total = machine_bytes() if total_bytes is None else total_bytes
+    return max(AUTO_FLOOR, int(AUTO_SHARE * total) // activation_bytes_per_token(model_config, checkpointing))
 
 
 def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed: bool) -> list[torch.Tensor]:
