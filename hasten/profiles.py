@@ -106,6 +106,7 @@ CONSERVATIVE: dict[str, Value] = {
     "speed.shared_prefix": True,
     "speed.skip_zero_advantage": True,
     "speed.fast_linear": "auto",
+    "speed.token_budget": "auto",
     "speed.reward_workers": 2,
     "speed.reward_cache": True,
     "speed.optimizer": "auto",

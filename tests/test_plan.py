@@ -4,12 +4,16 @@ and what the learner then runs with."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from hasten.config import load_config
 from hasten.train.learner import Correction, LearningPlan
 from hasten.train.trainer import GRPOJob, prepare
+
+
+TINY = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
 
 @pytest.fixture
@@ -42,16 +46,16 @@ def test_baseline_and_conservative_plans_name_what_runs(data):
 
 
 def test_the_sampler_correction_is_decided_once_from_the_config(data):
-    stale = LearningPlan.resolve(configured(data, **{"speed.async_steps": 1}), sharded=False)
+    stale = LearningPlan.resolve(configured(data, **{"speed.async_steps": 1}), sharded=False, model_config=TINY)
     assert stale.correction == Correction(stale=True) and "stale-weight ratios" in stale.describe()
     other = configured(data)
     other.speed.generation_precision = "bf16"  # another implementation samples: truncated importance weights
-    weighted = LearningPlan.resolve(other, sharded=False).correction
+    weighted = LearningPlan.resolve(other, sharded=False, model_config=TINY).correction
     assert weighted.cap == other.speed.vllm_importance_sampling_cap and weighted.sampler == "bf16_sampler"
     other.speed.vllm_importance_sampling_correction = False
-    assert LearningPlan.resolve(other, sharded=False).correction.cap is None
+    assert LearningPlan.resolve(other, sharded=False, model_config=TINY).correction.cap is None
     checkpointed = configured(data, **{"speed.gradient_checkpointing": True})
-    chosen = LearningPlan.resolve(checkpointed, sharded=False).logprob_pass  # plain kernels under checkpointing
+    chosen = LearningPlan.resolve(checkpointed, sharded=False, model_config=TINY).logprob_pass  # plain kernels under checkpointing
     assert not chosen.grouped_attention and not chosen.fast_linear
 
 

@@ -133,8 +133,9 @@ class LearnerSettings:
     entropy: EntropySettings = EntropySettings()  # algo.entropy_coef and the adaptive control's keys
 
     @classmethod
-    def from_config(cls, cfg: Config, sharded: bool, model_config=None) -> LearnerSettings:
-        """model_config: the policy's (transformers') config, which speed.token_budget=auto sizes from."""
+    def from_config(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearnerSettings:
+        """model_config, device: the policy's (transformers') config and device, which speed.token_budget=auto
+        sizes from."""
         algo, speed = cfg.algo, cfg.speed
         # FSDP's forwards are collectives: every rank must run the same passes, so nothing is skipped there.
         loss = LossSettings(algo.epsilon, algo.epsilon_high, algo.beta, algo.importance_sampling_level == "sequence",
@@ -147,13 +148,13 @@ class LearnerSettings:
         entropy = EntropySettings(algo.entropy_coef, algo.adaptive_entropy, algo.entropy_coef_min,
                                   algo.entropy_coef_max, algo.entropy_coef_delta, algo.entropy_target)
         return cls(algo.loss, loss, algo.num_iterations,
-                   cfg.train.gradient_accumulation_steps, token_budget(cfg, sharded, model_config),
+                   cfg.train.gradient_accumulation_steps, token_budget(cfg, sharded, model_config, device),
                    speed.packed_learning,
                    speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile,
                    entropy)
 
 
-def token_budget(cfg: Config, sharded: bool, model_config) -> int:
+def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") -> int:
     """speed.token_budget in tokens. auto (microbatch.resolve_budget) is off where a split would change
     what is learned or cannot run: bnpo's normalizer, the entropy bonus's mean and top_entropy_quantile's
     threshold are per micro-batch; FSDP's ranks must run the same passes."""
@@ -165,7 +166,7 @@ def token_budget(cfg: Config, sharded: bool, model_config) -> int:
         return 0
     if model_config is None:
         raise ValueError("speed.token_budget=auto needs the policy's model config")
-    return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing)
+    return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device)
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,8 @@ class LearningPlan:
     correction: Correction
 
     @classmethod
-    def resolve(cls, cfg: Config, sharded: bool, model_config=None) -> LearningPlan:
-        return cls(LearnerSettings.from_config(cfg, sharded, model_config), LogprobPass.choose(cfg),
+    def resolve(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearningPlan:
+        return cls(LearnerSettings.from_config(cfg, sharded, model_config, device), LogprobPass.choose(cfg),
                    Correction.for_run(cfg))
 
     def describe(self) -> str:
@@ -281,7 +282,8 @@ class Learner:
         """The learner for `cfg`: its optimizer built, the model's checkpointing set, and the plan (the run's,
         resolved in prepare; else resolved here) taken as it is. correction: replaces the plan's (tests)."""
         sharded = fsdp.is_sharded(policy.model)
-        plan = plan if plan is not None else LearningPlan.resolve(cfg, sharded, policy.model.config)
+        plan = plan if plan is not None else LearningPlan.resolve(
+            cfg, sharded, policy.model.config, str(next(policy.model.parameters()).device))
         if correction is not None:
             plan = dataclasses.replace(plan, correction=correction)
         parameters = [p for p in policy.model.parameters() if p.requires_grad]

@@ -6,10 +6,11 @@ that no micro-batch holds more than `budget` tokens of model input. The
 budget bounds peak activation memory by what it actually depends on, the
 tokens in one forward, rather than by a sample count that is too small for
 short completions and too large for long ones. On a CPU the biggest batch
-that fits is the fastest, so the default is off (0). `auto` (resolve_budget)
-is the largest budget whose activations, estimated from the model's shape,
-stay under a quarter of the machine's memory: a batch that fits runs whole,
-a long-completion batch is split instead of filling the memory.
+that fits is the fastest, so the default, `auto` (resolve_budget), is the
+largest budget whose activations, estimated from the model's shape, stay
+under a quarter of the device's memory: a batch that fits runs whole, a
+long-completion batch is split instead of filling the memory (docs/scaling.md
+has what it saved on B8). 0 is off (the baseline profile).
 
 Tokens are counted as the forward will see them:
 - packed pass (speed.packed_learning): each group's prompt once, plus each
@@ -47,11 +48,13 @@ def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
     return layers * hidden * 4 + per_layer if checkpointing else layers * per_layer
 
 
-def machine_bytes() -> int:
-    """The machine's memory (a cgroup v2 limit, where lower): fixed for a machine, so a resumed run
-    resolves the same budget."""
+def machine_bytes(device: str = "cpu") -> int:
+    """The memory the learning pass runs in: a GPU's own, else the machine's (a cgroup v2 limit, where
+    lower). Fixed for a machine, so a resumed run resolves the same budget."""
     import os
 
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/sys/fs/cgroup/memory.max") as limit:
@@ -63,11 +66,13 @@ def machine_bytes() -> int:
     return total
 
 
-def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None) -> int:
-    """speed.token_budget as tokens: a number as given; auto from the model's shape and the machine."""
+def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
+                   device: str = "cpu") -> int:
+    """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
+    `device` (total_bytes: instead of it)."""
     if setting != "auto":
         return int(setting)
-    total = machine_bytes() if total_bytes is None else total_bytes
+    total = machine_bytes(device) if total_bytes is None else total_bytes
     return max(AUTO_FLOOR, int(AUTO_SHARE * total) // activation_bytes_per_token(model_config, checkpointing))
 
 

@@ -38,8 +38,9 @@ class Plan:
         if engine_kind == "lean+speculative":
             engine_kind += f" ({cfg.speed.speculative})"
         sharded = fsdp.wanted(cfg)
-        return cls(str(next(model.parameters()).device), engine_kind, "native" if native else "transformers",
-                   LearningPlan.resolve(cfg, sharded, model.config), sharded, adaptive_threads, cfg.speed.async_steps)
+        device = str(next(model.parameters()).device)
+        return cls(device, engine_kind, "native" if native else "transformers",
+                   LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.speed.async_steps)
 
     def describe(self) -> str:
         """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy'."""
