@@ -262,7 +262,7 @@ def _check_same_config(cfg: Config, saved_path: Path) -> None:
     A larger max_steps (train.steps) continues the run to the new end, as TRL does (the schedule is the
     new length's; loop.open_run records it in the run's config.yaml)."""
     saved = load_config(saved_path)
-    ignored = {("output", "progress"), ("output", "plot")}
+    ignored = {("output", "progress"), ("output", "plot"), ("output", "earlier_run")}
     now, before = to_dict(cfg), to_dict(saved)
     for section, values in now.items():
         for key, value in values.items():
