@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hasten.config import load_config, parse_overrides
+from hasten.config import Config, load_config, parse_overrides
 from hasten.train import loop
 from hasten.train.outputs import STATE_FILE, RunDir
 from hasten.rft.sft import SFTJob
@@ -283,7 +283,7 @@ def test_stale_temporaries_of_killed_saves_are_removed_on_resume(tmp_path):
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
     (checkpoint / STATE_FILE).write_bytes(b"x")
-    opened, found = loop.open_run(None, tmp_path)
+    opened, found = loop.open_run(Config(), tmp_path)
     opened.lock.release()
     assert opened.path == run.path and found == checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint-2", "config.yaml"]

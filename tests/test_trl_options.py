@@ -230,7 +230,9 @@ def test_save_model_defaults_to_output_dir_on_a_rerun(tmp_path):
 
     first, _ = run(1)
     second, saved = run(2)
-    assert second.run_dir != first.run_dir and saved == tmp_path / "out"  # the run beside, the model where asked
+    # TRL's output_dir: the second run writes "out" itself, the first is kept as out.previous-1
+    assert second.run_dir == first.run_dir == saved == tmp_path / "out"
+    assert (tmp_path / "out.previous-1" / "config.yaml").is_file()
     weights = load_file(str(saved / "model.safetensors"))
     name, value = next((n, v) for n, v in second.model.state_dict().items() if n in weights)
     assert torch.equal(weights[name], value.detach().cpu())
