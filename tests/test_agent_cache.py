@@ -97,6 +97,22 @@ class ForceFirstTurn:
         return forced
 
 
+def forced_batches(lean, tokenizer, tool, script, rows, sampling, max_turns, before_each=lambda: None):
+    """The agent's batch with the conversation cache and without, the first turn forced to `script`."""
+    batches = []
+    for kv_cache in (True, False):
+        before_each()
+        agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(tool)], None,
+                      AgentSettings(max_turns=max_turns, kv_cache=kv_cache), tokenizer.pad_token_id)
+        hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
+        try:
+            batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
+        finally:
+            hook.remove()
+            agent.close()
+    return batches
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_tool_loop_with_cache_equals_re_prefill(engine, temperature):
     lean, tokenizer = engine
@@ -104,15 +120,7 @@ def test_tool_loop_with_cache_equals_re_prefill(engine, temperature):
     script = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     rows = [{"prompt": [{"role": "user", "content": f"What is {n} x 7?"}]} for n in (6, 16)]
     sampling = SamplingParams(max_new_tokens=200, temperature=temperature)  # call ~77 + tool turn ~52 + a turn
-    batches = []
-    for kv_cache in (True, False):
-        agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(multiply)], None,
-                      AgentSettings(max_turns=2, kv_cache=kv_cache), tokenizer.pad_token_id)
-        hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
-        try:
-            batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
-        finally:
-            hook.remove()
+    batches = forced_batches(lean, tokenizer, multiply, script, rows, sampling, max_turns=2)
     cached, plain = (batch.rollout for batch in batches)
     assert batches[0].metrics["tools/model_turns"] == 2.0  # the forced call ran and every rollout went on
     same(cached, plain)
@@ -137,17 +145,12 @@ def test_rows_whose_tool_results_differ_in_length_fit_the_cache(engine):
     script = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     rows = [{"prompt": [{"role": "user", "content": "Look k up."}]}]
     sampling = SamplingParams(max_new_tokens=200, temperature=0.0)
-    batches = []
-    for kv_cache in (True, False):
+
+    def reset():
+        nonlocal answers
         answers = iter(["x" * 40, "7"])
-        agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(lookup)], None,
-                      AgentSettings(max_turns=1, kv_cache=kv_cache), tokenizer.pad_token_id)
-        hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
-        try:
-            batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
-        finally:
-            hook.remove()
-            agent.close()
+
+    batches = forced_batches(lean, tokenizer, lookup, script, rows, sampling, max_turns=1, before_each=reset)
     for batch in batches:  # (which rollout gets the long result depends on the tool threads' order)
         tool_tokens = sorted(int(((1 - batch.rollout.tool_mask[row]) * batch.rollout.completion_mask[row]).sum())
                              for row in range(2))
