@@ -37,6 +37,7 @@ def test_own_threads_are_not_neighbours(monkeypatch):
     samples = iter([4, 2, 5])  # the minimum over samples: a blip does not count
     monkeypatch.setattr(threads_module, "_running_total", lambda: next(samples))
     monkeypatch.setattr(threads_module, "_running_own", lambda: 1)
+    monkeypatch.setattr(threads_module, "_running_user_others", lambda: 5)  # the scan confirms user processes
     assert busy_neighbours(samples=3, gap_s=0) == 1
 
 
@@ -86,3 +87,31 @@ def test_training_records_the_threads_only_when_the_governor_decides(tmp_path, r
         assert record["threads/generate"] in (1, 2) and record["threads/learn"] in (1, 2)
     assert not any(key.startswith("threads/") for key in run("pinned", **{"train.num_threads": 1})[0])
     assert not any(key.startswith("threads/") for key in run("off", **{"speed.adaptive_threads": False})[0])
+
+
+def _task(root, pid, tid, state, flags):
+    stat = root / str(pid) / "task" / str(tid) / "stat"
+    stat.parent.mkdir(parents=True, exist_ok=True)
+    stat.write_text(f"{tid} (some (odd) name) {state} 1 {pid} {pid} 0 -1 {flags} 0 0 0 0 5 3\n")
+
+
+def test_kernel_threads_and_own_threads_are_not_neighbours(tmp_path):
+    _task(tmp_path, 45, 45, "R", 0x00200040)  # kswapd0 reclaiming: PF_KTHREAD set
+    _task(tmp_path, 77, 77, "R", 0x00208040)  # kdamond
+    _task(tmp_path, 500, 500, "S", 0x00400100)  # a sleeping user process
+    _task(tmp_path, 500, 501, "R", 0x00400040)  # one of its threads runs
+    _task(tmp_path, 600, 600, "R", 0x00400100)  # another user process runs
+    _task(tmp_path, 900, 900, "R", 0x00400100)  # this process
+    _task(tmp_path, 900, 901, "R", 0x00400040)
+    (tmp_path / "901").mkdir()  # a pid whose tasks vanished mid-scan
+    (tmp_path / "self").mkdir()
+    assert threads_module._running_user_others(str(tmp_path), own=900) == 2
+
+
+def test_a_busy_kernel_is_not_a_busy_neighbour(monkeypatch):
+    monkeypatch.setattr(threads_module, "_running_total", lambda: 3)  # procs_running counts kswapd too
+    monkeypatch.setattr(threads_module, "_running_own", lambda: 1)
+    monkeypatch.setattr(threads_module, "_running_user_others", lambda: 0)
+    assert busy_neighbours(samples=2, gap_s=0) == 0
+    monkeypatch.setattr(threads_module, "_running_user_others", lambda: 1)
+    assert busy_neighbours(samples=2, gap_s=0) == 1
