@@ -184,3 +184,23 @@ def test_past_the_cap_skips_only_cells_with_at_least_the_work_of_one_that_ran_pa
     cell = past_the_cap(capped, "qwen2.5-1.5b", 1500, 256, "trl", True)
     assert cell.skipped == "not started: qwen2.5-0.5b length 256 already ran past the step cap"
     assert (cell.side, cell.mode, cell.steps) == ("trl", "lora", [])
+
+
+def test_a_cell_whose_extrapolated_step_is_past_the_cap_is_not_started():
+    from hasten.bench.scaling import Cell, extrapolated_past_the_cap
+
+    def ran(length, seconds, side="hasten", model="qwen2.5-0.5b"):
+        return Cell(model, length, side, "full", steps=[{"seconds": seconds, "completion_tokens": 1, "generate": 0,
+                                                          "learn": 0, "peak_rss_mib": 1}] * 2)
+
+    cells = [ran(64, 80.0), ran(256, 300.0), ran(256, 700.0, side="trl"), ran(64, 10.0, model="smollm2-135m")]
+    # 300 + (300 - 80) * (1024 - 256) / (256 - 64) = 1180 s > 1.25 x 600
+    cell = extrapolated_past_the_cap(cells, "qwen2.5-0.5b", 1024, "hasten", False, 600.0)
+    assert cell.skipped.startswith("not started: at least 1180 s a step, past the 600 s cap")
+    assert (cell.side, cell.length, cell.steps) == ("hasten", 1024, [])
+    assert extrapolated_past_the_cap(cells, "qwen2.5-0.5b", 1024, "hasten", False, 1000.0) is None  # 1180 < 1250
+    assert extrapolated_past_the_cap(cells, "qwen2.5-0.5b", 1024, "trl", False, 60.0) is None  # one length only
+    assert extrapolated_past_the_cap(cells, "smollm2-135m", 1024, "hasten", False, 60.0) is None
+    skipped = Cell("qwen2.5-1.5b", 64, "hasten", "lora", skipped="out of memory by estimate")
+    assert extrapolated_past_the_cap([skipped, ran(256, 300.0, model="qwen2.5-1.5b")], "qwen2.5-1.5b", 1024,
+                                     "hasten", True, 60.0) is None  # a cell with no number is no point

@@ -248,7 +248,8 @@ def run_b8(opts) -> Result:
                 cfg = cell_config(opts, directory, length, lora, b8.steps)
                 for side in ["hasten"] + (["trl"] if "trl" in opts.peers else []):
                     opts.log(f"B8: {model} length {length} {side} ({'LoRA' if lora else 'full'})")
-                    cell = past_the_cap(capped[side], model, shape.parameters(), length, side, lora)
+                    cell = (past_the_cap(capped[side], model, shape.parameters(), length, side, lora)
+                            or extrapolated_past_the_cap(cells, model, length, side, lora, b8.step_cap))
                     # the budget as of now when none is given: what this process and the page cache hold
                     # since the start is not the cell's to use
                     now = b8.memory_gib if b8.memory_gib is not None else min(budget, available_gib())
@@ -285,6 +286,29 @@ def past_the_cap(capped: list[tuple[int, int, str]], model: str, parameters: int
             return Cell(model, length, side, "lora" if lora else "full",
                         skipped=f"not started: {done_model} length {done_length} already ran past the step cap")
     return None
+
+
+EXTRAPOLATION_MARGIN = 1.25  # the bound must clear the cap by this much: two timed steps carry noise
+
+
+def extrapolated_past_the_cap(cells: list[Cell], model: str, length: int, side: str, lora: bool,
+                              cap: float) -> Cell | None:
+    """A cell not started because its step is bound to run past the cap, from this side's two longest
+    measured lengths of the same model. A step's time is convex in the completion length (a fixed part,
+    a part per token, attention's part per token pair), and a convex function lies above the line
+    through two of its points beyond them: that line at `length` is a lower bound on the step."""
+    measured = sorted((cell.length, cell.summary()["s_per_step"]) for cell in cells
+                      if cell.model == model and cell.side == side and not cell.skipped and cell.length < length)
+    if len(measured) < 2:
+        return None
+    (short, short_s), (longer, longer_s) = measured[-2], measured[-1]
+    bound = longer_s + (longer_s - short_s) * (length - longer) / (longer - short)
+    if bound <= EXTRAPOLATION_MARGIN * cap:
+        return None
+    return Cell(model, length, side, "lora" if lora else "full",
+                skipped=f"not started: at least {bound:.0f} s a step, past the {cap:g} s cap (the line through "
+                        f"lengths {short} and {longer}, {short_s:.0f} and {longer_s:.0f} s, extended: step "
+                        f"time is convex in length)")
 
 
 def model_config(directory: str):
