@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text, epilog=parser.epilog)
         command.add_argument("--config", help="YAML config file (sections as in hasten/config.py)")
         command.add_argument("--model", help="smollm2-135m (default), tiny, a model directory, or a hub id")
-        command.add_argument("--task", help="arithmetic, unit-conversion, jsonl, code, chess-a, chess-p, fruit-catcher")
+        command.add_argument("--task", help="a built-in task (`hasten tasks` lists them) or jsonl")
         command.add_argument("--profile", choices=("baseline", "conservative", "balanced", "aggressive"),
                              help="speed profile (hasten/profiles.py), applied over --config, under overrides")
         if name == "train":

@@ -9,6 +9,7 @@ the plot. No timing is asserted.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -204,3 +205,28 @@ def test_a_cell_whose_extrapolated_step_is_past_the_cap_is_not_started():
     skipped = Cell("qwen2.5-1.5b", 64, "hasten", "lora", skipped="out of memory by estimate")
     assert extrapolated_past_the_cap([skipped, ran(256, 300.0, model="qwen2.5-1.5b")], "qwen2.5-1.5b", 1024,
                                      "hasten", True, 60.0) is None  # a cell with no number is no point
+
+
+def test_hasten_estimate_counts_the_token_budgets_micro_batches():
+    from transformers import Qwen2Config
+
+    from hasten.bench.scaling import cell_config
+    from hasten.bench.workloads import BenchOptions
+    from hasten.train.learner import token_budget
+    from hasten.train.microbatch import activation_bytes_per_token
+
+    config = Qwen2Config(**SHAPES["qwen2.5-0.5b"])
+    shape = cost.Shape.from_config(config)
+    opts = BenchOptions(workloads=["B8"], peers=[], model="tiny", quick=False)
+    cfg = cell_config(opts, "tiny", 1024, False, 2)  # 32 samples x 1024 tokens: ~33k tokens in one pass
+    budget = token_budget(cfg, False, config)
+    assert 1024 <= budget < 32 * 1024
+    whole = memory_estimate(shape, cfg, "hasten")
+    split = memory_estimate(shape, cfg, "hasten", model_config=config)
+    assert split["activations"] == budget * activation_bytes_per_token(config, False)
+    assert split["activations"] < whole["activations"] / 4
+    assert {key: split[key] for key in ("model", "logits", "kv_cache", "runtime")} == {
+        key: whole[key] for key in ("model", "logits", "kv_cache", "runtime")}
+    assert memory_estimate(shape, cfg, "trl", model_config=config) == memory_estimate(shape, cfg, "trl")  # one pass
+    off = dataclasses.replace(cfg, speed=dataclasses.replace(cfg.speed, token_budget=0))
+    assert memory_estimate(shape, off, "hasten", model_config=config) == whole

@@ -282,3 +282,24 @@ def test_full_fine_tune_weights_are_not_the_files_pages(tmp_path, tokenizer, nat
                        native=native)
     base = [p for name, p in lora.model.named_parameters() if "lora_" not in name]
     assert any(_file_mapped(p, weights) for p in base)
+
+
+def test_lora_keeps_no_full_size_gradient_or_optimizer_buffers(tokenizer):
+    """LoRA without full-size gradient buffers (issue 33): the base weights are frozen, so backward
+    leaves them without a .grad and AdamW holds moments for the adapters only."""
+    from hasten.models import load_policy
+    from hasten.rollout.factory import use_native_model
+    from hasten.train.learner import Learner
+
+    cfg = _config()
+    cfg.model.lora, cfg.model.lora_r = True, 4
+    policy = load_policy(cfg.model, lambda _: None, native=use_native_model(cfg, lambda _: None))
+    learner = Learner.from_config(policy, cfg, log=lambda _: None)
+    trained = [p for group in learner.optimization.optimizer.param_groups for p in group["params"]]
+    names = {id(p): name for name, p in policy.model.named_parameters()}
+    assert trained and all("lora_" in names[id(p)] for p in trained)
+    total = sum(p.numel() for p in policy.model.parameters())
+    assert sum(p.numel() for p in trained) < total / 5
+    policy.model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
+    for name, parameter in policy.model.named_parameters():
+        assert (parameter.grad is not None) == ("lora_" in name), name

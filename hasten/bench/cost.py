@@ -211,7 +211,8 @@ RUNTIME_BYTES = 512 * 1024**2  # a Python process with torch and transformers im
 
 def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens: int, completion_tokens: int,
                           lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0,
-                          checkpointing: bool = False, weight_copy: bool = False) -> dict[str, float]:
+                          checkpointing: bool = False, weight_copy: bool = False,
+                          token_budget: int = 0) -> dict[str, float]:
     """An estimate (fp32) of a GRPO step's resident memory, by part.
 
     - model: every parameter once (tied head: one matrix); full fine-tune adds its gradient and AdamW's
@@ -227,6 +228,9 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     - runtime: the interpreter, torch and its libraries (~0.5 GiB), and with weight_copy a second copy of
       the weights (hasten's lean engine samples from its own packed weights).
     prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
+    token_budget: the learning pass runs micro-batches of at most this many tokens (hasten's
+    speed.token_budget; 0 = one pass), so activations are kept for that many at a time (one sample's at
+    least: a sample is never split).
     """
     parameters = shape.parameters(tied=True) * 4
     model = parameters * (1 if lora else 4)
@@ -234,6 +238,8 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     tokens = prompts * prompt_tokens + samples * completion_tokens
     per_layer = (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
     per_token = (shape.layers * shape.hidden * 4 + per_layer) if checkpointing else shape.layers * per_layer
+    if token_budget > 0:
+        tokens = min(tokens, max(token_budget, prompt_tokens + completion_tokens))
     logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
     parts = {"model": float(model), "activations": float(tokens * per_token),
              "logits": float(3 * logit_tokens * shape.vocab * 4),

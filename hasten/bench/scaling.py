@@ -164,15 +164,20 @@ def cell_config(opts, directory: str, length: int, lora: bool, steps: int):
     return load_config(opts.config, overrides)
 
 
-def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None = None) -> dict[str, float]:
+def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None = None,
+                    model_config=None) -> dict[str, float]:
     """cost.training_memory_bytes for one side's step of `cfg` (prompt_tokens: B1's ~48 unless given; B7's are
-    longer)."""
+    longer). With the model's config, hasten's side counts its learning pass's micro-batches
+    (speed.token_budget, resolved as the learner resolves it)."""
+    from ..train.learner import token_budget
+
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
     prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
+    budget = token_budget(cfg, False, model_config) if side == "hasten" and model_config is not None else 0
     return cost.training_memory_bytes(
         shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0,
-        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten")
+        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten", token_budget=budget)
 
 
 def with_checkpointing(cfg):
@@ -185,9 +190,9 @@ def with_checkpointing(cfg):
 PROMPT_TOKENS = 48  # B1's chat prompts are ~40-50 tokens (SmolLM2's tokenizer): the estimate's prompt length
 
 
-def choose_mode(shape: cost.Shape, cfg, budget_gib: float) -> tuple[bool, str]:
+def choose_mode(shape: cost.Shape, cfg, budget_gib: float, model_config=None) -> tuple[bool, str]:
     """LoRA where the full fine-tune's estimate at this length exceeds the budget on hasten's side."""
-    full = memory_estimate(shape, cfg, "hasten")["total"] / GIB
+    full = memory_estimate(shape, cfg, "hasten", model_config=model_config)["total"] / GIB
     if full <= budget_gib:
         return False, f"full fine-tune (estimate {full:.1f} GiB <= budget {budget_gib:.1f})"
     return True, f"LoRA r={cfg.model.lora_r} (full fine-tune estimate {full:.1f} GiB > budget {budget_gib:.1f})"
@@ -239,8 +244,10 @@ def run_b8(opts) -> Result:
         for model in b8.models:
             opts.log(f"B8: {model}: model directory")
             directory = model_dir(model, Path(workdir))
-            shape = cost.Shape.from_config(model_config(directory))
-            lora, why = choose_mode(shape, cell_config(opts, directory, min(b8.lengths), False, b8.steps), budget)
+            config = model_config(directory)
+            shape = cost.Shape.from_config(config)
+            lora, why = choose_mode(shape, cell_config(opts, directory, min(b8.lengths), False, b8.steps), budget,
+                                    config)
             result.settings[model] = {"directory": directory, "mode": why, "parameters": shape.parameters(),
                                       "random_weights": model in SHAPES, "shape": vars(shape)}
             rates[model] = matmul_at_shapes(model_config(directory), opts.quick)
@@ -253,7 +260,7 @@ def run_b8(opts) -> Result:
                     # the budget as of now when none is given: what this process and the page cache hold
                     # since the start is not the cell's to use
                     now = b8.memory_gib if b8.memory_gib is not None else min(budget, available_gib())
-                    cell = cell or run_cell(opts, b8, cfg, shape, model, length, side, now)
+                    cell = cell or run_cell(opts, b8, cfg, shape, model, length, side, now, config)
                     if cell.skipped and cell.skipped.endswith("cap (killed)"):
                         capped[side].append((shape.parameters(), length, model))
                     cells.append(cell)
@@ -325,12 +332,12 @@ def model_config(directory: str):
 
 
 def run_cell(opts, b8: B8Options, cfg, shape: cost.Shape, model: str, length: int, side: str,
-             budget: float) -> Cell:
+             budget: float, config=None) -> Cell:
     """One side of one cell: its memory estimate first, then its process. Activation checkpointing is
     chosen per cell and side, where it pays: only when the estimate without it exceeds the budget and
     the estimate with it does not (it costs ~a third more compute). Over the budget either way: no run."""
-    estimate = memory_estimate(shape, cfg, side)["total"] / GIB
-    lean = memory_estimate(shape, with_checkpointing(cfg), side)["total"] / GIB
+    estimate = memory_estimate(shape, cfg, side, model_config=config)["total"] / GIB
+    lean = memory_estimate(shape, with_checkpointing(cfg), side, model_config=config)["total"] / GIB
     if estimate > budget and not cfg.speed.gradient_checkpointing:
         cfg, estimate = (with_checkpointing(cfg), lean) if lean <= budget else (cfg, estimate)
     mode = ("lora" if cfg.model.lora else "full") + ("+gc" if cfg.speed.gradient_checkpointing else "")
