@@ -78,7 +78,7 @@ def test_auto_budget_is_a_quarter_of_the_machine_over_the_models_activations():
     from hasten.train.microbatch import AUTO_FLOOR, activation_bytes_per_token, resolve_budget
 
     smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                              num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152)
     per_token = activation_bytes_per_token(smollm2, checkpointing=False)
     shape = cost.Shape(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
     estimate = cost.training_memory_bytes(shape, 1, 1, 0, 1, lora=True)["activations"]
@@ -99,7 +99,8 @@ def test_auto_budget_is_off_where_a_split_changes_the_result(loss, sharded, more
     from hasten.train.learner import token_budget
     from hasten.train.microbatch import resolve_budget
 
-    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=300)
     cfg = load_config(None, [("speed.token_budget", "auto"), ("algo.loss", loss), *more])
     budget = token_budget(cfg, sharded, tiny)
     assert budget == (resolve_budget("auto", tiny, False) if expected == "auto" else 0)
@@ -115,3 +116,50 @@ def test_the_plan_line_names_the_resolved_budget(short_model, tokenizer):
     plan = LearningPlan.resolve(cfg, False, short_model.config)
     assert plan.settings.token_budget >= 1024
     assert f"micro-batches of <= {plan.settings.token_budget} tokens" in plan.describe()
+
+
+def test_auto_budget_leaves_room_for_what_a_large_model_holds_anyway():
+    """From ~0.5B parameters in 24 GiB the weights, their copy, gradient, moments and logits leave less than
+    three quarters of the memory: the budget is then half of what they leave (0.5B x 256 was OOM-killed at
+    a quarter of the machine)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from hasten.bench import cost
+    from hasten.bench.scaling import SHAPES
+    from hasten.train.microbatch import (
+        AUTO_ROOM,
+        AUTO_SHARE,
+        activation_bytes_per_token,
+        effective_logit_chunk,
+        parameter_count,
+        resolve_budget,
+        static_bytes,
+    )
+
+    gib = 1024 ** 3
+    qwen = Qwen2Config(**SHAPES["qwen2.5-0.5b"])
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+    assert parameter_count(smollm2) == 134_515_008 and parameter_count(qwen) == 494_032_768  # the published counts
+    room = 24 * gib - static_bytes(qwen, False, 2048)
+    assert 0 < AUTO_ROOM * room < AUTO_SHARE * 24 * gib
+    assert resolve_budget("auto", qwen, False, total_bytes=24 * gib, logit_chunk=2048) == int(
+        AUTO_ROOM * room) // activation_bytes_per_token(qwen, False)
+    assert resolve_budget("auto", qwen, False, total_bytes=24 * gib, lora=True, logit_chunk=2048) > resolve_budget(
+        "auto", qwen, False, total_bytes=24 * gib, logit_chunk=2048)  # LoRA holds no gradient or moments
+    assert resolve_budget("auto", smollm2, False, total_bytes=24 * gib, logit_chunk=2048) == int(
+        AUTO_SHARE * 24 * gib) // activation_bytes_per_token(smollm2, False)  # SmolLM2: unchanged
+    # the bench's memory model counts the same static memory (full fine-tune: model + copy + logits + runtime)
+    shape = cost.Shape.from_config(qwen)
+    chunk = effective_logit_chunk(2048, qwen.vocab_size)
+    parts = cost.training_memory_bytes(shape, 32, 8, 48, 256, lora=False, logits_chunk=chunk, weight_copy=True)
+    assert parts["model"] + parts["logits"] + parts["runtime"] == static_bytes(qwen, False, 2048)
+
+
+def test_logit_chunks_are_bounded_in_bytes():
+    from hasten.train.microbatch import LOGIT_CHUNK_BYTES, effective_logit_chunk
+
+    assert effective_logit_chunk(2048, 49152) == 2048  # SmolLM2: as set
+    assert effective_logit_chunk(2048, 151936) == LOGIT_CHUNK_BYTES // (4 * 151936) == 883  # Qwen2.5
+    assert effective_logit_chunk(0, 151936) == 0 and effective_logit_chunk(16, 151936) == 16
+    assert effective_logit_chunk(2048, 10 ** 9) == 1

@@ -170,13 +170,15 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
     longer). With the model's config, hasten's side counts its learning pass's micro-batches
     (speed.token_budget, resolved as the learner resolves it)."""
     from ..train.learner import token_budget
+    from ..train.microbatch import effective_logit_chunk
 
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
     prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
     budget = token_budget(cfg, False, model_config) if side == "hasten" and model_config is not None else 0
     return cost.training_memory_bytes(
         shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
-        prompt_per_sample=side == "trl", logits_chunk=cfg.speed.logit_chunk_tokens if side == "hasten" else 0,
+        prompt_per_sample=side == "trl",
+        logits_chunk=effective_logit_chunk(cfg.speed.logit_chunk_tokens, shape.vocab) if side == "hasten" else 0,
         checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten", token_budget=budget)
 
 

@@ -557,7 +557,8 @@ def learning_pass(side: HastenSide, rollout, advantages, packed: bool) -> None:
     temperature, mask = cfg.generation.temperature, rollout.completion_mask
     settings = LossSettings(cfg.algo.epsilon, cfg.algo.epsilon_high, cfg.algo.beta)
     budget = resolve_budget(cfg.speed.token_budget, model.config, cfg.speed.gradient_checkpointing,
-                            device=str(next(model.parameters()).device)) if packed else 0
+                            device=str(next(model.parameters()).device), lora=cfg.model.lora,
+                            logit_chunk=cfg.speed.logit_chunk_tokens) if packed else 0
     chunks = micro_batches(rollout, cfg.train.gradient_accumulation_steps, budget, packed)
     for rows in chunks:
         if packed:  # hasten's learning pass, with its speed flags as configured

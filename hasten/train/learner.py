@@ -166,7 +166,8 @@ def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") 
         return 0
     if model_config is None:
         raise ValueError("speed.token_budget=auto needs the policy's model config")
-    return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device)
+    return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device,
+                          lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens)
 
 
 @dataclass(frozen=True)

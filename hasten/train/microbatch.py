@@ -33,7 +33,18 @@ import torch
 from ..rollout import Rollout
 
 AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
+AUTO_ROOM = 0.5  # ... and at most this share of what the step's static memory leaves free
 AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too small to be fast)
+RUNTIME_BYTES = 1 << 29  # the interpreter, torch and its libraries (bench/cost.py's RUNTIME_BYTES)
+LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the packed pass's logits at most
+
+
+def effective_logit_chunk(setting: int, vocab: int) -> int:
+    """speed.logit_chunk_tokens as the packed pass runs it: never a (chunk, vocab) fp32 tensor over
+    LOGIT_CHUNK_BYTES (2048 tokens for SmolLM2's 49k vocabulary; 883 for Qwen2.5's 152k); 0 = at once."""
+    if setting <= 0:
+        return 0
+    return max(1, min(setting, LOGIT_CHUNK_BYTES // (4 * vocab)))
 
 
 def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
@@ -46,6 +57,32 @@ def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
     kv_width = getattr(model_config, "num_key_value_heads", None) or heads
     per_layer = (10 * hidden + 4 * model_config.intermediate_size + 2 * kv_width * head_dim) * 4
     return layers * hidden * 4 + per_layer if checkpointing else layers * per_layer
+
+
+def parameter_count(model_config) -> int:
+    """A Llama-family decoder's parameters from its config: embedding (and an untied head), per layer q/k/v/o
+    (with q/k/v biases where the family has them), the gated MLP and two norms."""
+    hidden, layers, vocab = model_config.hidden_size, model_config.num_hidden_layers, model_config.vocab_size
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    kv_width = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
+    biases = getattr(model_config, "attention_bias", getattr(model_config, "model_type", "") == "qwen2")
+    attention = hidden * (2 * heads * head_dim + 2 * kv_width) + (heads * head_dim + 2 * kv_width if biases else 0)
+    per_layer = attention + 3 * hidden * model_config.intermediate_size + 2 * hidden
+    head = 0 if getattr(model_config, "tie_word_embeddings", True) else vocab * hidden
+    return vocab * hidden + head + layers * per_layer + hidden
+
+
+def static_bytes(model_config, lora: bool, logit_chunk: int) -> int:
+    """fp32 bytes a GRPO step holds whatever its micro-batches: the weights and the lean engine's copy of
+    them; for a full fine-tune their gradient and AdamW's two moments (LoRA's adapters: a few MB); a logit
+    chunk's backward: its softmax, its gradient and that gradient transposed for the head's weight gradient
+    (kernels/fast_linear.py), plus the head's transposed weight and its weight gradient; the runtime."""
+    parameters = 4 * parameter_count(model_config)
+    vocab = model_config.vocab_size
+    chunk = effective_logit_chunk(logit_chunk, vocab)
+    logits = 3 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
+    return parameters * (2 if lora else 5) + logits + RUNTIME_BYTES
 
 
 def machine_bytes(device: str = "cpu") -> int:
@@ -67,13 +104,17 @@ def machine_bytes(device: str = "cpu") -> int:
 
 
 def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
-                   device: str = "cpu") -> int:
+                   device: str = "cpu", lora: bool = False, logit_chunk: int = 0) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
-    `device` (total_bytes: instead of it)."""
+    `device` (total_bytes: instead of it): activations under a quarter of it, and under half of what the
+    step's static memory (static_bytes: weights, their copy, gradient and moments, logits) leaves, which
+    is the smaller from ~0.5B parameters on in 24 GiB."""
     if setting != "auto":
         return int(setting)
     total = machine_bytes(device) if total_bytes is None else total_bytes
-    return max(AUTO_FLOOR, int(AUTO_SHARE * total) // activation_bytes_per_token(model_config, checkpointing))
+    room = max(total - static_bytes(model_config, lora, logit_chunk), 0)
+    share = min(AUTO_SHARE * total, AUTO_ROOM * room)
+    return max(AUTO_FLOOR, int(share) // activation_bytes_per_token(model_config, checkpointing))
 
 
 def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed: bool) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ from ..kernels.grouped_attention import SHARED_SEGMENT, GroupedLayout, build_lay
 from ..kernels.shared_prefix import common_prefix
 from ..rollout import Rollout
 from .logprobs import TokenStats
+from .microbatch import effective_logit_chunk
 
 PAD_SEGMENT = -1
 
@@ -293,6 +294,7 @@ def packed_logprobs(
         ).last_hidden_state  # (R, L, H); grouped: (1, tokens, H)
     hidden = hidden[packed.source_row.to(device), packed.source_position.to(device)]  # (M, H)
     targets = packed.targets.to(device)
+    chunk_tokens = effective_logit_chunk(chunk_tokens, head.weight.shape[0])  # bounded in bytes for large vocabularies
     step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
     # One chunk holds everything: nothing to save by recomputing it in backward.
     recompute = torch.is_grad_enabled() and step < hidden.shape[0]
