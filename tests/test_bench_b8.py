@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hasten.bench import cost, main
-from hasten.bench.scaling import SHAPES, choose_mode, memory_estimate
+from hasten.bench.scaling import HASTEN_MARGIN, SHAPES, choose_mode, memory_estimate
 
 trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL side: needs `trl` (hasten[bench])")
 
@@ -131,7 +131,7 @@ def test_a_model_whose_full_fine_tune_does_not_fit_trains_lora(capsys, tmp_path)
     lora = memory_estimate(shape, cell_config(opts, "tiny", 4, True, 2), "hasten")["total"]
     assert lora < full
     _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-steps", "2",
-                     "--b8-memory-gib", str((lora + full) / 2 / GIB))
+                     "--b8-memory-gib", str((lora + full) / 2 / HASTEN_MARGIN / GIB))
     b8 = payload["workloads"]["B8"]
     assert b8["settings"]["tiny"]["mode"].startswith("LoRA r=16 (full fine-tune estimate")
     (cell,) = b8["settings"]["grid"]
@@ -169,7 +169,7 @@ def test_activation_checkpointing_is_chosen_for_a_cell_only_where_it_is_needed(c
     lean = memory_estimate(shape, with_checkpointing(long), "hasten")["total"]
     assert lean < plain and memory_estimate(shape, short, "hasten")["total"] < lean
     _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4,32", "--b8-steps", "2",
-                     "--b8-memory-gib", str((lean + plain) / 2 / GIB))
+                     "--b8-memory-gib", str((lean + plain) / 2 / HASTEN_MARGIN / GIB))
     grid = payload["workloads"]["B8"]["settings"]["grid"]
     assert [(cell["length"], cell["mode"]) for cell in grid] == [(4, "full"), (32, "full+gc")]
     assert all("skipped" not in cell for cell in grid)

@@ -33,7 +33,7 @@ import torch
 from ..rollout import Rollout
 
 AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
-AUTO_ROOM = 0.5  # ... and at most this share of what the step's static memory leaves free
+AUTO_ROOM = 0.3  # ... and at most this share of what the step's static memory leaves free
 AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too small to be fast)
 RUNTIME_BYTES = 1 << 29  # the interpreter, torch and its libraries (bench/cost.py's RUNTIME_BYTES)
 LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the packed pass's logits at most
@@ -106,15 +106,16 @@ def machine_bytes(device: str = "cpu") -> int:
 def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
                    device: str = "cpu", lora: bool = False, logit_chunk: int = 0) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
-    `device` (total_bytes: instead of it): activations under a quarter of it, and under half of what the
-    step's static memory (static_bytes: weights, their copy, gradient and moments, logits) leaves, which
-    is the smaller from ~0.5B parameters on in 24 GiB."""
+    `device` (total_bytes: instead of it): activations under a quarter of it (at least AUTO_FLOOR tokens),
+    and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
+    moments, logits) leaves, which is the smaller from ~0.5B parameters on in 24 GiB."""
     if setting != "auto":
         return int(setting)
     total = machine_bytes(device) if total_bytes is None else total_bytes
-    room = max(total - static_bytes(model_config, lora, logit_chunk), 0)
-    share = min(AUTO_SHARE * total, AUTO_ROOM * room)
-    return max(AUTO_FLOOR, int(share) // activation_bytes_per_token(model_config, checkpointing))
+    per_token = activation_bytes_per_token(model_config, checkpointing)
+    room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk), 0)) // per_token
+    share = int(AUTO_SHARE * total) // per_token
+    return max(1, min(room, max(AUTO_FLOOR, share)))  # the floor never overrides what memory allows
 
 
 def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed: bool) -> list[torch.Tensor]:
