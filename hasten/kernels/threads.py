@@ -14,7 +14,7 @@ torch's intra-op threads to max(1, cores - others), at most the threads the
 run started with. Kernel threads are not neighbours: kswapd reclaiming under
 memory pressure, or kdamond, shows in procs_running but holds no OpenMP
 barrier (B8's 256-token cell, 19 GB of 24 GiB resident, generated on one
-thread because of them); so a non-zero count is confirmed by reading the
+thread, most likely because of them); so a non-zero count is confirmed by reading the
 state and flags of every task in /proc (PF_KTHREAD ones left out), which is
 done only then. A quiet machine keeps every thread. The thread count only
 changes floating-point summation order (results within rounding), and an
