@@ -13,7 +13,7 @@ from hasten.train.learner import Correction, LearningPlan
 from hasten.train.trainer import GRPOJob, prepare
 
 
-TINY = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 
 
 @pytest.fixture
