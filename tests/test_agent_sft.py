@@ -149,10 +149,12 @@ def test_sft_on_demonstrations_then_grpo_from_its_checkpoint(tmp_path, capsys, t
     assert summary["status"] == "finished"
 
 
-def test_the_two_stage_configs_agree_on_task_and_template():
-    """configs/agent-sft.yaml trains on the prompts configs/agent-demo.yaml samples, never on its eval rows."""
+@pytest.mark.parametrize("stage_one", ["agent-sft.yaml", "agent-warm.yaml"])
+def test_the_two_stage_configs_agree_on_task_and_template(stage_one):
+    """configs/agent-sft.yaml and agent-warm.yaml train on the prompts configs/agent-demo.yaml samples, never
+    on its eval rows."""
     root = Path(__file__).parent.parent / "configs"
-    sft = load_rft_config("sft", root / "agent-sft.yaml", [])
+    sft = load_rft_config("sft", root / stage_one, [])
     grpo = load_config(root / "agent-demo.yaml")
     assert sft.sft.source == "task" and not sft.model.lora and sft.model.name == grpo.model.name
     assert sft.task == grpo.task
