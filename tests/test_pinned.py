@@ -64,7 +64,9 @@ def test_tiny_run_matches_the_pinned_numbers(tmp_path, profile):
         assert have.keys() == want.keys(), step
         for key in want:
             assert math.isclose(have[key], want[key], rel_tol=1e-6, abs_tol=1e-9), (step, key, have[key], want[key])
-    assert math.isclose(got["weights_sum"], expected["weights_sum"], rel_tol=1e-9)
+    # 1e-6 as above: an Intel Xeon with AMX ends 2e-8..4e-8 (relative) off the AMD EPYC that wrote the file;
+    # one Adam step more or less, or another lr, moves the sum by far more (each weight moves ~lr)
+    assert math.isclose(got["weights_sum"], expected["weights_sum"], rel_tol=1e-6)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:  # regenerate (only when a change means to move them)
