@@ -125,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     b7.add_argument("--b7-config", help="the tool task trained (default: configs/agent-demo.yaml)")
     b7.add_argument("--b7-minutes", type=float, default=30.0, help="training-time budget per run (default 30)")
     b7.add_argument("--b7-mark-minutes", type=float,
-                    help="a checkpoint after the first step past every M training minutes (default 2; --quick 0)")
+                    help="a checkpoint after the first step past every M training minutes "
+                         "(default 0: after every step)")
     b7.add_argument("--b7-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
     b7.add_argument("--b7-keep-checkpoints", action="store_true", help="keep the weight files once scored")
     b8 = parser.add_argument_group("B8, the scaling grid (scaling.py)")
@@ -226,7 +227,7 @@ def _accuracy_options(args, workload: str) -> Any:
     if unknown:
         raise BenchError(f"bench error: unknown profile {', '.join(unknown)} (available: {', '.join(PROFILES)})")
     minutes, mark = getattr(args, f"{prefix}_minutes"), getattr(args, f"{prefix}_mark_minutes")
-    mark = mark if mark is not None else (0.0 if args.quick else {"b5": 1.0, "b7": 2.0}[prefix])
+    mark = mark if mark is not None else (0.0 if args.quick else {"b5": 1.0, "b7": 0.0}[prefix])
     if minutes <= 0 or mark < 0:
         raise BenchError(f"bench error: --{prefix}-minutes must be > 0 and --{prefix}-mark-minutes >= 0 "
                          f"(got {minutes:g}, {mark:g})")

@@ -1,7 +1,7 @@
 """B7 of docs/benchmarks.md: agentic GRPO, hasten against TRL 1.16's GRPOTrainer(tools=...).
 
     hasten bench --workloads B7 [--b7-model NAME|DIR] [--b7-config configs/agent-demo.yaml] [--seeds 0,1,2]
-                 [--b7-minutes 30] [--b7-mark-minutes 2] [--b7-dir DIR] [--profiles ...] [--peers trl|none]
+                 [--b7-minutes 30] [--b7-mark-minutes 0] [--b7-dir DIR] [--profiles ...] [--peers trl|none]
 
 B5's procedure (b5.py's run_time_to_accuracy: each run in its own process, one training clock, checkpoints
 at the marks, every checkpoint of both sides scored by hasten's held-out evaluator on one session of the
