@@ -4,20 +4,32 @@ C (the process running the model's code) may make only the calls below, the
 ones a Python computation needs: files, memory, time, signals, threads and
 forks, pipes, inet sockets (its network namespace is empty). Everything
 else fails with ENOSYS, as on a kernel that lacks the call, so glibc falls
-back where it can (clone3 -> clone). Five calls are allowed only with safe
+back where it can (clone3 -> clone). Some calls are decided by their
 arguments, the rest of each fails with EPERM:
 
     socket    AF_INET and AF_INET6 only: no unix sockets of any kind
     sendto    without an address (addressed datagrams reach paths)
     clone     without namespace flags (threads and forks, no new namespace)
-    fcntl     no POSIX or OFD locks (locks block host processes)
+    fcntl     F_DUPFD, F_DUPFD_CLOEXEC, F_GETFD, F_SETFD, F_GETFL, F_SETFL only: no locks (they block
+              host processes), no F_SETPIPE_SZ (pipe pages count per uid), no F_NOTIFY (watches host
+              dirs), no leases, owners or signals
     ioctl     no pty unlocking or naming (TIOCSPTLCK, TIOCGPTN, TIOCGPTPEER), no TIOCSTI
+    preadv2, pwritev2   flags zero only (RWF_NOWAIT tells which host pages are cached)
+    prlimit64 on the calling process only (pid 0): pid 1 of the sandbox is B
+    prctl     not PR_SET_DUMPABLE: C made itself non-dumpable and stays so
+
+Calls that only reach host state from a read-only file are answered without
+running: the sync family (fsync, fdatasync, sync, syncfs, msync,
+sync_file_range) returns success and flushes nothing (each call would flush
+the host's disk); fadvise64 and readahead (evicting or loading the host's
+page cache), timer_create, rt_sigqueueinfo and rt_tgsigqueueinfo (entries
+in the per-uid pending-signal budget) fail with EPERM.
 
 Left out on purpose, so each fails: socketpair, sendmsg/recvmsg (fd passing),
 unshare, setns, memfd_create, SysV shm/msg/sem, POSIX mqueues, flock, mount
 and friends, ptrace, process_vm_*, bpf, perf_event_open, userfaultfd,
-io_uring, keyctl, set*id, personality. asyncio's default loop (it needs a
-socketpair) does not work under it.
+io_uring, keyctl, inotify, set*id, personality. asyncio's default loop (it
+needs a socketpair) does not work under it.
 
 x86-64 only: elsewhere `install` returns False and the worker records the
 layer as missing (docs/sandbox.md). Standard library only (worker.py's
@@ -51,43 +63,49 @@ ALLOWED = {
     "rt_sigaction": 13, "rt_sigprocmask": 14, "rt_sigreturn": 15, "futex": 202, "newfstatat": 262,
     "openat": 257, "lseek": 8, "getpid": 39, "setitimer": 38, "getdents64": 217, "clock_gettime": 228,
     "open": 2, "stat": 4, "lstat": 6, "poll": 7, "pread64": 17, "pwrite64": 18, "readv": 19, "writev": 20,
-    "access": 21, "pipe": 22, "select": 23, "sched_yield": 24, "mremap": 25, "msync": 26, "mincore": 27,
+    "access": 21, "pipe": 22, "select": 23, "sched_yield": 24, "mremap": 25, "mincore": 27,
     "madvise": 28, "dup": 32, "dup2": 33, "pause": 34, "nanosleep": 35, "getitimer": 36, "alarm": 37,
     "sendfile": 40, "connect": 42, "accept": 43, "recvfrom": 45, "shutdown": 48, "bind": 49, "listen": 50,
     "getsockname": 51, "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "fork": 57, "vfork": 58,
-    "execve": 59, "exit": 60, "wait4": 61, "kill": 62, "uname": 63, "fsync": 74, "fdatasync": 75,
+    "execve": 59, "exit": 60, "wait4": 61, "kill": 62, "uname": 63,
     "truncate": 76, "ftruncate": 77, "getdents": 78, "getcwd": 79, "chdir": 80, "fchdir": 81, "rename": 82,
     "mkdir": 83, "rmdir": 84, "creat": 85, "link": 86, "unlink": 87, "symlink": 88, "readlink": 89,
     "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "umask": 95, "gettimeofday": 96,
     "getrlimit": 97, "getrusage": 98, "sysinfo": 99, "times": 100, "getuid": 102, "getgid": 104,
     "geteuid": 107, "getegid": 108, "setpgid": 109, "getppid": 110, "getpgrp": 111, "setsid": 112,
     "getgroups": 115, "getresuid": 118, "getresgid": 120, "getpgid": 121, "getsid": 124, "capget": 125,
-    "rt_sigpending": 127, "rt_sigtimedwait": 128, "rt_sigqueueinfo": 129, "rt_sigsuspend": 130,
+    "rt_sigpending": 127, "rt_sigtimedwait": 128, "rt_sigsuspend": 130,
     "sigaltstack": 131, "utime": 132, "statfs": 137, "fstatfs": 138, "getpriority": 140, "setpriority": 141,
     "sched_setparam": 142, "sched_getparam": 143, "sched_setscheduler": 144, "sched_getscheduler": 145,
     "sched_get_priority_max": 146, "sched_get_priority_min": 147, "sched_rr_get_interval": 148,
-    "prctl": 157, "arch_prctl": 158, "setrlimit": 160, "gettid": 186, "readahead": 187, "getxattr": 191,
+    "arch_prctl": 158, "setrlimit": 160, "gettid": 186, "getxattr": 191,
     "lgetxattr": 192, "fgetxattr": 193, "listxattr": 194, "llistxattr": 195, "flistxattr": 196,
     "tkill": 200, "time": 201, "sched_setaffinity": 203, "sched_getaffinity": 204, "epoll_create": 213,
-    "set_tid_address": 218, "restart_syscall": 219, "fadvise64": 221, "timer_create": 222,
+    "set_tid_address": 218, "restart_syscall": 219,
     "timer_settime": 223, "timer_gettime": 224, "timer_getoverrun": 225, "timer_delete": 226,
     "clock_getres": 229, "clock_nanosleep": 230, "exit_group": 231, "epoll_wait": 232, "epoll_ctl": 233,
     "tgkill": 234, "utimes": 235, "waitid": 247, "mkdirat": 258, "fchownat": 260, "futimesat": 261,
     "unlinkat": 263, "renameat": 264, "linkat": 265, "symlinkat": 266, "readlinkat": 267, "fchmodat": 268,
     "faccessat": 269, "pselect6": 270, "ppoll": 271, "set_robust_list": 273, "get_robust_list": 274,
-    "splice": 275, "tee": 276, "sync_file_range": 277, "vmsplice": 278, "utimensat": 280, "epoll_pwait": 281,
+    "splice": 275, "tee": 276, "vmsplice": 278, "utimensat": 280, "epoll_pwait": 281,
     "signalfd": 282, "timerfd_create": 283, "eventfd": 284, "fallocate": 285, "timerfd_settime": 286,
     "timerfd_gettime": 287, "accept4": 288, "signalfd4": 289, "eventfd2": 290, "epoll_create1": 291,
-    "dup3": 292, "pipe2": 293, "preadv": 295, "pwritev": 296, "rt_tgsigqueueinfo": 297, "prlimit64": 302,
+    "dup3": 292, "pipe2": 293, "preadv": 295, "pwritev": 296,
     "getcpu": 309, "sched_setattr": 314, "sched_getattr": 315, "renameat2": 316, "getrandom": 318,
-    "execveat": 322, "membarrier": 324, "copy_file_range": 326, "preadv2": 327, "pwritev2": 328, "statx": 332,
+    "execveat": 322, "membarrier": 324, "copy_file_range": 326, "statx": 332,
     "rseq": 334, "pidfd_send_signal": 424, "pidfd_open": 434, "close_range": 436, "openat2": 437,
     "faccessat2": 439, "epoll_pwait2": 441, "futex_waitv": 449,
 }
+# Answered without running: success with nothing done, or EPERM.
+NO_OPS = {"fsync": 74, "fdatasync": 75, "sync": 162, "syncfs": 306, "msync": 26, "sync_file_range": 277}
+REFUSED = {"fadvise64": 221, "readahead": 187, "timer_create": 222, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297}
 SOCKET, SENDTO, CLONE, FCNTL, IOCTL = 41, 44, 56, 72, 16
+PREADV2, PWRITEV2, PRLIMIT64, PRCTL = 327, 328, 302, 157
 AF_INET, AF_INET6 = 2, 10
 NAMESPACE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x80
-LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
+# F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC: what CPython's os, io and subprocess use.
+FCNTL_COMMANDS = (0, 1, 2, 3, 4, 1030)
+PR_SET_DUMPABLE = 4
 PTY_IOCTLS = (0x40045431, 0x80045430, 0x5441, 0x5412)  # TIOCSPTLCK, TIOCGPTN, TIOCGPTPEER, TIOCSTI
 
 
@@ -113,14 +131,24 @@ def program() -> list[tuple]:
     ]
     for number in ALLOWED.values():
         instructions += [(JEQ, 0, 1, number), (RET, 0, 0, allow)]
+    for number in NO_OPS.values():
+        instructions += [(JEQ, 0, 1, number), (RET, 0, 0, RET_ERRNO | 0)]  # errno 0: the call "succeeds"
+    for number in REFUSED.values():
+        instructions += [(JEQ, 0, 1, number), (RET, 0, 0, deny)]
     instructions += _checked(SOCKET, _one_of(_arg(0), (AF_INET, AF_INET6), allow, deny))
     # sendto's address pointer, both halves zero: a connected or stream send.
     instructions += _checked(SENDTO, [(LOAD, 0, 0, _arg(4)), (JEQ, 0, 3, 0), (LOAD, 0, 0, _arg(4, high=True)),
                                       (JEQ, 0, 1, 0), (RET, 0, 0, allow), (RET, 0, 0, deny)])
     instructions += _checked(CLONE, [(LOAD, 0, 0, _arg(0)), (JSET, 0, 1, NAMESPACE_FLAGS),
                                      (RET, 0, 0, deny), (RET, 0, 0, allow)])
-    instructions += _checked(FCNTL, _one_of(_arg(1), LOCK_COMMANDS, deny, allow))
+    # The kernel reads fcntl's command, the rwf_t flags, prlimit64's pid_t and prctl's option as 32-bit
+    # ints, so the low word is the whole argument.
+    instructions += _checked(FCNTL, _one_of(_arg(1), FCNTL_COMMANDS, allow, deny))
     instructions += _checked(IOCTL, _one_of(_arg(1), PTY_IOCTLS, deny, allow))
+    for number in (PREADV2, PWRITEV2):
+        instructions += _checked(number, _one_of(_arg(5), (0,), allow, deny))
+    instructions += _checked(PRLIMIT64, _one_of(_arg(0), (0,), allow, deny))
+    instructions += _checked(PRCTL, _one_of(_arg(0), (PR_SET_DUMPABLE,), deny, allow))
     # A checked block loads arguments only when its call matched, and then returns: every fall-through
     # still has nr in the accumulator. What reaches the end is a call the allowlist does not know.
     return instructions + [(RET, 0, 0, missing)]
