@@ -27,7 +27,9 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_CHILD_SUBREAPER = 22, 2, 36
-NOBODY = 65534
+UID_BASE = 0x70000000  # execution uids when root without a wide subordinate range: 0x70000000 + A's pid
+PID_SPAN = 1 << 22  # the largest pid_max
+SIGNALS_PENDING = 64  # queued signals an execution may hold (real-time ones, mostly); Python needs a handful
 ALL_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
 WORKDIR = "/tmp"  # the code's own tmpfs inside the built root (world.py)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1)
@@ -55,19 +57,56 @@ def close_fds_except(keep: set[int]) -> None:
         previous = fd
 
 
-def enter_namespaces(strict: bool, layers: dict) -> None:
-    """In A: leave root, then new user/mount/pid/net/ipc/uts namespaces (smaller sets only with the fallback)."""
-    if os.geteuid() == 0:
-        # Root bypasses RLIMIT_NPROC and owns every file; run as nobody instead.
+def execution_ids(pid: int) -> tuple[int, int]:
+    """The uid and gid an execution runs as when hasten is root: its own while A (`pid`) lives.
+
+    A's pid is unique among live processes, and A outlives every process of its execution (B dies
+    with it, and the pid namespace with B), so two executions at the same time never share the ids,
+    and so never a per-uid kernel budget (pending signals, pipe pages, processes, epoll watches).
+    The ids come from root's subordinate range (/etc/subuid, /etc/subgid) when one is as wide as
+    the pid space, else from UID_BASE, a range no distribution or systemd hands out.
+    """
+    try:
+        width = int(open("/proc/sys/kernel/pid_max").read())
+    except (OSError, ValueError):
+        width = PID_SPAN
+    ids = []
+    for path in ("/etc/subuid", "/etc/subgid"):
+        start = UID_BASE
         try:
+            with open(path) as file:
+                for line in file:
+                    fields = line.strip().split(":")
+                    if len(fields) == 3 and fields[0] in ("root", "0") and fields[1].isdigit() and \
+                            fields[2].isdigit() and int(fields[2]) >= width:
+                        start = int(fields[1])
+                        break
+        except OSError:
+            pass
+        ids.append(start + pid % width)
+    return ids[0], ids[1]
+
+
+def enter_namespaces(strict: bool, layers: dict, workdir: str = "") -> None:
+    """In A: leave root for the execution's own uid, then new user/mount/pid/net/ipc/uts namespaces.
+
+    Smaller sets of namespaces only with the fallback, whose host work dir is handed to the new uid.
+    """
+    layers["own_uid"] = False
+    if os.geteuid() == 0:
+        # Root bypasses RLIMIT_NPROC and owns every file; run as an unused uid instead.
+        uid, gid = execution_ids(os.getpid())
+        try:
+            if workdir:
+                os.chown(workdir, uid, gid)
             os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            layers["unprivileged_uid"] = True
+            os.setgid(gid)
+            os.setuid(uid)
+            layers["unprivileged_uid"] = layers["own_uid"] = True
         except OSError:
             layers["unprivileged_uid"] = False
     else:
-        layers["unprivileged_uid"] = True
+        layers["unprivileged_uid"] = True  # but the user's own: per-uid budgets are shared (docs/sandbox.md)
     # The worker made itself non-dumpable (and setuid clears it too), which leaves /proc/self owned
     # by root; writing our own uid_map needs it back. B drops it again before the code runs.
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
@@ -82,7 +121,7 @@ def enter_namespaces(strict: bool, layers: dict) -> None:
     if strict and not flags:
         raise Refused(f"unshare(user, mount, pid, net, ipc) failed: {os.strerror(ctypes.get_errno())}")
     if strict and not layers["unprivileged_uid"]:
-        raise Refused("could not drop root to nobody")
+        raise Refused("could not drop root to the execution's own uid")
     if flags & CLONE_NEWUSER:
         # Map our one outer uid to root inside, which may mount in the new mount namespace.
         try:
@@ -176,10 +215,13 @@ def drop_privileges(limits: dict) -> None:
         ("RLIMIT_CORE", 0, 0),
         ("RLIMIT_STACK", 64 * megabyte, 64 * megabyte),
         ("RLIMIT_MSGQUEUE", 0, 0),
+        # Counted per uid and user namespace, and charged to the namespace's creator too: so, where the
+        # execution has no uid of its own, it adds at most this many to the user's pending signals.
+        ("RLIMIT_SIGPENDING", SIGNALS_PENDING, SIGNALS_PENDING),
     ):
         resource.setrlimit(getattr(resource, name), (soft, hard))
     # Counted per user namespace from here (kernel >= 5.14), so it is a per-sandbox cap there;
-    # without a user namespace it counts every process of this uid (nobody, or you).
+    # without a user namespace it counts every process of this uid (the execution's own, or yours).
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
     try:
         last = int(open("/proc/sys/kernel/cap_last_cap").read())
@@ -187,6 +229,10 @@ def drop_privileges(limits: dict) -> None:
         last = 40
     for capability in range(last + 1):
         libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    # Not dumpable: no core, and no process of the same uid may ptrace it or read its memory files.
+    # The allowlist refuses PR_SET_DUMPABLE from here on; an execve'd child is dumpable again (the kernel
+    # resets it), but it has no capabilities and the same allowlist.
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = ctypes.create_string_buffer(24)  # two zeroed {effective, permitted, inheritable}
     libc.capset(ctypes.c_char_p(header), data)
@@ -208,7 +254,7 @@ def inspect(pid: int, limits: dict, layers: dict, seconds: float = 5.0) -> dict[
     so reading them any time after they appear is enough. Without B's own /proc (fallback) nothing
     about C can be checked, and every C layer reads False.
     """
-    found = {"rlimits": False, "no_capabilities": False, "no_new_privs": False, "seccomp": False}
+    found = {"rlimits": False, "no_capabilities": False, "no_new_privs": False, "seccomp": False, "own_session": False}
     if not layers.get("private_proc", False) and layers.get("pid_namespace", False):
         return found  # /proc is the host's: C's pid there is another process
     deadline = time.monotonic() + seconds
@@ -223,17 +269,24 @@ def inspect(pid: int, limits: dict, layers: dict, seconds: float = 5.0) -> dict[
     found["seccomp"] = fields.get("Seccomp", "0").strip() == "2"
     found["no_new_privs"] = fields.get("NoNewPrivs", "0").strip() == "1"
     # Held capabilities; the bounding set only limits what execve could add, which no_new_privs forbids
-    # (and nobody, in the fallback, may not empty it).
+    # (and an unprivileged uid, in the fallback, may not empty it).
     found["no_capabilities"] = all(int(fields.get(name, "1"), 16) == 0 for name in ("CapInh", "CapPrm", "CapEff",
                                                                                    "CapAmb"))
+    try:
+        with open(f"/proc/{pid}/stat") as file:  # the session id is the 4th field after the command's ")"
+            found["own_session"] = int(file.read().rsplit(")", 1)[1].split()[3]) == pid
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         with open(f"/proc/{pid}/limits") as file:
             text = file.read()
         address = re.search(r"^Max address space\s+(\S+)\s+(\S+)", text, re.MULTILINE)
         processes = re.search(r"^Max processes\s+(\S+)\s+(\S+)", text, re.MULTILINE)
+        signals = re.search(r"^Max pending signals\s+(\S+)\s+(\S+)", text, re.MULTILINE)
         found["rlimits"] = bool(address and processes) and address.group(2).isdigit() and \
             int(address.group(2)) <= int(limits["memory_bytes"]) and processes.group(2).isdigit() and \
-            int(processes.group(2)) <= int(limits["max_processes"])
+            int(processes.group(2)) <= int(limits["max_processes"]) and bool(signals) and \
+            signals.group(2).isdigit() and int(signals.group(2)) <= SIGNALS_PENDING
     except OSError:
         pass
     return found

@@ -9,9 +9,10 @@ JSON result on stdout. Per job:
     worker (subreaper: enforces the wall clock, caps output, kills and reaps everything after)
       ├─ J  forked by the zygote; own mount namespace and built root; reads this job's tests; runs them,
       │     calls the candidate through a pipe (judge.py)
-      └─ A  forked by the zygote; joins the worker's cgroup; setsid; root -> nobody; unshare(user, mount, ...)
+      └─ A  forked by the zygote; joins the worker's cgroup; setsid; root -> its own uid; unshare(user, mount, ...)
            └─ B  pid 1 of the new pid namespace: builds the root (world.py), reports C's layers from /proc
-                 └─ C  rlimits, no capabilities, no_new_privs, syscall allowlist; reads its code; serves J
+                 └─ C  own session, rlimits, no capabilities, not dumpable, no_new_privs, syscall allowlist;
+                       reads its code; serves J
 
 The zygote is forked at start, before any job is read, and only ever gets the
 limits and pipe ends: C reads the code and setup from its own pipe after the
@@ -41,6 +42,7 @@ import candidate  # noqa: E402
 import isolation  # noqa: E402
 import judge  # noqa: E402
 import wire  # noqa: E402
+import world  # noqa: E402
 
 del sys.path[0]  # the code under test finds nothing of hasten's on its path
 
@@ -64,7 +66,7 @@ def _tree(job: dict, fds: list[int]) -> None:
         isolation.close_fds_except(set(fds))
         accounting.join(job["cgroup"]["procs"], job["cgroup"]["dirs"], layers)  # while still root, if we are
         strict = not job["fallback"]
-        isolation.enter_namespaces(strict, layers)
+        isolation.enter_namespaces(strict, layers, job["workdir"])
         if os.fork() == 0:
             isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             workdir = isolation.setup_filesystem(
@@ -99,6 +101,9 @@ def _code(job: dict, workdir: str, fds: list[int]) -> None:
     requests, replies, stdout, stderr, tree, source = fds
     try:
         isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # A session of its own: kill(0, ...) and killpg from the code reach C and its children only,
+        # never A, which shares B's group and lives in the host's pid namespace.
+        os.setsid()
         os.close(tree)
         job = dict(job, **_read_source(source))  # the code enters this process only, after every fork
         os.chdir(workdir)
@@ -170,6 +175,7 @@ class Worker:
     def __init__(self) -> None:
         isolation.libc.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)  # same-uid code may not ptrace us
+        world.package_dirs_to_hide()  # walked once here, so the zygote's trees and judges inherit the list
         # Forked now, before the first job is read: a zygote forked later would carry tests in its memory.
         ours, theirs = socket.socketpair()
         pid = os.fork()
@@ -196,9 +202,7 @@ class Worker:
             if self.channel is None:
                 raise OSError("the zygote is gone")
             if job.get("fallback"):  # only used where no mount namespace holds
-                workdir = tempfile.mkdtemp(prefix="hasten-sandbox-")
-                if os.geteuid() == 0:
-                    os.chown(workdir, isolation.NOBODY, isolation.NOBODY)
+                workdir = tempfile.mkdtemp(prefix="hasten-sandbox-")  # A hands it to the execution's uid
             for name in ("requests", "replies", "stdout", "stderr", "tree", "verdicts", "source", "tests"):
                 ends[name] = os.pipe()  # (read, write)
             tree_fds = [ends["requests"][0], ends["replies"][1], ends["stdout"][1], ends["stderr"][1],

