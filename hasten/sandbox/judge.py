@@ -165,16 +165,27 @@ class Channel:
 class Namespace(dict):
     """The tests' globals: builtins and stdlib modules are the judge's own; other names come from the candidate.
 
-    A stdlib module name the tests call directly (`chunk(...)`: a function of the code that shares
-    a module's name) is the candidate's; one they only take attributes of (`math.isclose` where
-    the code imported math) is the judge's own import, so a fake `math` cannot judge.
+    The entry point is always the candidate's, even when it shadows a builtin (`divmod`): the tests
+    then call what the code defined, and a code that defines no such name fails them (NameError),
+    never passing on the builtin. Any other builtin name stays the judge's, so a code that
+    redefines `len` cannot change how the tests check its answer. A stdlib module name the tests
+    call directly (`chunk(...)`: a function of the code that shares a module's name) is the
+    candidate's; one they only take attributes of (`math.isclose` where the code imported math) is
+    the judge's own import, so a fake `math` cannot judge.
     """
 
-    def __init__(self, channel: Channel, called: set[str]) -> None:
+    def __init__(self, channel: Channel, called: set[str], entry_point: str = "") -> None:
         super().__init__(__name__="__tests__", __builtins__=builtins)
-        self.channel, self.called = channel, called
+        self.channel, self.called, self.entry_point = channel, called, entry_point
 
     def __missing__(self, name: str) -> Any:
+        if name and name == self.entry_point:
+            try:
+                value = self.channel.get(name)
+            except KeyError:
+                raise NameError(f"name {name!r} is not defined by the code") from None  # no builtin fallback
+            self[name] = value
+            return value
         if name.startswith("__") or hasattr(builtins, name):
             raise KeyError(name)
         if name in sys.stdlib_module_names and name not in self.called:
@@ -235,7 +246,7 @@ def judge(job: dict, requests: int, replies: int, report: int) -> None:
             send({"event": "lost", "reason": channel.lost})
         return
     sources = [job.get("preamble", ""), program.get("setup", ""), program.get("source", ""), *program["tests"]]
-    namespace = Namespace(channel, _called_names(sources))
+    namespace = Namespace(channel, _called_names(sources), program.get("entry_point", ""))
 
     def begin(index: int) -> None:
         signal.setitimer(signal.ITIMER_REAL, per_test)

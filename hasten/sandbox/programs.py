@@ -54,7 +54,7 @@ class TestProgram:
     tests: tuple[str, ...]  # asserts: the statements; check: each test's source, for reports
     setup: str = ""  # asserts: run once after the code (imports, helpers)
     source: str = ""  # check: the rewritten test file
-    entry_point: str = ""  # check: the function handed to check()
+    entry_point: str = ""  # check: the function handed to check(); both: a name always taken from the code
     extra: dict[str, Any] = field(default_factory=dict)  # room for task metadata; not sent
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,8 +71,12 @@ class TestProgram:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def assert_program(tests: list[str], setup: str = "", where: str = "tests") -> TestProgram:
-    """A program of independent statements; each must parse on its own."""
+def assert_program(tests: list[str], setup: str = "", where: str = "tests", entry_point: str = "") -> TestProgram:
+    """A program of independent statements; each must parse on its own.
+
+    entry_point, when given, is the function under test: the judge takes that name from the code
+    even when it is also a builtin's (a row testing its own `divmod`), and never the builtin.
+    """
     if not tests:
         raise ProgramError(f"data error: {where} is empty (a problem needs at least one test)")
     for index, test in enumerate(tests):
@@ -86,7 +90,7 @@ def assert_program(tests: list[str], setup: str = "", where: str = "tests") -> T
         ast.parse(setup)
     except SyntaxError as exc:
         raise ProgramError(f"data error: test setup of {where} is not valid Python ({exc.msg})") from None
-    return TestProgram(mode="asserts", tests=tuple(tests), setup=setup)
+    return TestProgram(mode="asserts", tests=tuple(tests), setup=setup, entry_point=entry_point)
 
 
 def check_program(test_source: str, entry_point: str, where: str = "test") -> TestProgram:

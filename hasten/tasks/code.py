@@ -98,7 +98,8 @@ def hasten_rows(path: Path | str, system_prompt: str | None) -> list[dict]:
                 program = check_program(row["test"], row["entry_point"], where=f"{where} 'test'")
             else:
                 _require(row, where, "tests")
-                program = assert_program(row["tests"], row.get("setup", ""), where=f"{where} 'tests'")
+                program = assert_program(row["tests"], row.get("setup", ""), where=f"{where} 'tests'",
+                                         entry_point=row["entry_point"])
         except ProgramError as error:
             raise TaskError(str(error)) from None
         result = problem_row(str(row.get("task_id", f"line {number}")), row["prompt"], row["entry_point"],
@@ -127,7 +128,8 @@ def mbpp_rows(path: Path | str, system_prompt: str | None) -> list[dict]:
         docstring = row["text"].strip().replace('"""', "'''")
         prompt = f'{signature.group(0)}\n    """{docstring}\n    {row["test_list"][0]}\n    """\n'
         try:
-            program = assert_program(row["test_list"], row.get("test_setup_code", ""), where=f"{where} 'test_list'")
+            program = assert_program(row["test_list"], row.get("test_setup_code", ""), where=f"{where} 'test_list'",
+                                     entry_point=entry_point)
         except ProgramError as error:
             raise TaskError(str(error)) from None
         result = problem_row(f"mbpp/{row.get('task_id', number)}", prompt, entry_point, program.as_dict(),
