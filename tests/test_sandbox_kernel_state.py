@@ -371,3 +371,18 @@ def test_task_rows_carry_their_entry_point_to_the_judge(tmp_path):
                                 "test_list": ["assert divmod(7, 2) == (3, 1)"]}) + "\n")
     for row in hasten_rows(own, None) + mbpp_rows(mbpp, None):
         assert row["tests"]["entry_point"] == "divmod", row["tests"]
+
+
+def test_no_uid_of_its_own_is_said_once_in_one_line():
+    """Not root: the probe warns, in one line, that per-uid budgets are shared; as root nothing is said."""
+    from hasten.sandbox.pool import Sandbox as Pool
+
+    held = {"seccomp": True, "memory_cgroup": True, "pids_cgroup": True}
+    with pytest.warns(RuntimeWarning) as caught:
+        Pool._say_what_is_missing({**held, "own_uid": False})
+    assert len(caught) == 1 and "\n" not in str(caught[0].message) and "your uid" in str(caught[0].message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Pool._say_what_is_missing({**held, "own_uid": True})

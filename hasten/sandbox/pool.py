@@ -241,6 +241,10 @@ class Sandbox:
             warnings.warn(f"the code sandbox has no syscall allowlist on this machine ({os.uname().machine}; "
                           "seccomp.py knows x86-64): unix socket pairs, memfd, SysV shm, ptys and locks are "
                           "not filtered (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
+        if not layers.get("own_uid", False):
+            warnings.warn(f"the code sandbox runs as your uid ({os.geteuid()}), not a uid of its own (that needs "
+                          "root): a completion's pending signals, pipe buffers and processes count against your "
+                          "per-uid limits (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
         missing = [name for name in ("memory_cgroup", "pids_cgroup") if not layers.get(name, False)]
         if missing:
             warnings.warn(f"the code sandbox has no per-execution cgroup here ({', '.join(missing)}: needs root and "
