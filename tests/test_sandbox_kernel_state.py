@@ -361,6 +361,7 @@ def test_an_entry_point_that_shadows_a_builtin_is_the_candidates(sandbox):
 
 def test_task_rows_carry_their_entry_point_to_the_judge(tmp_path):
     """hasten's own rows and MBPP rows build assert programs that know their entry point."""
+    pytest.importorskip("numpy", reason="the task loaders need numpy (the sandbox alone does not)")
     from hasten.tasks.code import hasten_rows, mbpp_rows
 
     own = tmp_path / "own.jsonl"
@@ -386,3 +387,30 @@ def test_no_uid_of_its_own_is_said_once_in_one_line():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Pool._say_what_is_missing({**held, "own_uid": True})
+
+
+def test_the_host_page_cache_of_system_files_is_not_visible(sandbox, layers):
+    """mincore on a host file the code cannot write reports every page resident, whatever the host cached."""
+    if not layers.get("seccomp") or os.geteuid() != 0:
+        pytest.skip("evicting a host file's pages first needs root")
+    target = max((entry for entry in os.scandir("/usr/lib/x86_64-linux-gnu") if entry.is_file(follow_symlinks=False)),
+                 key=lambda entry: entry.stat().st_size, default=None)
+    if target is None:
+        pytest.skip("no system library to look at")
+    fd = os.open(target.path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the host's cache of it, dropped
+    finally:
+        os.close(fd)
+    code = (f"import ctypes, json, os\nPATH = {target.path!r}\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.mmap.restype = ctypes.c_void_p\n"
+            "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+            "libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]\n"
+            "fd = os.open(PATH, os.O_RDONLY)\nsize = os.fstat(fd).st_size\n"
+            "address = libc.mmap(None, size, 1, 1, fd, 0)\n"  # PROT_READ, MAP_SHARED
+            "page = os.sysconf('SC_PAGE_SIZE')\npages = (size + page - 1) // page\nvector = ctypes.create_string_buffer(pages)\n"
+            "result = libc.mincore(address, size, vector)\n"
+            "print(json.dumps({'result': result, 'pages': pages, 'resident': sum(b & 1 for b in vector.raw[:pages])}))\n")
+    found = _probe(sandbox, code)
+    assert found["result"] == 0 and found["resident"] == found["pages"], found
