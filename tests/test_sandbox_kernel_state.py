@@ -176,6 +176,42 @@ def test_process_group_signals_stop_at_the_candidate(sandbox, layers):
     assert sandbox.run(stopper, ONE_TEST).status == "pass"
 
 
+def _states_of_children(pid: int) -> dict[int, str]:
+    states = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                states[int(child)] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                pass
+    return states
+
+
+def test_kill_0_sigstop_stops_the_candidate_only(layers):
+    """The code stops its own group; the worker's children (A, J, the zygote) are never stopped."""
+    box = Sandbox(workers=1, limits=replace(LIMITS, wall_seconds=3.0, test_seconds=1.5), cache_size=0)
+    try:
+        box.run("def f():\n    return 1\n", ONE_TEST)
+        worker = box._all[0].process.pid
+        outcome: dict = {}
+        running = threading.Thread(target=lambda: outcome.setdefault("result", box.run(
+            "import os, signal\nos.kill(0, signal.SIGSTOP)\ndef f():\n    return 1\n", ONE_TEST)))
+        running.start()
+        stopped = set()
+        while running.is_alive():
+            stopped |= {pid for pid, state in _states_of_children(worker).items() if state in ("T", "t")}
+            time.sleep(0.01)
+        running.join()
+    finally:
+        box.close()
+    assert stopped == set()
+    assert outcome["result"].status != "pass"  # the code stopped itself while loading
+
+
 # ------------------------------------------------- per-uid kernel budgets
 
 HOG = r'''

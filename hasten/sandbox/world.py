@@ -93,7 +93,10 @@ def package_dirs_to_hide() -> list[str]:
     global _package_dirs
     if _package_dirs is None:
         tops = [path for path in SYSTEM if os.path.isdir(path) and not os.path.islink(path)]
-        _package_dirs = package_dirs(tops + [os.path.realpath(sys.base_prefix)])
+        prefix = os.path.realpath(sys.base_prefix)
+        if not any(prefix == top or prefix.startswith(top + "/") for top in tops):
+            tops.append(prefix)  # a pyenv or /opt Python; /usr/bin/python3's prefix is walked with /usr
+        _package_dirs = package_dirs(tops)
     return _package_dirs
 
 
