@@ -67,7 +67,8 @@ def execution_ids(pid: int) -> tuple[int, int]:
     the pid space, else from UID_BASE, a range no distribution or systemd hands out.
     """
     try:
-        width = int(open("/proc/sys/kernel/pid_max").read())
+        with open("/proc/sys/kernel/pid_max") as file:
+            width = int(file.read())
     except (OSError, ValueError):
         width = PID_SPAN
     ids = []

@@ -59,7 +59,7 @@ def _interpreter_prefix() -> str | None:
     prefix = os.path.realpath(sys.base_prefix)
     if prefix.startswith(tuple(path + "/" for path in SYSTEM)) or prefix in SYSTEM:
         return None
-    return prefix if os.access(prefix, os.R_OK | os.X_OK) else None  # root's pyenv, as the execution's uid: not readable
+    return prefix if os.access(prefix, os.R_OK | os.X_OK) else None  # root's pyenv, to the execution's uid: unreadable
 
 
 def package_dirs(tops: list[str]) -> list[str]:
