@@ -64,7 +64,7 @@ def execution_ids(pid: int) -> tuple[int, int]:
     with it, and the pid namespace with B), so two executions at the same time never share the ids,
     and so never a per-uid kernel budget (pending signals, pipe pages, processes, epoll watches).
     The ids come from root's subordinate range (/etc/subuid, /etc/subgid) when one is as wide as
-    the pid space, else from UID_BASE, a range no distribution or systemd hands out.
+    the pid space, else from UID_BASE, a range systemd leaves unused (its container ranges end below it).
     """
     try:
         with open("/proc/sys/kernel/pid_max") as file:
