@@ -172,6 +172,30 @@ def test_sighup_saves_a_checkpoint_and_the_summary_as_sigterm_does(tmp_path):
     assert resumed == 0 and json.loads((tmp_path / "hup" / "summary.json").read_text())["steps"] == 5
 
 
+def test_closing_the_terminal_stops_the_run_with_a_checkpoint_and_exit_129(tmp_path):
+    """A real hang-up: the run's controlling terminal (a pty) closes, so SIGHUP comes and every later
+    write to the terminal fails with EIO (the live progress view's, the final summary line's)."""
+    import pty
+
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: `hasten train` on the pty, as in a terminal window
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "hasten.cli", *game_args(tmp_path, "window", "--steps",
+                                  "100000", "--output.progress=auto", "--output.save_every=1000")])
+    seen = b""
+    while b"run directory" not in seen:  # step 1 is done
+        try:
+            seen += os.read(terminal, 4096)
+        except OSError:
+            break
+    os.close(terminal)  # the window closes
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP, seen.decode(errors="replace")[-2000:]
+    summary = json.loads((tmp_path / "window" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGHUP"
+    assert (tmp_path / "window" / f"checkpoint-{summary['steps']}" / outputs.STATE_FILE).is_file()
+
+
 class Killed(BaseException):
     """kill -9 in the middle of deleting a directory (nothing after it runs)."""
 

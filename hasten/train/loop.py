@@ -127,8 +127,10 @@ class Signals:
         self.received: int | None = None
         self.at_once = False  # the final eval: nothing is left to save, so the first signal stops it
         self.previous: dict[int, Any] = {}
+        self.terminals: list = []  # stdout/stderr where they are a terminal: after a hang-up isatty() is False
 
     def __enter__(self) -> Signals:
+        self.terminals = [stream for stream in (sys.stdout, sys.stderr) if _is_terminal(stream)]
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             for signum in SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -148,18 +150,23 @@ class Signals:
         except OSError:  # a terminal already gone (EIO): the stop still happens
             pass
         if signum == signal.SIGHUP:
-            _leave_terminal()
+            _leave_terminal(self.terminals)
 
 
-def _leave_terminal() -> None:
-    """Point stdout and stderr at /dev/null where they are a terminal: after a hang-up every write to it
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _leave_terminal(streams: list) -> None:
+    """Point `streams` (those that were a terminal) at /dev/null: after a hang-up every write to the terminal
     fails (EIO), which would turn the orderly stop into a failure. summary.json holds what they would say."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in streams:
         try:
-            if stream.isatty():
-                stream.flush()
-                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        except (OSError, ValueError):  # no descriptor (tests replace the streams), or already gone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):  # no descriptor any more
             pass
 
 
