@@ -323,13 +323,16 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     """The resumed run, owned, with its checkpoint; stale temporaries of killed saves and prunes removed."""
     # Own the run before choosing its checkpoint: a second writer stops here, writing nothing, and
     # one that waited for the first to end sees the checkpoints (and summary) the first left.
-    lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
     try:
-        # What a resume writes, checked now: root may write anything, and a lock file shared 666 can be
-        # taken by a user who cannot write the directory itself.
+        lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
+    except PermissionError as error:
+        raise permission_denied(run_path, error, "writing") from None
+    try:
+        # What a resume writes, checked now: a lock file shared 666 can be taken by a user who cannot
+        # write the directory itself.
         for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
             if lock is not None and target.exists() and not os.access(target, os.W_OK):
-                raise PermissionError(13, "Permission denied", str(target))
+                raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
         run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
     except BaseException:
         if lock is not None:
@@ -341,10 +344,10 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     return run_dir, checkpoint
 
 
-def permission_denied(run_path: Path, error: PermissionError) -> RunDirError:
+def permission_denied(run_path: Path, error: PermissionError, doing: str = "reading") -> RunDirError:
     """The one line for a resume of a run this user may not read or write (another user's)."""
     where = Path(error.filename or run_path)
-    return RunDirError(f"run error: cannot resume {run_path}: permission denied writing {where}{owner_note(where)}; "
+    return RunDirError(f"run error: cannot resume {run_path}: permission denied {doing} {where}{owner_note(where)}; "
                        "its owner can resume it, or copy the run directory and resume the copy")
 
 
