@@ -69,10 +69,10 @@ import torch
 from ..config import Config
 from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
+from ..models.files import owner_note
 from ..tasks.sampler import as_random_state
 from . import distributed
 from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
-from ..models.files import owner_note
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
 from .progress import Progress
 
@@ -293,9 +293,9 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     def open_on_main() -> tuple[RunDir, Path | None]:
         if resume is None:
             return _create(cfg), None
-        path = Path(resume)
-        run_path = path.parent if (path / STATE_FILE).is_file() else path
+        path = run_path = Path(resume)
         try:
+            run_path = path.parent if (path / STATE_FILE).is_file() else path
             return _reopen(cfg, resume, run_path)
         except PermissionError as error:  # another user's run: one line, before anything is written
             raise permission_denied(run_path, error) from None

@@ -271,8 +271,11 @@ class RunDir:
         for _, path in numbered[:-keep]:
             doomed = path.with_name(DELETING + path.name)
             shutil.rmtree(doomed, ignore_errors=True)  # the leftover of an earlier killed prune
-            os.replace(path, doomed)
-            _fsync_directory(self.path)  # the rename is on disk before the first file goes
+            try:
+                os.replace(path, doomed)
+                _fsync_directory(self.path)  # the rename is on disk before the first file goes
+            except OSError:  # kept until the next prune: a checkpoint too many never fails the run
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
 
     def checkpoints_newest_first(self) -> list[Path]:
