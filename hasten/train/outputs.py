@@ -28,6 +28,15 @@ Choices:
   temporary directories a killed save leaves are removed when the run is
   opened again (`clean_stale`). Saving goes through `save_pretrained`, so
   plain HF models write full weights and peft models write adapters only.
+- Modes follow the umask, as mkdir and open would give them: a checkpoint is staged in
+  tempfile.mkdtemp's 700 directory and given 0o777 & ~umask (files 0o666 & ~umask) before
+  its rename, so a teammate can evaluate it. A run one may not write (another user's) is
+  one line naming the file and its owner, for a new run and for a resume (loop.open_run).
+- A disk already full when a run starts (config.yaml, the pid in .lock) is one line, and
+  the half-made directory is removed.
+- Pruning renames a checkpoint to a hidden `.deleting-checkpoint-<N>` before deleting it:
+  a kill during the deletion leaves no half-deleted checkpoint-<N>/ in view, and the
+  leftover is removed with the other stale temporaries when the run is opened again.
 - Every checkpoint ends with manifest.json, the sha256 of its files (integrity.py),
   checked before a resume. A save that finds the disk full raises OutOfSpace: one
   line naming the directory and the space one checkpoint needs.
@@ -48,6 +57,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -56,15 +66,40 @@ from typing import Any, Callable
 
 from hasten.config import Config, save_config
 from hasten.errors import UserError
+from hasten.models.files import owner_note, share_like_umask
 from hasten.train.integrity import RunLock
 
 STATE_FILE = "trainer_state.pt"
 STATE_SUMMARY = "trainer_state.json"
+DELETING = ".deleting-"  # a pruned checkpoint's name while it is deleted
 _NUMBERED = re.compile(r"checkpoint-(\d+)")
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be written or resumed from; one line."""
+
+
+class RunDirError(UserError):
+    """A run directory that cannot be made or written (a full disk, another user's); one line."""
+
+
+def start_error(error: OSError, root: Path) -> RunDirError:
+    """The one line for a fresh run that could not make its directory, its config.yaml or its lock."""
+    if out_of_space(error):
+        free = _megabytes(shutil.disk_usage(root).free) if root.is_dir() else "nothing"
+        return RunDirError(f"run error: no space left on the disk of {root} to start a run ({free} free); "
+                           "free some space and start it again")
+    if isinstance(error, PermissionError):
+        where = Path(error.filename or root)
+        return RunDirError(f"run error: cannot start a run in {root}: permission denied writing "
+                           f"{where}{owner_note(where)}; choose another output.dir")
+    return RunDirError(f"run error: cannot start a run in {root}: {error.strerror or error}"
+                       + (f" ({error.filename})" if error.filename else ""))
+
+
+def quoted(path: Path) -> str:
+    """A path as a shell reads it back: a run directory with spaces pasted into --resume works."""
+    return shlex.quote(str(path))
 
 
 class OutOfSpace(CheckpointError):
@@ -111,7 +146,11 @@ class RunDir:
                     break
             suffix += 1
         run = cls(candidate)
-        save_config(cfg, run.path / "config.yaml")
+        try:
+            save_config(cfg, run.path / "config.yaml")
+        except BaseException:  # a full disk, say: leave no directory holding half a config
+            shutil.rmtree(run.path, ignore_errors=True)
+            raise
         return run
 
     # ------------------------------------------------------------------ logs
@@ -160,6 +199,7 @@ class RunDir:
         temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.path))
         try:
             write(temporary)
+            share_like_umask(temporary)  # mkdtemp made it 700: a teammate could not read the checkpoint
             _fsync_tree(temporary)
             if target.exists():
                 # Move the old save aside first: a rename onto a non-empty
@@ -194,15 +234,17 @@ class RunDir:
         if saved:
             return OutOfSpace(f"checkpoint error: no space left on the disk of {self.path} to write {target.name} "
                               f"(needs about {_megabytes(needed)}, {free} free); free some space, then resume "
-                              f"the run from its last checkpoint (--resume {self.path})")
+                              f"the run from its last checkpoint (--resume {quoted(self.path)})")
         return OutOfSpace(f"checkpoint error: no space left on the disk of {self.path.parent} for a checkpoint "
                           f"(needs more than {_megabytes(needed)}, {free} free); free some space and start the "
                           "run again (its directory is removed)")
 
     def clean_stale(self) -> list[Path]:
-        """Remove what killed saves left behind (hidden .checkpoint*.tmp-* / .old-* dirs, .*.tmp-* files)."""
+        """Remove what killed saves and prunes left behind (hidden .checkpoint*.tmp-* / .old-* dirs,
+        .*.tmp-* files, .deleting-checkpoint-* dirs)."""
         stale = [entry for entry in self.path.iterdir()
-                 if entry.name.startswith(".") and (".tmp-" in entry.name or ".old-" in entry.name)]
+                 if entry.name.startswith(".") and (".tmp-" in entry.name or ".old-" in entry.name
+                                                    or entry.name.startswith(DELETING))]
         for entry in stale:
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         return stale
@@ -217,10 +259,24 @@ class RunDir:
         return sorted(found)
 
     def prune(self, keep: int) -> None:
-        """Keep the newest `keep` checkpoint-<N>/ (0 = keep all)."""
-        if keep > 0:
-            for _, path in self.numbered_checkpoints()[:-keep]:
-                shutil.rmtree(path, ignore_errors=True)
+        """Keep the newest `keep` checkpoint-<N>/ (0 = keep all), with trainer state or not (the API's
+        save_only_model drops it; those count against the limit too, as in transformers).
+
+        Each one is renamed out of view first, then deleted: a kill in between leaves a hidden
+        .deleting-checkpoint-<N>/ that clean_stale removes, never a half-deleted checkpoint-<N>/."""
+        if keep <= 0:
+            return
+        numbered = sorted((int(match.group(1)), entry) for entry in self.path.glob("checkpoint-*")
+                          if entry.is_dir() and (match := _NUMBERED.fullmatch(entry.name)))
+        for _, path in numbered[:-keep]:
+            doomed = path.with_name(DELETING + path.name)
+            shutil.rmtree(doomed, ignore_errors=True)  # the leftover of an earlier killed prune
+            try:
+                os.replace(path, doomed)
+                _fsync_directory(self.path)  # the rename is on disk before the first file goes
+            except OSError:  # kept until the next prune: a checkpoint too many never fails the run
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def checkpoints_newest_first(self) -> list[Path]:
         """Every checkpoint-<N>/ and a final checkpoint/ with state, highest step first (final first on a tie)."""

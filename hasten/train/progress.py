@@ -13,7 +13,9 @@ Choices: every number shows 3 significant digits (the learning rate in
 is the mean step time so far times the steps left. Block lines are cut to
 the terminal width, because a wrapped line would make the cursor-up count
 wrong and smear the redraw. This view only reads the step record; it never
-computes metrics of its own, so what it shows matches metrics.jsonl.
+computes metrics of its own, so what it shows matches metrics.jsonl. A
+stream that stops taking writes (a closed terminal, a closed pipe) turns the
+view off rather than failing the run.
 """
 
 from __future__ import annotations
@@ -176,8 +178,15 @@ class Progress:
         self._drawn = 0
 
     def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
+        if self.mode == "off":
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            # The terminal hung up (EIO; its SIGHUP stops the run in train/loop.py) or the reader of a
+            # pipe went away: the view stops, the run goes on. metrics.jsonl has every step.
+            self.mode = "off"
 
 
 # ------------------------------------------------------------------ helpers
