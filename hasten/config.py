@@ -215,7 +215,7 @@ class SpeedConfig:
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
     adaptive_threads: bool = True  # before each phase use max(1, cores - busy other threads) intra-op threads (train.num_threads=0 only)
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
-    generation_precision: str = "fp32"  # fp32 | bf16: lean engine's sampled rollouts in bf16 matmuls, TIS-corrected; changes learning
+    generation_precision: str = "fp32"  # fp32 | bf16 | int8: lean engine's sampled rollouts in bf16 or int8 matmuls, TIS-corrected; changes learning
     async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
 
 
@@ -254,7 +254,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.curriculum": ("off", "length", "complexity", "success_rate"),
     "speed.precision": ("fp32", "bf16", "fp16"),
     "speed.allocator": ("auto", "tcmalloc", "mimalloc", "glibc"),
-    "speed.generation_precision": ("fp32", "bf16"),
+    "speed.generation_precision": ("fp32", "bf16", "int8"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
@@ -450,7 +450,7 @@ def validate(cfg: Config) -> Config:
     sampler = cfg.speed.engine == "vllm" or cfg.speed.generation_precision != "fp32"
     if cfg.algo.loss == "vespo" and sampler and cfg.speed.vllm_importance_sampling_correction:
         raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "
-                          "speed.generation_precision=bf16) is not supported (TRL folds those ratios into VESPO's "
+                          "speed.generation_precision=bf16|int8) is not supported (TRL folds those ratios into VESPO's "
                           "weight); set speed.vllm_importance_sampling_correction=false")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")

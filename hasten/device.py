@@ -92,6 +92,35 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_info().flags & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_has_vnni() -> bool:
+    """The CPU has int8 dot products that accumulate in int32 (AVX512-VNNI or AVX-VNNI)."""
+    return bool(cpu_info().flags & {"avx512_vnni", "avx_vnni"})
+
+
+@functools.cache
+def cpu_int8_unavailable_reason() -> str | None:
+    """None when this torch build runs int8 linears (fbgemm's dynamic quantized linear) on this CPU, else why
+    not; checked once, on a small probe (kernels/int8.py runs them)."""
+    import warnings
+
+    import torch
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this torch build has no fbgemm quantized engine"
+    try:
+        x, weight = torch.randn(4, 64), torch.randn(16, 64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(weight, weight.abs().amax(1).double() / 127,
+                                                   torch.zeros(16, dtype=torch.long), 0, torch.qint8)
+            out = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(quantized, None), True)
+    except (RuntimeError, AttributeError) as error:
+        return f"quantized::linear_dynamic failed ({error})"
+    if (out - x @ weight.T).abs().max() > 0.1 * (x @ weight.T).abs().max():
+        return "quantized::linear_dynamic gave wrong results on a probe"
+    return None
+
+
 def configure_device(device: torch.device) -> None:
     """Make `device` the current CUDA device, so kernels and NCCL of this process use it; nothing on the CPU."""
     import torch

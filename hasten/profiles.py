@@ -18,7 +18,9 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   (speed.generation_precision, importance-weighted), measured
                   to learn as fp32 sampling does on B5 (docs/results/speedups-notes.md)
     aggressive    balanced + half the generations per prompt, 3/4 of the
-                  completion budget and an easy-first curriculum
+                  completion budget and an easy-first curriculum; on a CPU
+                  without native bf16, sampling in int8 (importance-weighted;
+                  its learning on B5 is not yet measured against fp32 sampling)
 
 The NaN guard stays on in every profile: it is a safety net, not an
 acceleration. `TRADES` says, per profile, what it trades away; `hasten
@@ -65,6 +67,17 @@ def _bf16_sampling(cfg: Config) -> str:
 
     lean = cfg.speed.engine in ("auto", "lean")
     return "bf16" if lean and _device(cfg).type == "cpu" and cpu_has_native_bf16() else "fp32"
+
+
+def _low_precision_sampling(cfg: Config) -> str:
+    """speed.generation_precision for aggressive: balanced's bf16 where the CPU has it, else int8 (its
+    decode matmuls on VNNI; kernels/int8.py) where the lean engine samples on the CPU."""
+    chosen = _bf16_sampling(cfg)
+    if chosen != "fp32" or cfg.speed.engine not in ("auto", "lean") or _device(cfg).type != "cpu":
+        return chosen
+    from .device import cpu_int8_unavailable_reason
+
+    return "int8" if cpu_int8_unavailable_reason() is None else "fp32"
 
 
 BASELINE: dict[str, Value] = {
@@ -133,6 +146,7 @@ AGGRESSIVE: dict[str, Value] = {
     "generation.max_new_tokens": lambda cfg: max(1, cfg.generation.max_new_tokens * 3 // 4),  # 64 -> 48
     "speed.curriculum": "success_rate",
     "speed.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
+    "speed.generation_precision": _low_precision_sampling,
 }
 
 PROFILES: dict[str, dict[str, Value]] = {
@@ -149,7 +163,7 @@ TRADES: dict[str, str] = {
     "balanced": "changes the batch: zero-variance groups are dropped and refilled (DAPO); gated samples get a "
                 "fixed reward; on a CPU with native bf16, samples in bf16 (importance-weighted)",
     "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
-                  "first; plus balanced's changes",
+                  "first; on a CPU without native bf16, samples in int8 (importance-weighted); plus balanced's changes",
 }
 
 

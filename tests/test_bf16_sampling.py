@@ -25,7 +25,7 @@ def engines(model, tokenizer):
 def test_bf16_matmul_is_f_linear_in_bf16_with_fp32_output():
     torch.manual_seed(0)
     x, weight, bias = torch.randn(5, 64), torch.randn(32, 64), torch.randn(32)
-    matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
+    matmul = Matmul(torch.float32, torch.device("cpu"), "bf16")
     prepared = matmul.prepare(weight)
     assert prepared.dtype == torch.bfloat16  # oneDNN-packed where torch can (matmul.packed), else plain
     out = matmul(x, prepared, bias)
@@ -56,7 +56,7 @@ def test_bf16_weights_follow_updates_in_place_and_never_alias_the_model(model, t
     head = model.lm_head.weight.bfloat16()
     assert torch.equal(engine.linear(x, engine.head), F.linear(x.bfloat16(), head).float())
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
-    matmul = Matmul(torch.float32, torch.device("cpu"), bf16=True)
+    matmul = Matmul(torch.float32, torch.device("cpu"), "bf16")
     weight = bf16_model.model.layers[0].mlp.down_proj.weight
     original = weight.detach().clone()
     prepared = matmul.prepare(weight)

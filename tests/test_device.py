@@ -86,10 +86,13 @@ def test_balanced_samples_in_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, n
     import hasten.device
 
     monkeypatch.setattr(hasten.device, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: None)
     on_cpu = load_config(overrides=[("model.device", "cpu")])
     expected = "bf16" if native_bf16 else "fp32"
     assert resolve("balanced", on_cpu)["speed.generation_precision"] == expected
-    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == expected
+    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == ("bf16" if native_bf16 else "int8")
+    monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: "no fbgemm")
+    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == expected  # never a refused setting
     for name in ("baseline", "conservative"):
         assert resolve(name, on_cpu)["speed.generation_precision"] == "fp32"
     hf_engine = load_config(overrides=[("model.device", "cpu"), ("speed.engine", "hf")])

@@ -49,6 +49,14 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
         if device.type == "cpu" and not cpu_has_native_bf16():
             raise ConfigError("config error: speed.generation_precision=bf16: this CPU has no native bf16 "
                               "(avx512_bf16 or amx_bf16 in /proc/cpuinfo), where it would be slower than fp32")
+    if cfg.speed.generation_precision == "int8":
+        from ..kernels.int8 import unavailable_reason
+
+        device = next(policy.model.parameters()).device
+        reason = "the model is on " + device.type if device.type != "cpu" else unavailable_reason()
+        if reason is not None:
+            raise ConfigError(f"config error: speed.generation_precision=int8 runs on the CPU's int8 kernels ({reason}); "
+                              "use fp32 or bf16")
     if choice == "vllm" and cfg.speed.vllm_server:  # generation in another process: only HTTP here
         from ..rollout.vllm_server import VLLMServerEngine
 

@@ -41,14 +41,17 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
   it costs without LoRA; the merge runs once per update.
-- speed.generation_precision=bf16 (off by default; changes learning): sampled
-  rollouts run the matmuls on bf16 copies of the fused weights, inputs cast to
-  bf16 and outputs back to fp32; norms, attention, the cache and sampling stay
-  fp32. Decode is memory-bound, and CPUs with AMX run bf16 matmuls several times
-  faster. The samples come from a rounded policy, so the learner weights each
-  token by min(pi_fp32 / pi_bf16, cap) (truncated importance sampling, as for
-  vLLM). Greedy calls (evaluation) always use the fp32 weights, so reported
-  accuracy is the fp32 policy's.
+- speed.generation_precision=bf16|int8 (off by default; changes learning):
+  sampled rollouts run the matmuls on bf16 copies of the fused weights (inputs
+  cast to bf16, outputs back to fp32) or on int8 ones (kernels/int8.py: int8
+  weights per output channel, activations quantized per call, VNNI dot
+  products); norms, attention, the cache and sampling stay fp32. Decode is
+  memory-bound, and int8 weights are a quarter of the fp32 bytes; CPUs with AMX
+  run bf16 matmuls several times faster. The samples come from a rounded
+  policy, so the learner weights each token by min(pi_fp32 / pi_sampler, cap)
+  (truncated importance sampling, as for vLLM). Greedy calls (evaluation)
+  always use the fp32 weights, so reported accuracy is the fp32 policy's; the
+  engine holds one sampling copy at a time (a switch frees the other).
 Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
 F.linear it compiled slowly with a recompile per new batch size), bf16 weights
 (log-probs would no longer match the fp32 learner).
@@ -61,10 +64,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..models.llama import rms_norm, rope_table, rotate
 from ..kernels.shared_prefix import common_prefix
-from .engine import left_pad
+from ..models.llama import rms_norm, rope_table, rotate
 from .decode import DecodeState, decode
+from .engine import left_pad
 from .types import Rollout, RowRange, SamplingParams
 
 
@@ -100,7 +103,9 @@ def check_supported(model) -> None:
     if type(model).__name__ not in HF_CLASSES or not type(model).__module__.startswith("transformers."):
         raise ValueError(f"LeanEngine needs a Llama-family model ({', '.join(HF_CLASSES)}), "
                          f"got {type(model).__name__}")
-    from ..models.llama import unsupported_reason  # one list of what a lean Llama forward reproduces
+    from ..models.llama import (
+        unsupported_reason,  # one list of what a lean Llama forward reproduces
+    )
 
     reason = unsupported_reason(model.config.to_dict())
     if reason is not None:
@@ -139,37 +144,64 @@ def _effective(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class Matmul:
-    """x @ weight.T with the weight prepared once: oneDNN-packed where that works, else plain.
+    """x @ weight.T with the weight prepared once, in one precision: fp32, bf16 or int8.
 
-    oneDNN with packed weights beats F.linear's MKL sgemm at decode shapes on CPUs where MKL
+    fp32: oneDNN with packed weights beats F.linear's MKL sgemm at decode shapes on CPUs where MKL
     takes a generic path, and packing costs a pass over the weights, hence sync_weights'
     version check. `_linear_pointwise` is internal to torch:
     the constructor probes it and falls back to F.linear (also for non-CPU).
 
     bf16 (speed.generation_precision=bf16) packs bf16 copies the same way, with outputs
-    bit-identical to F.linear's.
+    bit-identical to F.linear's. int8 (speed.generation_precision=int8) keeps fbgemm's packed int8
+    weights (kernels/int8.py): a quarter of the fp32 bytes, and VNNI dot products. Both take fp32
+    inputs and give fp32 outputs, so the residual stream, norms, attention and sampling stay fp32.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, bf16: bool = False):
-        self.bf16 = bf16  # bf16 weights and inputs, fp32 out (AMX / AVX512-BF16)
-        self.packed = (device.type == "cpu" and (bf16 or dtype == torch.float32)
+    def __init__(self, dtype: torch.dtype, device: torch.device, precision: str = "fp32"):
+        if precision not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"precision must be fp32, bf16 or int8, got {precision!r}")
+        self.precision = precision
+        self.bf16 = precision == "bf16"  # bf16 weights and inputs, fp32 out (AMX / AVX512-BF16)
+        if precision == "int8":
+            from ..kernels import int8
+
+            reason = int8.unavailable_reason() if device.type == "cpu" else "int8 sampling runs on the CPU only"
+            if reason is not None:
+                raise ValueError(f"int8 matmuls: {reason}")
+            self.packed = True
+            self.exact = Matmul(dtype, device)  # the projections kept in fp32 (prepare's `exact`)
+            # name -> the activation statistics of that projection's newest int8 form, kept across a
+            # switch to fp32 (evaluation) so the next int8 sync still smooths
+            self.statistics: dict[str, torch.Tensor] = {}
+            return
+        self.packed = (device.type == "cpu" and (self.bf16 or dtype == torch.float32)
                        and torch.backends.mkldnn.is_available())
         if self.packed:
             x, weight = torch.randn(3, 16), torch.randn(8, 16)
-            expected = F.linear(x.bfloat16(), weight.bfloat16()).float() if bf16 else F.linear(x, weight)
+            expected = F.linear(x.bfloat16(), weight.bfloat16()).float() if self.bf16 else F.linear(x, weight)
             try:
                 self.packed = torch.allclose(self(x, self.prepare(weight)), expected, atol=1e-5)
             except (RuntimeError, AttributeError):
                 self.packed = False
 
-    def prepare(self, weight: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor, previous=None, exact: bool = False, name: str = ""):
         """The weight in this Matmul's form; bf16 writes into `previous` (the last sync's copy) when it fits.
 
         In place, the bf16 copies keep their memory from step to step; allocated anew
         they took holes the learning pass had used, which then grew the heap: seconds of
-        fresh page faults per bf16 learning pass.
+        fresh page faults per bf16 learning pass. int8's form is made anew (a quarter of the fp32 bytes),
+        smoothed by the activations its last int8 form under the same `name` saw (kernels/int8.py);
+        `exact` keeps that weight fp32.
         """
         weight = weight.detach()
+        if self.precision == "int8":
+            from ..kernels import int8
+
+            if exact:
+                return self.exact.prepare(weight)
+            prepared = int8.prepare(weight, self.statistics.get(name))
+            self.statistics[name] = prepared.activation_absmax
+            return prepared
         if self.bf16:
             # A copy even when the weight is bf16 already: this engine's own memory, never an alias.
             fresh = weight.to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
@@ -183,6 +215,12 @@ class Matmul:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.packed else weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.precision == "int8":
+            from ..kernels import int8
+
+            if isinstance(weight, int8.Int8Weight):
+                return int8.linear(x, weight, bias)
+            return self.exact(x, weight, bias)
         if self.bf16:  # the residual stream, norms, attention and sampling stay fp32
             x = x.to(torch.bfloat16)
             if self.packed:
@@ -313,8 +351,8 @@ class LeanEngine:
                  shared_prefix: bool = False):
         check_supported(model)
         self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
-        if sample_precision not in ("fp32", "bf16"):
-            raise ValueError(f"sample_precision must be fp32 or bf16, got {sample_precision!r}")
+        if sample_precision not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"sample_precision must be fp32, bf16 or int8, got {sample_precision!r}")
         self.model = model  # the policy: its parameters' versions say when to re-merge and repack
         self.base = model.get_base_model() if hasattr(model, "peft_config") else model  # under LoRA adapters
         self.pad_token_id = pad_token_id
@@ -326,11 +364,12 @@ class LeanEngine:
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         weight = self.base.model.embed_tokens.weight
-        # speed.generation_precision: sampled rollouts may run bf16 matmuls (the learner corrects with
-        # truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
+        # speed.generation_precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
+        # with truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
+        self.sample_precision = sample_precision
         self.matmuls = {"fp32": Matmul(weight.dtype, weight.device)}
-        if sample_precision == "bf16":
-            self.matmuls["bf16"] = Matmul(weight.dtype, weight.device, bf16=True)
+        if sample_precision != "fp32":
+            self.matmuls[sample_precision] = Matmul(weight.dtype, weight.device, sample_precision)
         self.linear = self.matmuls["fp32"]
         self.layers: list[LayerWeights] = []
         self.head = weight  # lm_head's weight, prepared
@@ -342,13 +381,14 @@ class LeanEngine:
         self.weight_versions = []
 
     def ready_for(self, sampling: SamplingParams) -> None:
-        """Weights current and in the call's precision: bf16 for sampled calls under
-        speed.generation_precision=bf16, fp32 for greedy ones (evaluation) and otherwise."""
-        self.use_precision("bf16" if "bf16" in self.matmuls and not sampling.greedy else "fp32")
+        """Weights current and in the call's precision: speed.generation_precision (bf16 | int8) for sampled
+        calls, fp32 for greedy ones (evaluation) and otherwise."""
+        self.use_precision("fp32" if sampling.greedy else self.sample_precision)
         self.sync_weights()
 
     def use_precision(self, precision: str) -> None:
-        """Run the next generate's matmuls in `precision` (fp32 | bf16): a switch rebuilds the weights once."""
+        """Run the next generate's matmuls in `precision` (fp32 | bf16 | int8): a switch rebuilds the weights
+        once, and the other precision's copies are freed (one sampling copy of the weights at a time)."""
         if self.linear is not self.matmuls[precision]:
             self.linear = self.matmuls[precision]
             self.weight_versions = []
@@ -367,11 +407,17 @@ class LeanEngine:
         if versions == self.weight_versions and not force:
             return
         prepare = self.linear.prepare
-        # The previous sync's matrices, reused in place where the form allows (Matmul.prepare).
-        previous = self.layers if len(self.layers) == len(self.base.model.layers) else [None] * len(self.base.model.layers)
-        old_head = self.head if self.head is not self.base.model.embed_tokens.weight else None
-        self.layers = []
-        for layer, old in zip(self.base.model.layers, previous):
+        # The previous sync's matrices, reused in place where the form allows (Matmul.prepare: bf16 only);
+        # otherwise dropped before the new ones are made, so two sampling copies never coexist.
+        count = len(self.base.model.layers)
+        reuse = self.linear.bf16 and len(self.layers) == count
+        previous = self.layers if reuse else [None] * count
+        old_head = self.head if reuse and self.head is not self.base.model.embed_tokens.weight else None
+        self.layers, self.head = [], None
+        # int8: down_proj stays fp32. Its input (silu(gate) * up) carries the model's massive activations,
+        # channels and tokens thousands of times the median, which no int8 scale spans (docs/speedups.md).
+        exact_down = self.linear.precision == "int8"
+        for index, (layer, old) in enumerate(zip(self.base.model.layers, previous)):
             attention, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
             out, out_bias = _fused(attention.o_proj)
@@ -380,19 +426,19 @@ class LeanEngine:
             qk_norm = hasattr(attention, "q_norm")
             self.layers.append(LayerWeights(
                 input_norm=layer.input_layernorm.weight.detach(),
-                qkv=prepare(qkv, old and old.qkv),
+                qkv=prepare(qkv, old and old.qkv, name=f"{index}.qkv"),
                 qkv_bias=qkv_bias,
                 q_norm=attention.q_norm.weight.detach() if qk_norm else None,
                 k_norm=attention.k_norm.weight.detach() if qk_norm else None,
-                out=prepare(out, old and old.out),
+                out=prepare(out, old and old.out, name=f"{index}.out"),
                 out_bias=out_bias,
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=prepare(gate_up, old and old.gate_up),
+                gate_up=prepare(gate_up, old and old.gate_up, name=f"{index}.gate_up"),
                 gate_up_bias=gate_up_bias,
-                down=prepare(down, old and old.down),
+                down=prepare(down, old and old.down, exact=exact_down, name=f"{index}.down"),
                 down_bias=down_bias,
             ))
-        self.head = prepare(self.base.lm_head.weight, old_head)
+        self.head = prepare(self.base.lm_head.weight, old_head, name="head")
         self.weight_versions = versions
 
     @torch.no_grad()

@@ -31,21 +31,22 @@ train/optimization.py's, shared with the game and SFT loops.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..algo import LOSSES, LossInputs, LossSettings
 from ..algo.entropy import EntropyControl, EntropySettings
 from ..algo.losses import entropy_term, high_entropy_mask
+from ..algo.zero_advantage import learning_rows
 from ..config import Config
+from ..kernels.fast_linear import onednn_linears
+from ..kernels.fast_linear import resolve as resolve_fast_linear
+from ..kernels.memory import on_device, set_gradient_checkpointing
 from ..models import Policy, Reference
 from ..rollout import Rollout
-from ..kernels.memory import on_device, set_gradient_checkpointing
-from ..algo.zero_advantage import learning_rows
 from . import distributed, fsdp
-from ..kernels.fast_linear import onednn_linears, resolve as resolve_fast_linear
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import micro_batches, resolve_budget
 from .optimization import Optimization, OptimizerSettings
@@ -90,31 +91,46 @@ class LogprobPass:
 
 
 class OffPolicyStats:
-    """How far the learner's policy is from the one that sampled: mean |Δlog p| and the ratio's spread."""
+    """How far the learner's policy is from the one that sampled, over the sampled tokens.
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix  # async (older weights) | vllm (another implementation)
+    logp_abs_diff: mean |log pi_learner - log pi_sampler|. kl: the k3 estimate of KL(sampler || learner),
+    mean(r - 1 - log r) with r = pi_learner / pi_sampler per token (non-negative, unbiased for tokens drawn
+    from the sampler). ratio_mean / ratio_max: r before any cap. truncated_fraction (a cap given): the
+    share of tokens whose r exceeds the cap, i.e. whose importance weight the cap lowered.
+    """
+
+    def __init__(self, prefix: str, cap: float | None = None):
+        self.prefix = prefix  # async (older weights) | vllm | bf16_sampler | int8_sampler (another implementation)
+        self.cap = cap
         self.tokens = 0.0
         self.abs_diff = 0.0
+        self.kl = 0.0
         self.ratio_sum = 0.0
         self.ratio_max = 0.0
+        self.truncated = 0.0
 
     def add(self, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> None:
-        diff = (logps - sampling_logps) * mask  # (rows, T)
+        diff = (logps - sampling_logps) * mask  # (rows, T) log r, 0 off the mask
         ratio = diff.exp() * mask  # (rows, T) pi_current / pi_sampling per token
         self.tokens += float(mask.sum())
         self.abs_diff += float(diff.abs().sum())
+        self.kl += float(((diff.exp() - 1 - diff) * mask).sum())  # k3 per token; exactly 0 where diff is 0
         self.ratio_sum += float(ratio.sum())
         self.ratio_max = max(self.ratio_max, float(ratio.max()) if ratio.numel() else 0.0)
+        if self.cap is not None:
+            self.truncated += float(((ratio > self.cap) & mask.bool()).sum())
 
     def metrics(self) -> dict[str, float]:
         """Over the tokens that went through the pass; none (every sample skipped: speed.skip_zero_advantage)
         reports nothing rather than a ratio of 0."""
         if self.tokens == 0:
             return {}
-        tokens = self.tokens
-        return {f"{self.prefix}/logp_abs_diff": self.abs_diff / tokens,
-                f"{self.prefix}/ratio_mean": self.ratio_sum / tokens, f"{self.prefix}/ratio_max": self.ratio_max}
+        tokens, prefix = self.tokens, self.prefix
+        record = {f"{prefix}/logp_abs_diff": self.abs_diff / tokens, f"{prefix}/kl": self.kl / tokens,
+                  f"{prefix}/ratio_mean": self.ratio_sum / tokens, f"{prefix}/ratio_max": self.ratio_max}
+        if self.cap is not None:
+            record[f"{prefix}/truncated_fraction"] = self.truncated / tokens
+        return record
 
 
 @dataclass(frozen=True)
@@ -176,27 +192,31 @@ class Correction:
 
     stale: the batch was sampled from older weights (speed.async_steps), so the clipped ratio is taken
     against its sampling log-probs, not the current policy's detached ones; the gap is logged (async/*).
-    cap: another implementation of these weights sampled (speed.engine=vllm, or the lean engine's bf16
-    matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap), truncated
-    importance sampling as TRL's vllm_importance_sampling_correction; logged as vllm/* or bf16_sampler/*.
+    cap: another implementation of these weights sampled (speed.engine=vllm, or the lean engine's bf16 or
+    int8 matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap), truncated
+    importance sampling as TRL's vllm_importance_sampling_correction with vllm_importance_sampling_mode=
+    "token_truncate" (its clip_max is the cap); logged as vllm/*, bf16_sampler/* or int8_sampler/*.
     Neither: on-policy, the sampling log-probs are not read.
     """
 
     stale: bool = False
     cap: float | None = None
-    sampler: str = "bf16_sampler"  # the metrics prefix of `cap`'s sampler: vllm | bf16_sampler
+    sampler: str = "bf16_sampler"  # the metrics prefix of `cap`'s sampler: vllm | bf16_sampler | int8_sampler
 
     @classmethod
     def for_run(cls, cfg: Config) -> Correction:
         speed = cfg.speed
         other_sampler = speed.engine == "vllm" or speed.generation_precision != "fp32"
         cap = speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
-        return cls(stale=bool(speed.async_steps), cap=cap, sampler="vllm" if speed.engine == "vllm" else "bf16_sampler")
+        if not other_sampler:
+            return cls(stale=bool(speed.async_steps))
+        sampler = "vllm" if speed.engine == "vllm" else f"{speed.generation_precision}_sampler"
+        return cls(stale=bool(speed.async_steps), cap=cap, sampler=sampler)
 
     def trackers(self) -> tuple[OffPolicyStats | None, OffPolicyStats | None]:
         """A step's (staleness, sampler) statistics, None where that correction is off."""
         return (OffPolicyStats("async") if self.stale else None,
-                OffPolicyStats(self.sampler) if self.cap is not None else None)
+                OffPolicyStats(self.sampler, self.cap) if self.cap is not None else None)
 
     def anchor(self, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
                trackers: tuple[OffPolicyStats | None, OffPolicyStats | None]
