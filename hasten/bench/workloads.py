@@ -382,6 +382,10 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
 
     if "lean" in engines and cpu_has_native_bf16():  # speed.generation_precision=bf16 (AMX / AVX512-BF16 only)
         engines["lean bf16"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="bf16")
+    from ..device import cpu_int8_unavailable_reason
+
+    if "lean" in engines and cpu_int8_unavailable_reason() is None:  # speed.generation_precision=int8
+        engines["lean int8"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="int8")
     from ..rollout import vllm_engine
 
     if vllm_engine.available():  # speed.engine=vllm, as training builds it (hasten[vllm] installed)
