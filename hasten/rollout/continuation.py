@@ -8,18 +8,21 @@ whole conversation again; this keeps it instead:
     turn0 = cache.start(prompts, num_generations, sampling, seed, rows)   # each prompt prefilled once (group)
     turn  = cache.extend(conversation_rows, new_tokens, sampling, seed)   # only the tool turn is prefilled
 
-Each conversation owns a dense K/V slab (layers x (kv, capacity, head_dim));
-a turn writes its tokens after what the conversation holds. The forward is
-the lean engine's own (`LeanEngine._layers`, `_logits`: the same fused
-weights, RoPE and precision), the decode loop and the draws are
-rollout/decode.py's, seeded as `engine.generate` would be for the same
-call, so the tokens are those of re-prefilling (tests/test_agent_learning.py
-checks tokens and log-probs against it).
+Each prompt's K/V are stored once, for its whole group; each conversation owns
+a dense K/V slab for what came after the prompt (layers x (kv, capacity, head_dim)),
+and a turn writes its tokens after what the conversation holds. Attention reads
+the prompt part through a (prompt, generation) grid, as the lean engine's
+GroupCache does: one matmul per prompt serves all of its rows, so the prompt's
+K/V are read once per group and step rather than once per row (agentic prompts
+carry the tool schemas: hundreds of tokens). The forward is the lean engine's
+own (`LeanEngine._layers`, `_logits`: the same fused weights, RoPE and
+precision), the decode loop and the draws are rollout/decode.py's, seeded as
+`engine.generate` would be for the same call, so the tokens are those of
+re-prefilling (tests/test_agent_cache.py and test_agent_learning.py check
+tokens and log-probs against it).
 
-What it does not do, on purpose: rows that finished a turn stay in the
-batch (their writes are masked), so the cache is never copied to compact
-it; the group's prompt is stored once per rollout (copied after one
-prefill per prompt) rather than shared at decode time as GroupCache does.
+What it does not do, on purpose: rows that finished a turn stay in the batch
+(their writes are masked), so the cache is never copied to compact it.
 """
 
 from __future__ import annotations
@@ -36,34 +39,38 @@ class ConversationCache:
     def __init__(self, engine, capacity: int):
         self.engine = engine
         self.capacity = capacity  # the longest conversation: prompt + the whole completion budget
-        self.keys: list[torch.Tensor] = []  # per layer (N, kv, capacity, head_dim)
+        self.prompt_keys: list[torch.Tensor] = []  # per layer (B, kv, P, head_dim): each prompt once
+        self.prompt_values: list[torch.Tensor] = []
+        self.prompt_lengths = torch.zeros(0, dtype=torch.long)  # (B,)
+        self.prompt_bias = torch.zeros(0)  # (B, 1, 1, P): 0 on a prompt's tokens, -inf on its right padding
+        self.num_generations = 1
+        self.keys: list[torch.Tensor] = []  # per layer (N, kv, own capacity, head_dim): after the prompt
         self.values: list[torch.Tensor] = []
-        self.lengths = torch.zeros(0, dtype=torch.long)  # (N,) tokens each conversation's cache holds
+        self.own = torch.zeros(0, dtype=torch.long)  # (N,) tokens each conversation holds after its prompt
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(N,) tokens each conversation's cache holds, its prompt included."""
+        return self.prompt_lengths.repeat_interleave(self.num_generations) + self.own
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
               rows: RowRange | None = None) -> Rollout:
-        """Turn 0: prefill each prompt once, give its K/V to its num_generations rows, decode."""
+        """Turn 0: prefill each prompt once into the group's store, decode its num_generations rows."""
         engine = self.engine
         engine.ready_for(sampling)
         prompt_ids, prompt_mask = left_pad(prompts, engine.pad_token_id)  # (B, P)
-        device = engine.base.model.embed_tokens.weight.device
-        count = len(prompts) * num_generations
-        shape = (count, engine.num_kv_heads, self.capacity, engine.head_dim)
         weight = engine.base.model.embed_tokens.weight
+        device = weight.device
+        count = len(prompts) * num_generations
+        self.num_generations = num_generations
+        self.prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        own_capacity = max(1, self.capacity - int(self.prompt_lengths.min()))
+        shape = (count, engine.num_kv_heads, own_capacity, engine.head_dim)
         self.keys = [weight.new_zeros(shape) for _ in engine.layers]
         self.values = [weight.new_zeros(shape) for _ in engine.layers]
-        self.lengths = torch.zeros(count, dtype=torch.long, device=device)
-        lengths = [len(p) for p in prompts]
-        new_ids, _ = _right_pad(prompts, engine.pad_token_id)
-        logits = self._prefill(torch.arange(len(prompts), device=device) * num_generations,
-                               new_ids.to(device), torch.tensor(lengths, device=device))  # (B, V)
-        for offset in range(1, num_generations):  # the group's other rows: copies of the prompt's K/V
-            for keys, values in zip(self.keys, self.values):
-                keys[offset::num_generations] = keys[0::num_generations]
-                values[offset::num_generations] = values[0::num_generations]
-            self.lengths[offset::num_generations] = self.lengths[0::num_generations]
-        logits = logits.repeat_interleave(num_generations, dim=0)  # (B*G, V)
+        self.own = torch.zeros(count, dtype=torch.long, device=device)
+        logits = self._prefill_prompts(prompts).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         return self._decode(torch.arange(count, device=device), logits, sampling, seed, rows, prompt_ids,
                             prompt_mask, num_generations)
 
@@ -80,33 +87,101 @@ class ConversationCache:
         """
         engine = self.engine
         engine.ready_for(sampling)
-        device = self.lengths.device
+        device = self.own.device
         rows = torch.tensor(conversations, dtype=torch.long, device=device)
-        held = [min(int(self.lengths[row]), count) for row, count in zip(conversations, kept)]
-        self.lengths[rows] = torch.tensor(held, device=device)
+        prompt_lengths = self.prompt_lengths[rows // self.num_generations]
+        held = [min(int(length), count) for length, count in zip(self.lengths[rows], kept)]
+        self.own[rows] = torch.tensor(held, device=device) - prompt_lengths
         feeds = [context[start:] for context, start in zip(contexts, held)]
         new_ids, _ = _right_pad(feeds, engine.pad_token_id)
         logits = self._prefill(rows, new_ids.to(device), torch.tensor([len(f) for f in feeds], device=device))
         prompt_ids, prompt_mask = left_pad(contexts, engine.pad_token_id)
         return self._decode(rows, logits, sampling, seed, None, prompt_ids, prompt_mask, 1)
 
+    def _prefill_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Each prompt once (right-padded, positions from 0) into the prompt store; logits (B, V) of its last."""
+        engine = self.engine
+        new_ids, mask = _right_pad(prompts, engine.pad_token_id)  # (B, P)
+        device = self.own.device
+        new_ids, real = new_ids.to(device), mask.to(device).bool()
+        width = new_ids.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        # A padding query sees itself too, so no row of the mask is empty (no NaN in its output).
+        allowed = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)  # (B, P, P)
+        weight = engine.base.model.embed_tokens.weight
+        self.prompt_bias = torch.zeros(real.shape, dtype=weight.dtype, device=device).masked_fill(
+            ~real, float("-inf"))[:, None, None]  # (B, 1, 1, P)
+        self.prompt_keys, self.prompt_values = [], []
+
+        def attend(layer, query, key, value):
+            self.prompt_keys.append(key.contiguous())
+            self.prompt_values.append(value.contiguous())
+            attended = F.scaled_dot_product_attention(query, key, value, allowed[:, None], enable_gqa=True)
+            return attended.transpose(1, 2).flatten(2)  # (B, P, heads * head_dim)
+
+        cos, signed_sin = engine._rope_table(self.capacity, device)
+        positions = torch.arange(width, device=device).expand(len(prompts), -1)  # (B, P)
+        hidden = engine._layers(F.embedding(new_ids, weight), cos[positions][:, None], signed_sin[positions][:, None],
+                                attend)  # (B, P, H)
+        return engine._logits(hidden[torch.arange(len(prompts), device=device), self.prompt_lengths - 1])
+
+    def _attend(self, layer: int, rows: torch.Tensor, query: torch.Tensor, own_allowed: torch.Tensor,
+                full: bool) -> torch.Tensor:
+        """Attention of `rows`' queries (R, heads, M, head_dim) to their prompt (shared by the group, through
+        the grid) and their own tokens (own_allowed (R, M, span) says which) -> (R, M, heads * head_dim)."""
+        engine = self.engine
+        count, heads, width, head_dim = query.shape
+        kv_heads, generations = engine.num_kv_heads, self.num_generations
+        prompt_keys, prompt_values = self.prompt_keys[layer], self.prompt_values[layer]  # (B, kv, P, head_dim)
+        prompts, prompt_width = prompt_keys.shape[0], prompt_keys.shape[2]
+        group = heads // kv_heads
+        # The heads sharing a KV head become that head's queries, so K/V are never repeated.
+        query = (query * engine.scale).reshape(count, kv_heads, group * width, head_dim)  # (R, kv, g*M, head_dim)
+        grid = query if full else query.new_zeros((prompts * generations,) + query.shape[1:]).index_copy_(0, rows, query)
+        grid = grid.view(prompts, generations, kv_heads, -1, head_dim).transpose(1, 2)
+        grid = grid.reshape(prompts, kv_heads, -1, head_dim)  # (B, kv, G*g*M, head_dim)
+        prompt_scores = torch.matmul(grid, prompt_keys.transpose(-1, -2)) + self.prompt_bias  # (B, kv, G*g*M, P)
+        prompt_scores = prompt_scores.view(prompts, kv_heads, generations, -1, prompt_width).transpose(1, 2)
+        prompt_scores = prompt_scores.reshape(prompts * generations, kv_heads, -1, prompt_width)
+        if not full:
+            prompt_scores = prompt_scores.index_select(0, rows)  # (R, kv, g*M, P)
+        span = own_allowed.shape[-1]
+        own_keys, own_values = _slab(self.keys[layer], rows, span, full), _slab(self.values[layer], rows, span, full)
+        own_scores = torch.matmul(query, own_keys.transpose(-1, -2))  # (R, kv, g*M, span)
+        own_bias = torch.zeros(own_allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~own_allowed, float("-inf"))  # (R, M, span)
+        own_scores = (own_scores.view(count, kv_heads, group, width, span) + own_bias[:, None, None]).view_as(own_scores)
+        probs = torch.softmax(torch.cat([prompt_scores, own_scores], dim=-1), dim=-1)  # (R, kv, g*M, P + span)
+        prompt_probs = probs[..., :prompt_width]
+        if not full:
+            prompt_probs = prompt_probs.new_zeros((prompts * generations,) + prompt_probs.shape[1:]).index_copy_(
+                0, rows, prompt_probs)
+        prompt_probs = prompt_probs.reshape(prompts, generations, kv_heads, -1, prompt_width).transpose(1, 2)
+        prompt_probs = prompt_probs.reshape(prompts, kv_heads, -1, prompt_width)  # (B, kv, G*g*M, P)
+        from_prompt = torch.matmul(prompt_probs, prompt_values).view(prompts, kv_heads, generations, -1, head_dim)
+        from_prompt = from_prompt.transpose(1, 2).reshape(prompts * generations, kv_heads, -1, head_dim)
+        if not full:
+            from_prompt = from_prompt.index_select(0, rows)
+        attended = from_prompt + torch.matmul(probs[..., prompt_width:], own_values)  # (R, kv, g*M, head_dim)
+        attended = attended.reshape(count, heads, width, head_dim)
+        return attended.transpose(1, 2).flatten(2)  # (R, M, heads * head_dim)
+
     def _prefill(self, rows: torch.Tensor, new_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Feed new_ids (R, M) (right-padded, counts (R,) real) after rows' cached tokens; logits (R, V) of
         each row's last real token."""
         engine = self.engine
-        starts = self.lengths[rows]  # (R,)
+        starts = self.own[rows]  # (R,) own tokens held
         width = new_ids.shape[1]
         offsets = torch.arange(width, device=new_ids.device)
-        positions = starts[:, None] + offsets  # (R, M)
+        own_positions = starts[:, None] + offsets  # (R, M)
         span = int((starts + counts).max())
         keys_at = torch.arange(span, device=new_ids.device)
-        # A new token sees the row's cached tokens and the new ones up to itself; padding sees itself.
-        allowed = (keys_at[None, None] < starts[:, None, None]) | (
-            (keys_at[None, None] >= starts[:, None, None]) & (keys_at[None, None] <= positions[:, :, None]))
-        allowed = allowed | (keys_at[None, None] == positions[:, :, None])  # (R, M, span)
+        # A new token sees the row's held tokens and the new ones up to itself (padding: the same, harmless).
+        own_allowed = keys_at[None, None] <= own_positions[:, :, None]  # (R, M, span)
         cos, signed_sin = engine._rope_table(self.capacity, new_ids.device)
-        positions = positions.clamp(max=self.capacity - 1)
-        full = _every_row(rows, len(self.lengths))
+        positions = (self.prompt_lengths[rows // self.num_generations][:, None] + own_positions).clamp(
+            max=self.capacity - 1)  # (R, M) in the whole conversation
+        full = _every_row(rows, len(self.own))
 
         def attend(layer, query, key, value):
             keys, values = self.keys[layer], self.values[layer]
@@ -114,14 +189,12 @@ class ConversationCache:
                 count, start = int(counts[index]), int(starts[index])
                 keys[rows[index], :, start:start + count] = key[index, :, :count]
                 values[rows[index], :, start:start + count] = value[index, :, :count]
-            attended = F.scaled_dot_product_attention(query, _slab(keys, rows, span, full), _slab(values, rows, span, full),
-                                                      allowed[:, None], enable_gqa=True)
-            return attended.transpose(1, 2).flatten(2)  # (R, M, heads * head_dim)
+            return self._attend(layer, rows, query, own_allowed, full)
 
         embedding = engine.base.model.embed_tokens.weight
         hidden = engine._layers(F.embedding(new_ids, embedding), cos[positions][:, None],
                                 signed_sin[positions][:, None], attend)  # (R, M, H)
-        self.lengths[rows] = starts + counts
+        self.own[rows] = starts + counts
         last = hidden[torch.arange(len(rows), device=hidden.device), counts - 1]  # (R, H)
         return engine._logits(last)
 
@@ -133,16 +206,18 @@ class ConversationCache:
         device = logits.device
         count = len(rows)
         steps = sampling.max_new_tokens
-        if int(self.lengths[rows].max()) + steps > self.capacity:  # the caller sized it: a bug, not user input
-            raise ValueError(f"a conversation of {int(self.lengths[rows].max())} tokens + {steps} new ones does "
+        longest = int(self.lengths[rows].max())
+        if longest + steps > self.capacity:  # the caller sized it: a bug, not user input
+            raise ValueError(f"a conversation of {longest} tokens + {steps} new ones does "
                              f"not fit the cache's {self.capacity} positions")
         state = DecodeState(count, steps, engine.pad_token_id, engine.eos_token_ids.to(device), seed, row_range,
                             sampling, prompt_ids, prompt_mask)
         live = torch.arange(count, device=device)  # batch rows still sampling
-        full = _every_row(rows, len(self.lengths))
+        full = _every_row(rows, len(self.own))
         tokens = torch.full((count,), engine.pad_token_id, dtype=torch.long, device=device)
         cos, signed_sin = engine._rope_table(self.capacity, device)
         embedding = engine.base.model.embed_tokens.weight
+        prompt_lengths = self.prompt_lengths[rows // self.num_generations]  # (count,)
 
         def keep_rows(keep: torch.Tensor) -> None:
             nonlocal live
@@ -150,24 +225,23 @@ class ConversationCache:
 
         def forward(token: torch.Tensor) -> torch.Tensor:
             tokens[live] = token
-            positions = self.lengths[rows]  # (count,) where each row's token goes
+            own_positions = self.own[rows]  # (count,) where each row's token goes after its prompt
+            positions = prompt_lengths + own_positions
             writing = torch.zeros(count, dtype=torch.bool, device=device)
             writing[live] = True
-            span = int(positions.max()) + 1
-            allowed = torch.arange(span, device=device)[None] <= positions[:, None]  # (count, span)
+            span = int(own_positions.max()) + 1
+            own_allowed = (torch.arange(span, device=device)[None] <= own_positions[:, None])[:, None]  # (count, 1, span)
 
             def attend(layer, query, key, value):
                 keys, values = self.keys[layer], self.values[layer]
                 target = rows[writing]
-                keys[target, :, positions[writing]] = key[writing, :, 0]
-                values[target, :, positions[writing]] = value[writing, :, 0]
-                attended = F.scaled_dot_product_attention(query, _slab(keys, rows, span, full), _slab(values, rows, span, full),
-                                                          allowed[:, None, None], enable_gqa=True)
-                return attended.transpose(1, 2).flatten(2)  # (count, 1, heads * head_dim)
+                keys[target, :, own_positions[writing]] = key[writing, :, 0]
+                values[target, :, own_positions[writing]] = value[writing, :, 0]
+                return self._attend(layer, rows, query, own_allowed, full)
 
             hidden = engine._layers(F.embedding(tokens, embedding)[:, None], cos[positions][:, None, None],
                                     signed_sin[positions][:, None, None], attend)  # (count, 1, H)
-            self.lengths[rows[writing]] += 1
+            self.own[rows[writing]] += 1
             return engine._logits(hidden[live, -1])  # (live, V)
 
         decode(state, logits, sampling, keep_rows, forward)  # a row's last sampled token is never fed
