@@ -207,6 +207,7 @@ class SpeedConfig:
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
     optimizer: str = "auto"  # auto (fused where torch has it: CUDA, CPU) | fused | foreach | for_loop (AdamW kernels)
+    optimizer_moments: str = "fp32"  # fp32 | bf16: AdamW's two moments kept in bf16 (stochastic rounding), half its state; changes numerics
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     offload_reference: bool = False  # keep the KL reference on the CPU, on the device only for its pass
     nan_guard: bool = True  # skip an update with a non-finite loss or gradient, log it
@@ -257,6 +258,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.generation_precision": ("fp32", "bf16", "int8"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
+    "speed.optimizer_moments": ("fp32", "bf16"),
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
     **_JOB_CHOICES,
 }
@@ -452,6 +454,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "
                           "speed.generation_precision=bf16|int8) is not supported (TRL folds those ratios into VESPO's "
                           "weight); set speed.vllm_importance_sampling_correction=false")
+    if cfg.speed.optimizer_moments == "bf16" and (cfg.speed.optimizer not in ("auto", "fused")
+                                                   or cfg.speed.precision == "fp16" or cfg.train.distributed == "fsdp"):
+        raise ConfigError("config error: speed.optimizer_moments=bf16 runs in the fused AdamW kernel only (got "
+                          f"speed.optimizer={cfg.speed.optimizer}, speed.precision={cfg.speed.precision}, "
+                          f"train.distributed={cfg.train.distributed}; it needs auto or fused, not fp16, not fsdp)")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")
     if cfg.train.gradient_accumulation_steps > cfg.train.prompts_per_step * cfg.generation.num_generations:

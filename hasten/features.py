@@ -54,6 +54,7 @@ FEATURES: dict[str, str] = {
     "compile": "hasten.kernels.compile",
     "compile_mode": "hasten.kernels.compile",
     "optimizer": "hasten.kernels.adamw",
+    "optimizer_moments": "hasten.kernels.adamw",  # bf16 AdamW moments, stochastically rounded
     "gradient_checkpointing": "hasten.kernels.memory",
     "offload_reference": "hasten.kernels.memory",
     "nan_guard": "hasten.kernels.nan_guard",

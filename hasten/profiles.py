@@ -102,6 +102,7 @@ BASELINE: dict[str, Value] = {
     "speed.tf32": False,
     "speed.compile": False,
     "speed.optimizer": "for_loop",
+    "speed.optimizer_moments": "fp32",
     "speed.gradient_checkpointing": False,
     "speed.offload_reference": False,
     "speed.nan_guard": True,

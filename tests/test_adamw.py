@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,85 @@ def test_speed_optimizer_picks_the_implementation(choice, precision, expected):
     optimizer = make_adamw(copy.deepcopy(parameters()), choice, 1e-3, (0.9, 0.999), 0.0, precision)
     assert type(optimizer) is expected
     assert optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_bf16_moments_follow_fp32_moments_and_halve_the_state():
+    # speed.optimizer_moments=bf16: the same fused update on fp32 copies of bf16 moments. Over many steps
+    # the parameters stay within bf16's rounding of the fp32-moment run, and exp_avg_sq keeps growing
+    # under tiny updates (stochastic rounding; round-to-nearest would freeze it at beta2 = 0.999).
+    full, half = parameters(), parameters()
+    settings = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    reference, optimizer = FusedAdamW(full, **settings), FusedAdamW(half, **settings, moments="bf16", seed=3)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        for a, b in zip(full, half):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        reference.step()
+        optimizer.step()
+    for a, b in zip(full, half):
+        state = optimizer.state[b]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and b.dtype == torch.float32
+        assert torch.allclose(state["exp_avg_sq"].float(), reference.state[a]["exp_avg_sq"], rtol=0.05)
+        assert (a - b).abs().max() < 2e-3  # 200 steps of lr 1e-3: each parameter moved ~0.2
+        assert (a - b).abs().max() > 0  # a different (rounded) path, not the fp32 one renamed
+
+
+def test_stochastic_rounding_is_unbiased_and_resumes_exactly():
+    optimizer = FusedAdamW(parameters(), lr=1e-3, moments="bf16", seed=0)
+    value = torch.full((20000,), 1.0 + 2**-10)  # between two bf16 neighbours, a quarter of the way up
+    rounded = optimizer._round(value).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert rounded.mean().item() == pytest.approx(1.0 + 2**-10, abs=2e-4)  # nearest would give 1.0 exactly
+    first, second = parameters(), parameters()
+    straight, resumed = (FusedAdamW(first, lr=1e-2, moments="bf16", seed=1),
+                         FusedAdamW(second, lr=1e-2, moments="bf16", seed=1))
+    generator = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(p.shape, generator=generator) for p in first] for _ in range(4)]
+    for step, step_grads in enumerate(grads):
+        if step == 2:  # checkpoint and restore the second one halfway
+            saved = copy.deepcopy(resumed.state_dict())
+            resumed = FusedAdamW(second, lr=1e-2, moments="bf16", seed=99)
+            resumed.load_state_dict(saved)
+        for a, b, grad in zip(first, second, step_grads):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        straight.step()
+        resumed.step()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="optimizer_moments"):
+        FusedAdamW(parameters(), lr=1e-2).load_state_dict(saved)  # bf16 state into an fp32-moment run
+
+
+@pytest.mark.parametrize("extra", [{"speed.optimizer": "for_loop"}, {"speed.precision": "fp16"},
+                                   {"train.distributed": "fsdp"}])
+def test_bf16_moments_refuse_what_cannot_keep_them(extra):
+    from hasten.config import load_config
+    from hasten.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="speed.optimizer_moments=bf16"):
+        load_config(overrides=[("speed.optimizer_moments", "bf16"), *extra.items()])
+
+
+def test_a_run_with_bf16_moments_trains_and_keeps_them_bf16(letters_task):
+    from conftest import letters_config, run_metrics
+    from hasten.train.trainer import train
+
+    summary = train(letters_config(letters_task, "moments", **{"train.steps": 2, "speed.optimizer_moments": "bf16"}),
+                    log=lambda _: None)
+    records = run_metrics(summary)
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    state = torch.load(next(Path(summary["run_dir"]).glob("checkpoint*/trainer_state.pt")), weights_only=False)
+    dtypes = {tensor.dtype for tensor in _tensors(state)}  # the AdamW moments sit inside the job's state
+    assert torch.bfloat16 in dtypes  # the tiny model's weights are fp32: only the moments are bf16
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

@@ -16,6 +16,15 @@ changing lr and weight decay. `_fused_adamw_` is internal to torch, so
 the fp16 GradScaler, which needs a torch.optim optimizer) hasten uses
 torch.optim.AdamW.
 
+speed.optimizer_moments=bf16 keeps `exp_avg` and `exp_avg_sq` in bf16 (half of AdamW's state, a quarter
+of what a full fine-tune holds per parameter besides activations). Each parameter's step runs the same
+fused kernel on fp32 copies of its two moments, made one parameter at a time (the largest tensor's copy is
+the only extra memory), and stores them back with stochastic rounding: round-to-nearest would freeze
+exp_avg_sq, whose per-step change (1 - beta2 = 0.1% of itself) is below bf16's resolution (0.4%). The
+rounding noise comes from the optimizer's own generator, saved with its state, so a resumed run rounds as
+the uninterrupted one would. It changes numerics (the moments are approximations), so no profile turns it
+on before its effect on learning is measured (docs/speedups.md).
+
 `make_adamw` picks the kernel for speed.optimizer: for_loop and foreach are
 torch.optim.AdamW's; fused is FusedAdamW here (torch.optim's under the fp16
 GradScaler, which steps torch.optim optimizers only). Every choice gives the
@@ -58,11 +67,15 @@ class FusedAdamW:
     """torch.optim.AdamW(fused=True)'s update and state, with the methods hasten calls (one param group)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+                 eps: float = 1e-8, weight_decay: float = 0.01, moments: str = "fp32", seed: int = 0):
         self.param_groups = [{"params": list(params), "lr": lr, "betas": tuple(betas), "eps": eps,
                               "weight_decay": weight_decay}]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._pre_hooks: dict[int, Callable] = {}
+        if moments not in ("fp32", "bf16"):
+            raise ValueError(f"moments must be fp32 or bf16, got {moments!r}")
+        self.moments = moments  # speed.optimizer_moments: the dtype exp_avg and exp_avg_sq are kept in
+        self.rounding = torch.Generator().manual_seed(seed)  # bf16's stochastic rounding (CPU draws)
 
     def register_step_pre_hook(self, hook: Callable) -> _Handle:
         """hook(optimizer, args, kwargs) before every step, as torch.optim calls it; returns a handle."""
@@ -83,12 +96,12 @@ class FusedAdamW:
             if param.requires_grad and param not in self.state:
                 self.state[param] = self._zero_state(param)
 
-    @staticmethod
-    def _zero_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _zero_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        dtype = torch.bfloat16 if self.moments == "bf16" else param.dtype
         return {
             "step": torch.zeros((), dtype=torch.float32, device=param.device),
-            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
         }
 
     @torch.no_grad()
@@ -108,11 +121,27 @@ class FusedAdamW:
                                                   state["step"])):
                     bucket.append(tensor)
             beta1, beta2 = group["betas"]
+            settings = {"amsgrad": False, "lr": group["lr"], "beta1": beta1, "beta2": beta2,
+                        "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": False,
+                        "grad_scale": None, "found_inf": None}
             for params, grads, exp_avgs, exp_avg_sqs, steps in batches.values():
                 torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
-                                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                                    eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
+                if self.moments == "fp32" or params[0].dtype == torch.bfloat16:
+                    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **settings)
+                    continue
+                for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+                    wide_avg, wide_sq = exp_avg.to(param.dtype), exp_avg_sq.to(param.dtype)  # one parameter's copies
+                    torch._fused_adamw_([param], [grad], [wide_avg], [wide_sq], [], [step], **settings)
+                    exp_avg.copy_(self._round(wide_avg))
+                    exp_avg_sq.copy_(self._round(wide_sq))
+
+    def _round(self, values: torch.Tensor) -> torch.Tensor:
+        """fp32 -> bf16 with stochastic rounding: add uniform noise below bf16's last bit, then truncate,
+        so the stored value is unbiased (E[rounded] = value) and small updates accumulate in expectation."""
+        noise = torch.randint(0, 1 << 16, values.shape, generator=self.rounding, dtype=torch.int32)
+        bits = values.float().contiguous().view(torch.int32)
+        rounded = (bits + noise.to(values.device)) & -65536  # 0xFFFF0000: bf16's bits, exactly representable
+        return rounded.view(torch.float32).to(torch.bfloat16)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout: per-parameter state by position, and the group's hyperparameters."""
@@ -120,7 +149,10 @@ class FusedAdamW:
         state = {index: {key: value.clone() for key, value in self.state[param].items()}
                  for index, param in enumerate(params) if param in self.state}
         group = {key: value for key, value in self.param_groups[0].items() if key != "params"}
-        return {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+        saved = {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+        if self.moments == "bf16":
+            saved["rounding"] = self.rounding.get_state()  # the same rounding draws after a resume
+        return saved
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         params = self.param_groups[0]["params"]
@@ -132,6 +164,13 @@ class FusedAdamW:
                 self.param_groups[0][key] = tuple(value) if key == "betas" else value
         self.state = {params[int(index)]: {key: value.to(params[int(index)].device) for key, value in entry.items()}
                       for index, entry in saved["state"].items()}
+        for param, entry in self.state.items():
+            stored, wanted = entry["exp_avg"].dtype, self._zero_state(param)["exp_avg"].dtype
+            if stored != wanted:
+                raise ValueError(f"optimizer state holds {stored} moments where this run keeps {wanted} "
+                                 f"(speed.optimizer_moments must match the checkpoint's)")
+        if "rounding" in saved:
+            self.rounding.set_state(saved["rounding"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -162,14 +201,18 @@ def adamw_kernel(choice: str, device: torch.device) -> dict[str, bool]:
 
 
 def make_adamw(parameters: list[torch.nn.Parameter], choice: str, lr: float, betas: tuple[float, float],
-               weight_decay: float, precision: str = "fp32"):
+               weight_decay: float, precision: str = "fp32", moments: str = "fp32"):
     """AdamW with the kernel speed.optimizer picks. The fused kernel is called directly
     (FusedAdamW above: the same update, without torch.optim's ~1 s import of torch._dynamo),
-    except under the fp16 GradScaler, which steps torch.optim optimizers only."""
+    except under the fp16 GradScaler, which steps torch.optim optimizers only. bf16 moments
+    (speed.optimizer_moments) exist in FusedAdamW only: config.validate refuses the rest."""
     device = parameters[0].device if parameters else torch.device("cpu")
     kernel = adamw_kernel(choice, device)
     common = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
     if kernel.get("fused") and precision != "fp16":
         if available(device.type):
-            return FusedAdamW(parameters, **common)
+            return FusedAdamW(parameters, **common, moments=moments)
+    if moments != "fp32":
+        raise ValueError(f"speed.optimizer_moments={moments} needs the fused AdamW kernel, which "
+                         f"{'the fp16 GradScaler cannot step' if precision == 'fp16' else 'is not used here'}")
     return torch.optim.AdamW(parameters, **common, **kernel)

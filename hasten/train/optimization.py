@@ -106,6 +106,7 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0  # 0 = no clipping
     kernel: str = "auto"  # speed.optimizer: auto | fused | foreach | for_loop
+    moments: str = "fp32"  # speed.optimizer_moments: fp32 | bf16
     precision: str = "fp32"  # fp32 | bf16 | fp16
     tf32: bool = False
     attention_fp32: bool | str = "auto"  # speed.attention_fp32 (kernels/precision.py)
@@ -117,7 +118,8 @@ class OptimizerSettings:
         return cls(lr=train.lr, total_steps=train.steps * cfg.algo.num_iterations, warmup_steps=train.warmup_steps,
                    lr_schedule=train.lr_schedule, warmup_from_zero=train.warmup_from_zero, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
                    betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
-                   kernel=cfg.speed.optimizer, precision=cfg.speed.precision, tf32=cfg.speed.tf32,
+                   kernel=cfg.speed.optimizer, moments=cfg.speed.optimizer_moments, precision=cfg.speed.precision,
+                   tf32=cfg.speed.tf32,
                    attention_fp32=cfg.speed.attention_fp32)
 
     @classmethod
@@ -151,7 +153,7 @@ class Optimization:
         self.settings = settings
         device = parameters[0].device if parameters else torch.device("cpu")
         self.optimizer = make_adamw(parameters, settings.kernel, settings.lr, settings.betas, settings.weight_decay,
-                                    settings.precision)
+                                    settings.precision, settings.moments)
         self.schedule = Schedule(self.optimizer, lambda step: lr_factor(
             step, settings.warmup_steps, settings.total_steps, settings.lr_schedule, settings.min_lr_ratio,
             settings.warmup_from_zero))
