@@ -449,6 +449,10 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
+    if cfg.speed.generation_precision == "int8" and cfg.speed.async_steps:
+        raise ConfigError("config error: speed.generation_precision=int8 with speed.async_steps=1 is not supported "
+                          "(the background sampler's int8 statistics are not checkpointed, so a resume would sample "
+                          "differently); use one of them")
     sampler = cfg.speed.engine == "vllm" or cfg.speed.generation_precision != "fp32"
     if cfg.algo.loss == "vespo" and sampler and cfg.speed.vllm_importance_sampling_correction:
         raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "

@@ -206,6 +206,9 @@ def test_int8_sampling_refuses_what_it_cannot_honour(data, monkeypatch):
     with pytest.raises(UserError, match="speed.engine=hf"):
         train(letters_config(data, "hf", **{"speed.generation_precision": "int8", "speed.engine": "hf"}),
               log=lambda _: None)
+    with pytest.raises(UserError, match="async_steps"):
+        train(letters_config(data, "async", **{"speed.generation_precision": "int8", "speed.async_steps": 1}),
+              log=lambda _: None)
     monkeypatch.setattr(int8, "unavailable_reason", lambda: "no fbgemm here")
     with pytest.raises(UserError, match="no fbgemm here"):
         train(letters_config(data, "refused", **{"speed.generation_precision": "int8"}), log=lambda _: None)

@@ -228,6 +228,25 @@ def test_lora_grpo_resumes_bit_identically(data, monkeypatch):
     assert_same_run(run, reference)
 
 
+@pytest.mark.parametrize("extra", [{"speed.generation_precision": "int8"}, {"speed.optimizer_moments": "bf16"}],
+                         ids=["int8-sampling", "bf16-moments"])
+def test_low_precision_runs_resume_bit_identically(data, monkeypatch, extra):
+    # int8 sampling smooths each step's quantization by the activations the last step saw (the engine's
+    # state, in the checkpoint); bf16 moments round with the optimizer's own generator (its state too).
+    from hasten.kernels import int8
+
+    if "speed.generation_precision" in extra and int8.unavailable_reason() is not None:
+        pytest.skip("no int8 kernels in this torch build")
+
+    def make(name):
+        return load_config(overrides=parse_overrides(grpo_overrides(data, name, **{
+            "output.progress": "off", **extra})))
+
+    run, reference = crash_and_resume(monkeypatch, make, GRPOJob, 4,
+                                      lambda cfg, resume: train(cfg, log=lambda _: None, resume=resume))
+    assert_same_run(run, reference)
+
+
 def test_game_policy_resumes_bit_identically(tmp_path, monkeypatch):
     def make(name):
         return in_process({"task.name": "fruit-catcher", "train.steps": 4, "game.num_starts": 3,

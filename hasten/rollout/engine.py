@@ -50,6 +50,12 @@ class KVCacheEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
 
+    def state_dict(self) -> dict:
+        return {}  # nothing carried between steps that decides later samples
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def weights_changed(self) -> None:
         """Nothing to refresh: every forward reads the policy's own parameters."""
 

@@ -376,6 +376,16 @@ class LeanEngine:
         self.weight_versions: list[tuple[int, int]] = []
         self.sync_weights()
 
+    def state_dict(self) -> dict:
+        """int8 sampling: each projection's activation statistics (the next quantization's smoothing)."""
+        statistics = getattr(self.matmuls.get("int8"), "statistics", {})
+        return {"int8_statistics": {name: tensor.clone() for name, tensor in statistics.items()}} if statistics else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "int8_statistics" in state and "int8" in self.matmuls:
+            self.matmuls["int8"].statistics = {name: tensor.clone() for name, tensor in state["int8_statistics"].items()}
+            self.weights_changed()
+
     def weights_changed(self) -> None:
         """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use."""
         self.weight_versions = []

@@ -237,6 +237,12 @@ class SpeculativeEngine:
     def weights_changed(self) -> None:
         self.engine.weights_changed()
 
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
     def sync_weights(self, force: bool = False) -> None:
         self.engine.sync_weights(force)
 

@@ -110,3 +110,11 @@ class Engine(Protocol):
     def weights_changed(self) -> None:
         """The policy's weights were updated (an optimizer step, a resume): engines that keep their own
         copy (fused matrices, a vLLM server) refresh it before the next generate."""
+
+    def state_dict(self) -> dict:
+        """What the engine carries from one step to the next that decides later samples (the int8
+        sampler's activation statistics), saved in checkpoints so a resume samples as the straight
+        run would; {} for engines that carry nothing."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s output (a checkpoint's; {} from engines or runs that saved none)."""

@@ -111,6 +111,12 @@ class VLLMEngine:
                 shutil.rmtree(staging, ignore_errors=True)  # vLLM holds the weights in memory now
         self.pushes = 0  # weight pushes so far (tests and logs)
 
+    def state_dict(self) -> dict:
+        return {}  # nothing carried between steps that decides later samples
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def weights_changed(self) -> None:
         """Push the policy's current weights into vLLM (no disk), and drop KV blocks computed with the old ones."""
         self.load_weights(merged_weights(self.model))

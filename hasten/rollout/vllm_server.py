@@ -61,6 +61,12 @@ class VLLMServerEngine:
         return build_rollout(prompts, [(ids, logprobs) for ids, logprobs in completions], num_generations, sampling,
                              self.pad_token_id, self.eos_token_ids)
 
+    def state_dict(self) -> dict:
+        return {}  # nothing carried between steps that decides later samples
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def weights_changed(self) -> None:
         from safetensors.torch import save
 

@@ -385,6 +385,9 @@ class GRPOJob:
         if fsdp.is_sharded(self.session.policy.model):
             self.full_state = fsdp.full_model_state(self.session.policy.model)  # for save_model, on rank 0
         state = {"optimization": self.learner.optimization.state_dict()}
+        engine_state = self.session.engine.state_dict()  # the int8 sampler's statistics (rollout/lean.py)
+        if engine_state:
+            state["engine"] = engine_state
         if self.cfg.algo.adaptive_entropy:  # the adaptive coefficient and its last entropy (algo/entropy.py)
             state["entropy_control"] = self.learner.entropy_control.state_dict()
         if self.pipeline is not None:  # first: the batch in flight draws from the feeder
@@ -395,6 +398,7 @@ class GRPOJob:
         sharded = fsdp.is_sharded(self.session.policy.model)
         load_trained_weights(self.session.policy.model, directory, fsdp.load_full_weights if sharded else None)
         self.session.engine.weights_changed()
+        self.session.engine.load_state_dict(state.get("engine", {}))
         self.learner.optimization.load_state_dict(state["optimization"])
         if "entropy_control" in state:
             self.learner.entropy_control.load_state_dict(state["entropy_control"])
