@@ -45,7 +45,8 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   sampled rollouts run the matmuls on bf16 copies of the fused weights (inputs
   cast to bf16, outputs back to fp32) or on int8 ones (kernels/int8.py: int8
   weights per output channel, activations quantized per call, VNNI dot
-  products); norms, attention, the cache and sampling stay fp32. Decode is
+  products; down_proj in bf16 or fp32); norms, attention, the cache and
+  sampling stay fp32. Decode is
   memory-bound, and int8 weights are a quarter of the fp32 bytes; CPUs with AMX
   run bf16 matmuls several times faster. The samples come from a rounded
   policy, so the learner weights each token by min(pi_fp32 / pi_sampler, cap)
@@ -169,7 +170,11 @@ class Matmul:
             if reason is not None:
                 raise ValueError(f"int8 matmuls: {reason}")
             self.packed = True
-            self.exact = Matmul(dtype, device)  # the projections kept in fp32 (prepare's `exact`)
+            from ..device import cpu_has_native_bf16
+
+            # The projections int8 cannot carry (prepare's `exact`): bf16 where the CPU has bf16 matmuls
+            # (SmolLM2's down_proj measured as close to fp32's samples, at half the bytes), else fp32.
+            self.exact = Matmul(dtype, device, "bf16" if cpu_has_native_bf16() else "fp32")
             # name -> the activation statistics of that projection's newest int8 form, kept across a
             # switch to fp32 (evaluation) so the next int8 sync still smooths
             self.statistics: dict[str, torch.Tensor] = {}
@@ -191,7 +196,7 @@ class Matmul:
         they took holes the learning pass had used, which then grew the heap: seconds of
         fresh page faults per bf16 learning pass. int8's form is made anew (a quarter of the fp32 bytes),
         smoothed by the activations its last int8 form under the same `name` saw (kernels/int8.py);
-        `exact` keeps that weight fp32.
+        `exact` keeps that weight in bf16 or fp32 (`self.exact`).
         """
         weight = weight.detach()
         if self.precision == "int8":
@@ -424,8 +429,9 @@ class LeanEngine:
         previous = self.layers if reuse else [None] * count
         old_head = self.head if reuse and self.head is not self.base.model.embed_tokens.weight else None
         self.layers, self.head = [], None
-        # int8: down_proj stays fp32. Its input (silu(gate) * up) carries the model's massive activations,
-        # channels and tokens thousands of times the median, which no int8 scale spans (docs/speedups.md).
+        # int8: down_proj stays out of int8 (bf16 where the CPU has it, else fp32). Its input
+        # (silu(gate) * up) carries the model's massive activations, channels and tokens thousands of
+        # times the median, which no int8 scale spans (docs/speedups.md).
         exact_down = self.linear.precision == "int8"
         for index, (layer, old) in enumerate(zip(self.base.model.layers, previous)):
             attention, mlp = layer.self_attn, layer.mlp
