@@ -20,7 +20,7 @@ from ..rewards.runner import RewardFunction
 from .environments import Environments, load_environment
 from .loop import Agent, AgentBatch, AgentSettings
 from .template import HERMES_TEMPLATE, resolve_template
-from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls
+from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls, unique_tools
 
 __all__ = ["Agent", "AgentBatch", "AgentSettings", "Environments", "HERMES_TEMPLATE", "Tool", "ToolError",
            "AgentParts", "make_agent", "make_tool", "parse_tool_calls"]
@@ -43,7 +43,7 @@ class AgentParts:
         generation = self.cfg.generation
         template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
         settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings),
-                                 generation.tool_kv_cache)
+                                 generation.tool_kv_cache, generation.tool_isolation)
         return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id)
 
 
@@ -57,11 +57,8 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
         factory = load_environment(cfg.task.environment)
     if not resolved and factory is None:
         return None
-    names = [tool.name for tool in resolved]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise ToolError(f"tool error: two tools are named {duplicated[0]}; tool names must be unique")
     environments = Environments(factory) if factory is not None else None
+    _check_unique(resolved, environments)
     for name, rows in (("train", task.train_rows), ("eval", task.eval_rows)):
         if environments is not None:
             environments.check_rows(rows, f"task {task.name} {name}")
@@ -76,3 +73,13 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
     if choice not in ("auto", "hermes") and not Path(choice).is_file():
         raise ConfigError(f"config error: generation.tool_template: '{choice}' is not auto, hermes or a file")
     return AgentParts(cfg, resolved, environments)
+
+
+def _check_unique(tools: list[Tool], environments: Environments | None) -> None:
+    """Two tools of one prompt with the same name: a ToolError naming both (else one would shadow the other)."""
+    seen = unique_tools(tools)
+    for methods in (environments.schemas.values() if environments is not None else ()):
+        for name, method in methods.items():  # an environment's methods join the run's tools in its prompts
+            if name in seen:
+                raise ToolError(f"tool error: two tools are named '{name}': {seen[name].origin} and the "
+                                f"environment method {method.origin}; tool names must be unique")
