@@ -23,12 +23,14 @@ import pytest
 
 from hasten.agent import Environments, make_agent as make_run_agent, make_tool
 from hasten.agent.builtin_tools import calculator
+from hasten.agent.forkserver import start_fork_server
 from hasten.agent.tools import ToolCall, ToolError, ToolRunner
 from hasten.errors import UserError
 from hasten.rollout import SamplingParams
 from test_agent import ScriptedEngine, call, last_content, make_agent, rows_for
 
-ISOLATIONS = ["process", "thread"]
+ISOLATIONS = ["process", "forkserver", "thread"]  # process: a fork of the trainer per call; forkserver: of the
+# small server make_agent starts before the model loads (agent/forkserver.py); thread: TRL's in-trainer tools
 TESTS = Path(__file__).parent
 
 
@@ -81,7 +83,8 @@ RECORDED: list[int] = []
 
 
 def run_calls(names_and_arguments, isolation, timeout, tools, limit=16384):
-    runner = ToolRunner(timeout, isolation)
+    server = start_fork_server([make_tool(tool) for tool in tools]) if isolation == "forkserver" else None
+    runner = ToolRunner(timeout, "thread" if isolation == "thread" else "process", server)
     try:
         return runner.run([[ToolCall(name, arguments) for name, arguments in names_and_arguments]],
                           [{tool.__name__: make_tool(tool) for tool in tools}], limit)[0]
@@ -104,7 +107,7 @@ def test_a_call_that_ends_after_the_timeout_is_timed_out_always(isolation):
     assert all(r.failed and "timed out" in r.content for r in results), [r.content for r in results]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_huge_results_are_refused_before_they_reach_the_tokenizer(tokenizer, isolation):
     """A 50 MB result (a string, or a list whose JSON would be 90 MB) is an error string; the trainer's peak
     memory grows by far less than the 3 GB that tokenizing it took."""
@@ -132,7 +135,8 @@ def test_a_result_whose_text_conversion_raises_is_an_error(isolation):
     assert result.failed and result.content == "error: RuntimeError: no text for you"
 
 
-def test_process_isolation_runs_calls_at_once_and_keeps_state_in_the_child(tmp_path):
+@pytest.mark.parametrize("isolation", ["process", "forkserver"])
+def test_process_isolation_runs_calls_at_once_and_keeps_state_in_the_child(tmp_path, isolation):
     """Four calls meet in the file system (shared memory would not reach across processes); a tool's write
     to the trainer's globals stays in its child: that is the contract process isolation changes."""
     rendezvous = tmp_path / "meet"
@@ -149,16 +153,17 @@ def test_process_isolation_runs_calls_at_once_and_keeps_state_in_the_child(tmp_p
             time.sleep(0.01)
         return "met"
 
-    results = run_calls([("meet", {"x": n}) for n in range(4)], "process", 20.0, [meet])
+    results = run_calls([("meet", {"x": n}) for n in range(4)], isolation, 20.0, [meet])
     assert [r.content for r in results] == ["met"] * 4
     RECORDED.clear()
-    assert run_calls([("record", {"x": 1})], "process", 10.0, [record])[0].content == "recorded"
+    assert run_calls([("record", {"x": 1})], isolation, 10.0, [record])[0].content == "recorded"
     assert RECORDED == []
     assert run_calls([("record", {"x": 1})], "thread", 10.0, [record])[0].content == "recorded"
     assert RECORDED == [1]
 
 
-def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings():
+@pytest.mark.parametrize("isolation", ["process", "forkserver"])
+def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings(isolation):
     def crash(x: int) -> str:
         """Segfault.
 
@@ -185,12 +190,33 @@ def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings(
         return str(9 ** 9 ** 8 % 7)
 
     started = time.monotonic()
-    results = run_calls([("crash", {"x": 1}), ("leave", {"x": 1}), ("spin", {"x": 1})], "process", 1.0,
+    results = run_calls([("crash", {"x": 1}), ("leave", {"x": 1}), ("spin", {"x": 1})], isolation, 1.0,
                         [crash, leave, spin])
     assert time.monotonic() - started < 4.0
     assert [r.content for r in results] == ["error: crash crashed (SIGSEGV)",
                                             "error: leave ended its process (exit code 0) without returning a result",
                                             "error: spin timed out after 1 s"]
+
+
+def test_make_agent_starts_a_fork_server_that_the_agent_closes(tokenizer):
+    """tool_isolation=process: the server is forked by make_agent (before the model loads) and ends with the
+    agent; its children run the calls. Thread isolation, or only in-trainer tools: no server."""
+    from hasten.config import Config
+
+    task = type("Task", (), {"name": "t", "train_rows": [], "eval_rows": []})()
+    parts = make_run_agent(Config(), task, [sleepy])
+    assert parts.fork_server is not None and Path(f"/proc/{parts.fork_server.pid}").exists()
+    agent = parts.build(tokenizer, 0)
+    [[result]] = agent.runner.run([[ToolCall("sleepy", {"seconds": 0})]], [agent.tools])
+    assert result.content == "slept 0"
+    agent.close()
+    assert not Path(f"/proc/{parts.fork_server.pid}").exists()
+    thread_config = Config()
+    thread_config.generation.tool_isolation = "thread"
+    assert make_run_agent(thread_config, task, [sleepy]).fork_server is None
+    builtin_only = Config()
+    builtin_only.generation.tools = ["calculator"]  # bounded, it runs in the trainer: nothing to fork for
+    assert make_run_agent(builtin_only, task).fork_server is None
 
 
 AGENT_SCRIPT = '''

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ..config import Config, ConfigError
 from ..rewards.runner import RewardFunction
 from .environments import Environments, load_environment
+from .forkserver import ForkServer, start_fork_server
 from .loop import Agent, AgentBatch, AgentSettings
 from .template import HERMES_TEMPLATE, resolve_template
 from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls, unique_tools
@@ -33,6 +34,7 @@ class AgentParts:
     cfg: Config
     tools: list[Tool]
     environments: Environments | None
+    fork_server: ForkServer | None = None  # tool_isolation=process: started here, before the model loads
 
     @property
     def reward_functions(self) -> list[RewardFunction]:
@@ -44,7 +46,7 @@ class AgentParts:
         template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
         settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings),
                                  generation.tool_kv_cache, generation.tool_isolation)
-        return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id)
+        return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id, self.fork_server)
 
 
 def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
@@ -72,7 +74,9 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
     choice = cfg.generation.tool_template  # a missing template file: one line now, before the model loads
     if choice not in ("auto", "hermes") and not Path(choice).is_file():
         raise ConfigError(f"config error: generation.tool_template: '{choice}' is not auto, hermes or a file")
-    return AgentParts(cfg, resolved, environments)
+    isolated = [tool for tool in resolved if not tool.in_trainer]
+    server = start_fork_server(isolated) if cfg.generation.tool_isolation == "process" else None
+    return AgentParts(cfg, resolved, environments, server)
 
 
 def _check_unique(tools: list[Tool], environments: Environments | None) -> None:

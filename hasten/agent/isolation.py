@@ -1,10 +1,12 @@
-"""generation.tool_isolation=process: each user tool call in a child forked from the trainer, killed at its deadline.
+"""generation.tool_isolation=process: each user tool call in a child process, killed at its deadline.
 
-Why a fork per call, not a pool of workers: the child is the trainer as it is
-at the call (the user's tool module, closures, whatever the tool reads), with
-no state carried from one call to the next, and nothing to keep in sync. It
-costs one fork per call (page tables copied, memory shared copy-on-write) and
-the tool cannot change the trainer's state: what it writes stays in the child.
+Where the child comes from: the fork server (agent/forkserver.py) that
+make_agent starts before the model loads, so a fork costs milliseconds
+whatever the trainer's size; without one (an Agent built directly, or a
+server that died) the trainer forks the child itself, which costs time in
+proportion to its resident memory. Either way a child per call: no state is
+carried from one call to the next, and the tool cannot change the trainer's
+state, since what it writes stays in the child.
 
 The child:
 - starts its own process group, so the kill at the deadline takes whatever it
@@ -20,7 +22,7 @@ The child:
 
 The trainer reads every child's pipe at once (one selector) until each has
 sent its whole message or the turn's deadline passes, then kills each child's
-process group and reaps it. A child without a whole message was late (timed
+process group and reaps it (the fork server does both for its children). A child without a whole message was late (timed
 out), crashed (its signal is named), or ended its own process (os._exit,
 exit code named): each is that call's error string, never the run's.
 """
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Callable
 from .results import CallResult, failure_text, timed_out, to_text
 
 if TYPE_CHECKING:
+    from .forkserver import ForkServer
     from .tools import Tool, ToolCall
 
 HEADER = struct.Struct("<cQ")  # kind (R | E), length of the UTF-8 text
@@ -58,19 +61,28 @@ class _Child:
     closed: bool = False  # the pipe reached EOF: the child (and all it started) ended before the deadline
     status: int | None = None  # waitpid's, once reaped
     failed_to_start: str = ""
+    served: bool = False  # forked by the fork server (agent/forkserver.py), which reaps it
 
 
 class Children:
     """One turn's child processes: start(tool, call) forks one; collect() waits for all, then kills and reaps."""
 
-    def __init__(self, deadline: float, timeout: float, limit: int):
-        self.deadline, self.timeout, self.limit = deadline, timeout, limit
+    def __init__(self, deadline: float, timeout: float, limit: int, server: ForkServer | None = None):
+        self.deadline, self.timeout, self.limit, self.server = deadline, timeout, limit, server
         self.children: list[_Child] = []
 
     def start(self, tool: Tool, call: ToolCall) -> Callable[[], CallResult]:
         child = _Child(call.name)
         try:
-            child.pid, child.fd = _fork(tool, call, self.deadline, self.limit)
+            if self.server is not None and not self.server.broken:
+                try:
+                    child.pid, child.fd = self.server.start(call.name, call.arguments, self.deadline, self.limit)
+                    child.served = True
+                except OSError:
+                    if not self.server.broken:
+                        raise
+            if not child.served:  # no server (or it is gone): fork the trainer itself
+                child.pid, child.fd = _fork(tool, call, self.deadline, self.limit)
         except OSError as error:  # EAGAIN / ENOMEM: no process to be had, this call fails
             child.failed_to_start = f"error: {call.name} could not start its process ({error.strerror})"
         self.children.append(child)
@@ -99,9 +111,17 @@ class Children:
         for child in self.children:
             if child.fd >= 0:
                 os.close(child.fd)
-            if child.pid:
+            if child.served and self.server is not None:
+                if not child.closed and child.message is None:
+                    self.server.kill(child.pid)  # the server reaps it: a kill never reaches a reused pid
+                elif child.message is None and not child.oversized:  # it ended without a result: how?
+                    child.status = self.server.status(child.pid, wait=2.0)
+            elif child.pid:
                 _kill_group(child.pid)
-                child.status = os.waitpid(child.pid, 0)[1]
+                try:
+                    child.status = os.waitpid(child.pid, 0)[1]
+                except ChildProcessError:  # reaped by someone else (SIGCHLD ignored, an os.wait()): status unknown
+                    pass
 
     def _result(self, child: _Child) -> CallResult:
         if child.failed_to_start:
@@ -114,7 +134,9 @@ class Children:
                                           "a tool turn may hold", True)
         if not child.closed:  # still writing, or still running, at the deadline
             return CallResult(child.name, timed_out(child.name, self.timeout), True)
-        status = child.status or 0
+        if child.status is None:
+            return CallResult(child.name, f"error: {child.name} ended its process without returning a result", True)
+        status = child.status
         if os.WIFSIGNALED(status):
             return CallResult(child.name, f"error: {child.name} crashed ({signal.Signals(os.WTERMSIG(status)).name})",
                               True)

@@ -44,6 +44,7 @@ from ..rollout.continuation import ConversationCache
 from ..rollout.lean import LeanEngine
 from ..rollout.stops import apply_stop_strings
 from .environments import Environments
+from .forkserver import ForkServer
 from .results import result_limit
 from .template import ToolTemplate, tool_call_message
 from .tools import CALL_PATTERN, Tool, ToolCall, ToolRunner, parse_tool_calls, unique_tools
@@ -94,12 +95,12 @@ class Agent:
     """Tools (and environments) for a run: `generate(engine, rows, G, sampling, seed)` -> AgentBatch."""
 
     def __init__(self, tokenizer, template: ToolTemplate, tools: list[Tool], environments: Environments | None,
-                 settings: AgentSettings, pad_token_id: int):
+                 settings: AgentSettings, pad_token_id: int, fork_server: ForkServer | None = None):
         self.tokenizer, self.template, self.settings = tokenizer, template, settings
         self.tools = unique_tools(tools)
         self.environments = environments
         self.pad_token_id = pad_token_id
-        self.runner = ToolRunner(settings.timeout, settings.isolation)
+        self.runner = ToolRunner(settings.timeout, settings.isolation, fork_server)  # closes the server with it
 
     def generate(self, engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
                  seed: int, row_range: RowRange | None = None) -> AgentBatch:

@@ -46,12 +46,15 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError
 from ..userfiles import load_attribute as load_user_attribute, one_line
 from .isolation import Children
 from .results import MIN_RESULT_CHARS, CallResult, failure_text, timed_out, to_text
+
+if TYPE_CHECKING:
+    from .forkserver import ForkServer
 
 CALL_PATTERN = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ISOLATION = ("process", "thread")  # generation.tool_isolation
@@ -160,10 +163,10 @@ class ToolExit(BaseException):
 class ToolRunner:
     """Runs one turn's calls of every rollout at once under one deadline; errors come back as text."""
 
-    def __init__(self, timeout: float, isolation: str = "process"):
+    def __init__(self, timeout: float, isolation: str = "process", fork_server: ForkServer | None = None):
         if isolation not in ISOLATION:
             raise ToolError(f"tool error: tool isolation must be one of {', '.join(ISOLATION)} (got {isolation!r})")
-        self.timeout, self.isolation = timeout, isolation
+        self.timeout, self.isolation, self.fork_server = timeout, isolation, fork_server
         self._loop: asyncio.AbstractEventLoop | None = None  # started on the first async tool run in the trainer
 
     def run(self, calls: list[list[ToolCall]], tools: list[dict[str, Tool]],
@@ -171,7 +174,7 @@ class ToolRunner:
         """calls[i]: rollout i's calls this turn; tools[i]: the tools rollout i may use (by name);
         limit: characters a result may have (result_limit of the length cap)."""
         deadline = time.monotonic() + self.timeout
-        children = Children(deadline, self.timeout, limit)
+        children = Children(deadline, self.timeout, limit, self.fork_server)
         planned = [[self._plan(call, available) for call in row] for row, available in zip(calls, tools)]
         # Children fork first, while no tool thread of this turn can be holding a lock they would inherit.
         started = [[children.start(item[1], item[2]) if item[0] == "child" else item for item in row]
@@ -209,14 +212,18 @@ class ToolRunner:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=_run_loop, args=(self._loop,), name="hasten-tools", daemon=True).start()
 
-        async def run() -> str:
-            return to_text(await asyncio.wait_for(tool.fn(**call.arguments), self.timeout), limit)
+        async def run() -> tuple[str, float]:
+            text = to_text(await asyncio.wait_for(tool.fn(**call.arguments), self.timeout), limit)
+            return text, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(run(), self._loop)
 
         def finish() -> CallResult:
             try:
                 # wait_for cancels at the timeout; the extra second is for a loop that a tool blocks
-                return CallResult(call.name, future.result(max(0.0, deadline - time.monotonic()) + 1.0), False)
+                text, finished = future.result(max(0.0, deadline - time.monotonic()) + 1.0)
+                if finished > deadline:  # started late on a busy loop: late is timed out all the same
+                    raise TimeoutError
+                return CallResult(call.name, text, False)
             except (asyncio.TimeoutError, TimeoutError, asyncio.CancelledError):
                 if not future.done():  # a tool blocked the loop itself (time.sleep in async def): leave it behind
                     self._loop = None
@@ -230,6 +237,8 @@ class ToolRunner:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        if self.fork_server is not None:
+            self.fork_server.close()
 
 
 def _start_thread(tool: Tool, call: ToolCall, deadline: float, timeout: float,
