@@ -217,6 +217,8 @@ def test_make_agent_starts_a_fork_server_that_the_agent_closes(tokenizer):
     builtin_only = Config()
     builtin_only.generation.tools = ["calculator"]  # bounded, it runs in the trainer: nothing to fork for
     assert make_run_agent(builtin_only, task).fork_server is None
+    brought = make_run_agent(Config(), task, [calculator])  # as the calculator task (and B7) bring it
+    assert brought.tools[0].in_trainer and brought.fork_server is None
 
 
 AGENT_SCRIPT = '''

@@ -38,7 +38,6 @@ refused there, before a copy of it reaches the trainer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import json
 import os
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError
 from ..userfiles import load_attribute as load_user_attribute, one_line
+from .builtin_tools import BUILTIN_TOOLS
 from .isolation import Children
 from .results import MIN_RESULT_CHARS, CallResult, failure_text, timed_out, to_text
 
@@ -97,7 +97,10 @@ def make_tool(fn: Callable[..., Any], origin: str | None = None) -> Tool:
     if origin is None:
         module, qualified = getattr(fn, "__module__", None), getattr(fn, "__qualname__", name)
         where = f"{module}.{qualified}" if module else qualified
-    return Tool(name, fn, schema, inspect.iscoroutinefunction(fn), where)
+    # hasten's own tools are bounded (calculator) or sandboxed (python): they run in the trainer, whether
+    # named in generation.tools or brought by a task (the calculator task) or passed to the API
+    builtin = any(fn is builtin_fn for builtin_fn in BUILTIN_TOOLS.values())
+    return Tool(name, fn, schema, inspect.iscoroutinefunction(fn), where, in_trainer=builtin)
 
 
 def unique_tools(tools: list[Tool]) -> dict[str, Tool]:
@@ -113,10 +116,8 @@ def unique_tools(tools: list[Tool]) -> dict[str, Tool]:
 
 def load_tool(spec: str) -> Tool:
     """'path/to/file.py:function', or a built-in tool's name (calculator, python) -> Tool (generation.tools)."""
-    from .builtin_tools import BUILTIN_TOOLS
-
-    if spec in BUILTIN_TOOLS:  # bounded (calculator) or sandboxed (python): they run in the trainer
-        return dataclasses.replace(make_tool(BUILTIN_TOOLS[spec], origin=f"built-in {spec}"), in_trainer=True)
+    if spec in BUILTIN_TOOLS:
+        return make_tool(BUILTIN_TOOLS[spec], origin=f"built-in {spec}")
     path_text, separator, name = spec.rpartition(":")
     if not separator or not path_text or not name:
         raise ToolError(f"tool error: '{spec}' must look like path/to/file.py:function or be a built-in tool "
