@@ -16,15 +16,16 @@ The child:
   terminate) for the deadline plus a second, so it ends even if the trainer
   is gone, and even while it holds the GIL;
 - calls the tool, turns the result into text bounded by the turn's limit
-  (tools.to_text) and writes one message on its pipe, `kind length text`
+  (results.to_text) and writes one message on its pipe, `kind length text`
   (kind R: a result, E: the error text), then leaves with os._exit, so none of
   the trainer's atexit handlers or buffers run twice.
 
 The trainer reads every child's pipe at once (one selector) until each has
-sent its whole message or the turn's deadline passes, then kills each child's
-process group and reaps it (the fork server does both for its children). A child without a whole message was late (timed
-out), crashed (its signal is named), or ended its own process (os._exit,
-exit code named): each is that call's error string, never the run's.
+sent its whole message or the turn's deadline passes, then kills each
+child's process group and reaps it (the fork server does both for its
+children). A child without a whole message was late (timed out), crashed
+(its signal is named), or ended its own process (os._exit, exit code
+named): each is that call's error string, never the run's.
 """
 
 from __future__ import annotations
