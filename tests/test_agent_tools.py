@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -219,6 +220,16 @@ def test_make_agent_starts_a_fork_server_that_the_agent_closes(tokenizer):
     assert make_run_agent(builtin_only, task).fork_server is None
     brought = make_run_agent(Config(), task, [calculator])  # as the calculator task (and B7) bring it
     assert brought.tools[0].in_trainer and brought.fork_server is None
+
+
+def test_a_dead_fork_server_leaves_the_trainer_forking_its_own_children():
+    server = start_fork_server([make_tool(sleepy)])
+    os.kill(server.pid, signal.SIGKILL)
+    os.waitpid(server.pid, 0)
+    runner = ToolRunner(5.0, "process", server)
+    [[result]] = runner.run([[ToolCall("sleepy", {"seconds": 0})]], [{"sleepy": make_tool(sleepy)}])
+    assert result.content == "slept 0" and server.broken
+    runner.close()
 
 
 AGENT_SCRIPT = '''

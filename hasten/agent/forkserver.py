@@ -58,6 +58,7 @@ class ForkServer:
                 os._exit(0)
         theirs.close()
         self.pid, self.socket = pid, ours
+        self.names = frozenset(tools)  # the tools it can run (the trainer forks itself for any other)
         self.statuses: dict[int, int] = {}
         self.broken = False
         self._finalizer = weakref.finalize(self, _stop, pid, ours)

@@ -75,7 +75,7 @@ class Children:
     def start(self, tool: Tool, call: ToolCall) -> Callable[[], CallResult]:
         child = _Child(call.name)
         try:
-            if self.server is not None and not self.server.broken:
+            if self.server is not None and not self.server.broken and call.name in self.server.names:
                 try:
                     child.pid, child.fd = self.server.start(call.name, call.arguments, self.deadline, self.limit)
                     child.served = True
