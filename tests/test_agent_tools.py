@@ -1,4 +1,4 @@
-"""Tools cannot stall or end a run (issue 40): one deadline per turn, bounded results, crashes and exits
+"""Tools cannot stall or end a run (issue 40): a turn waits one timeout, bounded results, crashes and exits
 as error strings, both isolations (generation.tool_isolation), the calculator's bounds, and bad input
 (an environment whose reset raises, two tools with one name) as one line.
 

@@ -16,14 +16,17 @@ The child:
   terminate) for the deadline plus a second, so it ends even if the trainer
   is gone, and even while it holds the GIL;
 - calls the tool, turns the result into text bounded by the turn's limit
-  (results.to_text) and writes one message on its pipe, `kind length text`
-  (kind R: a result, E: the error text), then leaves with os._exit, so none of
-  the trainer's atexit handlers or buffers run twice.
+  (results.to_text) and writes one message on its pipe, `kind finished
+  length text` (kind R: a result, E: the error text; finished: when, on the
+  clock all processes share), then leaves with os._exit, so none of the
+  trainer's atexit handlers or buffers run twice.
 
 The trainer reads every child's pipe at once (one selector) until each has
-sent its whole message or the turn's deadline passes, then kills each
+sent its whole message or its deadline passes, then kills each
 child's process group and reaps it (the fork server does both for its
-children). A child without a whole message was late (timed out), crashed
+children). A result that finished after the deadline is timed out however
+soon it is read (the trainer may be busy forking the turn's other calls).
+A child without a whole message was late (timed out), crashed
 (its signal is named), or ended its own process (os._exit, exit code
 named): each is that call's error string, never the run's.
 """
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from .forkserver import ForkServer
     from .tools import Tool, ToolCall
 
-HEADER = struct.Struct("<cQ")  # kind (R | E), length of the UTF-8 text
+HEADER = struct.Struct("<cdQ")  # kind (R | E), when the tool finished (time.monotonic), length of the UTF-8 text
 GRACE = 1.0  # seconds past the deadline before the child's own alarm ends it (the trainer kills it first)
 
 
@@ -57,50 +60,50 @@ class _Child:
     pid: int = 0
     fd: int = -1
     buffer: bytearray = field(default_factory=bytearray)
-    message: tuple[bytes, str] | None = None  # (kind, text) once whole
+    message: tuple[bytes, float, str] | None = None  # (kind, finished, text) once whole
     oversized: bool = False
     closed: bool = False  # the pipe reached EOF: the child (and all it started) ended before the deadline
     status: int | None = None  # waitpid's, once reaped
     failed_to_start: str = ""
     served: bool = False  # forked by the fork server (agent/forkserver.py), which reaps it
+    deadline: float = 0.0  # its start + the timeout: each call gets the whole timeout, however late it forked
 
 
 class Children:
     """One turn's child processes: start(tool, call) forks one; collect() waits for all, then kills and reaps."""
 
-    def __init__(self, deadline: float, timeout: float, limit: int, server: ForkServer | None = None):
-        self.deadline, self.timeout, self.limit, self.server = deadline, timeout, limit, server
+    def __init__(self, timeout: float, limit: int, server: ForkServer | None = None):
+        self.timeout, self.limit, self.server = timeout, limit, server
         self.children: list[_Child] = []
 
     def start(self, tool: Tool, call: ToolCall) -> Callable[[], CallResult]:
-        child = _Child(call.name)
+        child = _Child(call.name, deadline=time.monotonic() + self.timeout)
         try:
             if self.server is not None and not self.server.broken and call.name in self.server.names:
                 try:
-                    child.pid, child.fd = self.server.start(call.name, call.arguments, self.deadline, self.limit)
+                    child.pid, child.fd = self.server.start(call.name, call.arguments, child.deadline, self.limit)
                     child.served = True
                 except OSError:
                     if not self.server.broken:
                         raise
             if not child.served:  # no server (or it is gone): fork the trainer itself
-                child.pid, child.fd = _fork(tool, call, self.deadline, self.limit)
+                child.pid, child.fd = _fork(tool, call, child.deadline, self.limit)
         except OSError as error:  # EAGAIN / ENOMEM: no process to be had, this call fails
             child.failed_to_start = f"error: {call.name} could not start its process ({error.strerror})"
         self.children.append(child)
         return lambda: self._result(child)
 
     def collect(self) -> None:
-        """Read every pipe until its message is whole or the deadline passes; then kill and reap every child."""
+        """Read every pipe until its message is whole or its deadline passes; then kill and reap every child."""
         most = HEADER.size + 4 * self.limit + 64  # UTF-8 takes up to 4 bytes a character
         with selectors.DefaultSelector() as selector:
             for child in self.children:
                 if child.fd >= 0:
                     selector.register(child.fd, selectors.EVENT_READ, child)
             while selector.get_map():
-                remaining = self.deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                for key, _ in selector.select(remaining):
+                earliest = min(key.data.deadline for key in selector.get_map().values())
+                ready = selector.select(max(0.0, earliest - time.monotonic()))
+                for key, _ in ready:
                     child = key.data
                     chunk = os.read(child.fd, 1 << 16)
                     child.buffer += chunk
@@ -109,6 +112,10 @@ class Children:
                     child.closed = not chunk
                     if not chunk or child.message is not None or child.oversized:
                         selector.unregister(child.fd)
+                now, read = time.monotonic(), {key.fd for key, _ in ready}
+                for key in list(selector.get_map().values()):  # past its deadline with nothing left to read
+                    if key.data.deadline <= now and key.fd not in read:
+                        selector.unregister(key.fd)
         for child in self.children:
             if child.fd >= 0:
                 os.close(child.fd)
@@ -128,7 +135,9 @@ class Children:
         if child.failed_to_start:
             return CallResult(child.name, child.failed_to_start, True)
         if child.message is not None:
-            kind, text = child.message
+            kind, finished, text = child.message
+            if finished > child.deadline:  # read in time, but the tool ended late: timed out, always
+                return CallResult(child.name, timed_out(child.name, self.timeout), True)
             return CallResult(child.name, text, kind == b"E")
         if child.oversized:
             return CallResult(child.name, f"error: {child.name} returned more than the {self.limit} characters "
@@ -146,13 +155,13 @@ class Children:
                                       "a result", True)
 
 
-def _message(buffer: bytearray) -> tuple[bytes, str] | None:
+def _message(buffer: bytearray) -> tuple[bytes, float, str] | None:
     if len(buffer) < HEADER.size:
         return None
-    kind, length = HEADER.unpack_from(buffer)
+    kind, finished, length = HEADER.unpack_from(buffer)
     if len(buffer) < HEADER.size + length:
         return None
-    return kind, bytes(buffer[HEADER.size:HEADER.size + length]).decode("utf-8", errors="replace")
+    return kind, finished, bytes(buffer[HEADER.size:HEADER.size + length]).decode("utf-8", errors="replace")
 
 
 def _kill_group(pid: int) -> None:
@@ -210,6 +219,6 @@ def _child(tool: Tool, call: ToolCall, write_fd: int, deadline: float, limit: in
     except BaseException as error:  # SystemExit included: it is the call's error, like any other
         kind, text = b"E", failure_text(call.name, error)
     data = text.encode("utf-8", errors="replace")
-    view = memoryview(HEADER.pack(kind, len(data)) + data)
+    view = memoryview(HEADER.pack(kind, time.monotonic(), len(data)) + data)  # CLOCK_MONOTONIC: one clock for all
     while view:
         view = view[os.write(write_fd, view):]

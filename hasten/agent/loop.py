@@ -4,7 +4,7 @@ TRL 1.16's _tool_call_loop, on hasten's token-id engines:
 
     turn 0   engine.generate(prompts rendered with the tools' schemas, G)   (the group shares its prefill)
     turn k   for every rollout whose last turn ended (EOS) with <tool_call>s:
-               parse -> run every rollout's calls at once under one deadline, each in a child process
+               parse -> run every rollout's calls at once, each with its timeout, in a child process
                killed at the timeout or (tool_isolation=thread) on a thread (agent/tools.py, agent/isolation.py)
                -> the template's tool turn as ids (agent/template.py), appended without re-tokenizing
                -> engine.generate(prompt + completion so far, 1) for those rollouts only

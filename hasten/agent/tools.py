@@ -27,9 +27,11 @@ Execution (ToolRunner) follows generation.tool_isolation for user tools:
 hasten's own tools (Tool.in_trainer: the bounded calculator, the sandboxed
 python) and environment methods (their state is the environment's, read by
 get_reward) always run in the trainer on threads. Either way all of a turn's
-calls, across rollouts, start at once and share one deadline, start +
-generation.tool_timeout: a call still running then, or that finished after
-it, is "timed out", and the turn waits one timeout, never calls x timeout.
+calls, across rollouts, are started at once (children first, then threads),
+each with its own deadline, its start + generation.tool_timeout: a call
+still running then, or that finished after it, is "timed out", and the turn
+waits about one timeout (plus the time to start its calls), never calls x
+timeout.
 A result becomes text (a str as is, anything else as JSON) in the tool's own
 thread or child, and text longer than the turn's limit (result_limit) is
 refused there, before a copy of it reaches the trainer.
@@ -162,7 +164,7 @@ class ToolExit(BaseException):
 
 
 class ToolRunner:
-    """Runs one turn's calls of every rollout at once under one deadline; errors come back as text."""
+    """Runs one turn's calls of every rollout at once, each with its timeout; errors come back as text."""
 
     def __init__(self, timeout: float, isolation: str = "process", fork_server: ForkServer | None = None):
         if isolation not in ISOLATION:
@@ -174,13 +176,12 @@ class ToolRunner:
             limit: int = MIN_RESULT_CHARS) -> list[list[CallResult]]:
         """calls[i]: rollout i's calls this turn; tools[i]: the tools rollout i may use (by name);
         limit: characters a result may have (result_limit of the length cap)."""
-        deadline = time.monotonic() + self.timeout
-        children = Children(deadline, self.timeout, limit, self.fork_server)
+        children = Children(self.timeout, limit, self.fork_server)
         planned = [[self._plan(call, available) for call in row] for row, available in zip(calls, tools)]
         # Children fork first, while no tool thread of this turn can be holding a lock they would inherit.
         started = [[children.start(item[1], item[2]) if item[0] == "child" else item for item in row]
                    for row in planned]
-        pending = [[self._start(item, deadline, limit) if isinstance(item, tuple) else item for item in row]
+        pending = [[self._start(item, limit) if isinstance(item, tuple) else item for item in row]
                    for row in started]
         children.collect()
         return [[finish() for finish in row] for row in pending]
@@ -199,11 +200,12 @@ class ToolRunner:
             return "done", CallResult(call.name, f"error: bad arguments for {call.name}: {error}", True)
         return ("child" if self.isolation == "process" and not tool.in_trainer else "thread"), tool, call
 
-    def _start(self, item: tuple, deadline: float, limit: int) -> Callable[[], CallResult]:
+    def _start(self, item: tuple, limit: int) -> Callable[[], CallResult]:
         if item[0] == "done":
             return lambda: item[1]
         _, tool, call = item
         _guard_exit()
+        deadline = time.monotonic() + self.timeout  # each call's own: its start + the timeout
         if tool.is_async:
             return self._start_async(tool, call, deadline, limit)
         return _start_thread(tool, call, deadline, self.timeout, limit)
