@@ -222,6 +222,20 @@ def test_make_agent_starts_a_fork_server_that_the_agent_closes(tokenizer):
     assert brought.tools[0].in_trainer and brought.fork_server is None
 
 
+def test_a_result_read_after_the_deadline_counts_when_the_tool_finished_in_time():
+    """The trainer may read a child's pipe late (busy forking a turn's other calls): what decides is when the
+    tool finished, which its message carries."""
+    from hasten.agent.isolation import Children
+
+    children = Children(timeout=0.5, limit=16384)
+    quick = children.start(make_tool(sleepy), ToolCall("sleepy", {"seconds": 0}))
+    slow = children.start(make_tool(sleepy), ToolCall("sleepy", {"seconds": 0.8}))
+    time.sleep(1.2)  # both deadlines pass before the trainer looks; both children have written by now
+    children.collect()
+    assert quick().content == "slept 0"
+    assert slow().content == "error: sleepy timed out after 0.5 s"
+
+
 def test_a_dead_fork_server_leaves_the_trainer_forking_its_own_children():
     server = start_fork_server([make_tool(sleepy)])
     os.kill(server.pid, signal.SIGKILL)
