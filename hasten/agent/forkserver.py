@@ -61,6 +61,8 @@ class ForkServer:
         self.names = frozenset(tools)  # the tools it can run (the trainer forks itself for any other)
         self.statuses: dict[int, int] = {}
         self.broken = False
+        self._poll = select.poll()  # not select.select: the trainer may hold more than 1024 fds
+        self._poll.register(ours, select.POLLIN)
         self._finalizer = weakref.finalize(self, _stop, pid, ours)
 
     def start(self, name: str, arguments: dict, deadline: float, limit: int) -> tuple[int, int]:
@@ -73,6 +75,7 @@ class ForkServer:
             raise OSError(0, "the fork server is gone") from None
         if message[0] == "failed":
             raise OSError(0, message[1])
+        self.statuses.pop(message[1], None)  # an earlier child's, with the same (reused) pid
         return message[1], fds[0]
 
     def kill(self, pid: int) -> None:
@@ -100,8 +103,7 @@ class ForkServer:
         """The next message that is not a status (statuses are filed as they come; statuses=True: any message)."""
         give_up = time.monotonic() + timeout
         while True:
-            ready, _, _ = select.select([self.socket], [], [], max(0.0, give_up - time.monotonic()))
-            if not ready:
+            if not self._poll.poll(max(0.0, give_up - time.monotonic()) * 1000):
                 raise TimeoutError
             data, fds, _, _ = socket.recv_fds(self.socket, 1 << 16, 1)
             if not data:
