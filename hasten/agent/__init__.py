@@ -6,7 +6,10 @@ the API's environment_factory) and the tool template, checks them all before
 anything is written, and returns the Agent that train/trainer.py's
 generate_and_score calls instead of one engine.generate, plus the reward
 functions environments bring (get_reward). No tools and no environment: None,
-and the run is the plain single-turn one, untouched.
+and the run is the plain single-turn one, untouched. With
+generation.tool_isolation=process it also forks the fork server its user
+tools' calls will be forked from (agent/forkserver.py), here, before the
+model loads, while the trainer is small; the Agent closes it.
 """
 
 from __future__ import annotations
