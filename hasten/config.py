@@ -77,6 +77,7 @@ class GenerationConfig:
     tools: list[str] = field(default_factory=list)  # "path/to/file.py:function" tools the model may call (docs/agentic.md)
     max_tool_turns: int = 10  # tool-calling rounds after the first turn (TRL: max_tool_calling_iterations)
     tool_timeout: float = 10.0  # seconds a tool call may take; then the model reads "timed out"
+    tool_isolation: str = "process"  # process: each user tool call in a child killed at the timeout (a hang, crash or os._exit is that call's error) | thread: in the trainer, TRL's contract (tools can share state with it) (docs/agentic.md)
     tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
     tool_kv_cache: bool = True  # lean engine: keep each conversation's K/V between turns (false: re-prefill)
 
@@ -248,6 +249,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.distributed": ("ddp", "fsdp"),
     "output.progress": ("auto", "live", "plain", "off"),
     "output.earlier_run": ("beside", "set_aside"),
+    "generation.tool_isolation": ("process", "thread"),
     "speed.engine": ("auto", "lean", "hf", "vllm"),
     "speed.model_impl": ("auto", "native", "hf"),
     "speed.speculative": ("off", "ngram", "draft"),

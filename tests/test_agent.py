@@ -130,10 +130,10 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def make_agent(tokenizer, tools, max_turns=3, timeout=2.0, environments=None):
+def make_agent(tokenizer, tools, max_turns=3, timeout=2.0, environments=None, isolation="process"):
     template = ToolTemplate(tokenizer, HERMES_TEMPLATE)
     return Agent(tokenizer, template, [make_tool(t) for t in tools], environments,
-                 AgentSettings(max_turns, timeout), tokenizer.pad_token_id or 0)
+                 AgentSettings(max_turns, timeout, isolation=isolation), tokenizer.pad_token_id or 0)
 
 
 def rows_for(*questions):
@@ -232,6 +232,7 @@ def test_failures_become_error_text_for_the_model(tokenizer, tool, arguments, me
 
 
 def test_calls_of_different_rollouts_run_at_the_same_time(tokenizer):
+    """Thread isolation (the barrier is shared memory); tests/test_agent_tools.py checks process isolation."""
     barrier = threading.Barrier(4, timeout=20)  # passes only if all four rollouts' calls are running at once
 
     def meet(x: int) -> str:
@@ -246,7 +247,7 @@ def test_calls_of_different_rollouts_run_at_the_same_time(tokenizer):
     def script(text, sample):
         return call("meet", '{"x": 1}') if last_content(text) == "q" else "done"
 
-    batch = make_agent(tokenizer, [meet], timeout=30).generate(
+    batch = make_agent(tokenizer, [meet], timeout=30, isolation="thread").generate(
         ScriptedEngine(tokenizer, script), rows_for("q", "q"), 2, SamplingParams(max_new_tokens=400), 0)
     assert [c[1]["content"] for c in batch.inputs.completions] == ["met"] * 4
 

@@ -97,13 +97,15 @@ class ForceFirstTurn:
         return forced
 
 
-def forced_batches(lean, tokenizer, tool, script, rows, sampling, max_turns, before_each=lambda: None):
+def forced_batches(lean, tokenizer, tool, script, rows, sampling, max_turns, before_each=lambda: None,
+                   isolation="process"):
     """The agent's batch with the conversation cache and without, the first turn forced to `script`."""
     batches = []
     for kv_cache in (True, False):
         before_each()
         agent = Agent(tokenizer, ToolTemplate(tokenizer, HERMES_TEMPLATE), [make_tool(tool)], None,
-                      AgentSettings(max_turns=max_turns, kv_cache=kv_cache), tokenizer.pad_token_id)
+                      AgentSettings(max_turns=max_turns, kv_cache=kv_cache, isolation=isolation),
+                      tokenizer.pad_token_id)
         hook = lean.base.lm_head.register_forward_hook(ForceFirstTurn(script))
         try:
             batches.append(agent.generate(lean, rows, 2, sampling, seed=5))
@@ -150,7 +152,10 @@ def test_rows_whose_tool_results_differ_in_length_fit_the_cache(engine):
         nonlocal answers
         answers = iter(["x" * 40, "7"])
 
-    batches = forced_batches(lean, tokenizer, lookup, script, rows, sampling, max_turns=1, before_each=reset)
+    # thread isolation: the tool's answers come from one iterator in this process (TRL's contract); in a child
+    # per call (process isolation) every call would start the iterator afresh
+    batches = forced_batches(lean, tokenizer, lookup, script, rows, sampling, max_turns=1, before_each=reset,
+                             isolation="thread")
     for batch in batches:  # (which rollout gets the long result depends on the tool threads' order)
         tool_tokens = sorted(int(((1 - batch.rollout.tool_mask[row]) * batch.rollout.completion_mask[row]).sum())
                              for row in range(2))

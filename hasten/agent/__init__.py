@@ -6,7 +6,10 @@ the API's environment_factory) and the tool template, checks them all before
 anything is written, and returns the Agent that train/trainer.py's
 generate_and_score calls instead of one engine.generate, plus the reward
 functions environments bring (get_reward). No tools and no environment: None,
-and the run is the plain single-turn one, untouched.
+and the run is the plain single-turn one, untouched. With
+generation.tool_isolation=process it also forks the fork server its user
+tools' calls will be forked from (agent/forkserver.py), here, before the
+model loads, while the trainer is small; the Agent closes it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from typing import Any, Callable
 from ..config import Config, ConfigError
 from ..rewards.runner import RewardFunction
 from .environments import Environments, load_environment
+from .forkserver import ForkServer, start_fork_server
 from .loop import Agent, AgentBatch, AgentSettings
 from .template import HERMES_TEMPLATE, resolve_template
-from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls
+from .tools import Tool, ToolError, load_tool, make_tool, parse_tool_calls, unique_tools
 
 __all__ = ["Agent", "AgentBatch", "AgentSettings", "Environments", "HERMES_TEMPLATE", "Tool", "ToolError",
            "AgentParts", "make_agent", "make_tool", "parse_tool_calls"]
@@ -33,6 +37,7 @@ class AgentParts:
     cfg: Config
     tools: list[Tool]
     environments: Environments | None
+    fork_server: ForkServer | None = None  # tool_isolation=process: started here, before the model loads
 
     @property
     def reward_functions(self) -> list[RewardFunction]:
@@ -43,8 +48,8 @@ class AgentParts:
         generation = self.cfg.generation
         template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
         settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings),
-                                 generation.tool_kv_cache)
-        return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id)
+                                 generation.tool_kv_cache, generation.tool_isolation)
+        return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id, self.fork_server)
 
 
 def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
@@ -57,11 +62,8 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
         factory = load_environment(cfg.task.environment)
     if not resolved and factory is None:
         return None
-    names = [tool.name for tool in resolved]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise ToolError(f"tool error: two tools are named {duplicated[0]}; tool names must be unique")
     environments = Environments(factory) if factory is not None else None
+    _check_unique(resolved, environments)
     for name, rows in (("train", task.train_rows), ("eval", task.eval_rows)):
         if environments is not None:
             environments.check_rows(rows, f"task {task.name} {name}")
@@ -75,4 +77,16 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
     choice = cfg.generation.tool_template  # a missing template file: one line now, before the model loads
     if choice not in ("auto", "hermes") and not Path(choice).is_file():
         raise ConfigError(f"config error: generation.tool_template: '{choice}' is not auto, hermes or a file")
-    return AgentParts(cfg, resolved, environments)
+    isolated = [tool for tool in resolved if not tool.in_trainer]
+    server = start_fork_server(isolated) if cfg.generation.tool_isolation == "process" else None
+    return AgentParts(cfg, resolved, environments, server)
+
+
+def _check_unique(tools: list[Tool], environments: Environments | None) -> None:
+    """Two tools of one prompt with the same name: a ToolError naming both (else one would shadow the other)."""
+    seen = unique_tools(tools)
+    for methods in (environments.schemas.values() if environments is not None else ()):
+        for name, method in methods.items():  # an environment's methods join the run's tools in its prompts
+            if name in seen:
+                raise ToolError(f"tool error: two tools are named '{name}': {seen[name].origin} and the "
+                                f"environment method {method.origin}; tool names must be unique")

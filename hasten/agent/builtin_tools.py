@@ -2,19 +2,29 @@
 
 calculator  arithmetic on numbers with + - * / // % ** and parentheses, read with
             Python's ast (never eval): anything else is an error string for the model.
+            Its work is bounded before it is done: the expression's length bounds the
+            number of operations, and no integer operand or result may pass MAX_BITS
+            (a power's size is estimated from log2 of its base times its exponent, a
+            product's from its factors' sizes), so `(((9**99)**99)**99)**4` is refused
+            in microseconds instead of holding the GIL, and every trainer thread, for
+            seconds. Both run in the trainer's process, whatever generation.tool_isolation
+            says: they are bounded, and `python` already runs its code elsewhere.
 python      runs the model's code in hasten's hardened sandbox (hasten/sandbox: its
             own namespaces, rlimits and seccomp, docs/sandbox.md), never in the
-            trainer's process; returns what it printed, or the error it ended with.
+            trainer's process; returns what it printed (64 KiB per stream at most, the
+            sandbox's output_bytes), or the error it ended with.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-MAX_EXPONENT = 100  # 10**100 is fine; 9**9**9 would hold the trainer's thread for minutes
+MAX_EXPRESSION = 1000  # characters; with MAX_BITS it bounds a call's time (a few hundred small operations)
+MAX_BITS = 4096  # any integer operand or result (about 1233 digits), checked before the operation runs
 
 
 def calculator(expression: str) -> str:
@@ -23,11 +33,19 @@ def calculator(expression: str) -> str:
     Args:
         expression: Numbers with + - * / // % ** and parentheses.
     """
+    if not isinstance(expression, str):
+        return "error: the expression must be a string"
+    if len(expression) > MAX_EXPRESSION:
+        return f"error: the expression is longer than {MAX_EXPRESSION} characters"
     try:
         value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
     except ZeroDivisionError:
         return "error: division by zero"
-    except (SyntaxError, ValueError, TypeError) as error:
+    except OverflowError:  # a float past 1.8e308, or an integer too large to turn into one
+        return "error: the result is too large"
+    except RecursionError:
+        return "error: the expression is nested too deeply"
+    except (SyntaxError, ValueError, TypeError) as error:  # ValueError: a literal past Python's 4300 digits too
         return f"error: {error}" if str(error) else "error: not an arithmetic expression"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -36,16 +54,31 @@ def calculator(expression: str) -> str:
 
 def _evaluate(node: ast.AST):
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _evaluate(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is too large")
-        return OPERATORS[type(node.op)](left, right)
+        _check_size(node.op, left, right)
+        return _bounded(OPERATORS[type(node.op)](left, right))
     raise ValueError("not an arithmetic expression (numbers, + - * / // % ** and parentheses only)")
+
+
+def _check_size(op: ast.operator, left, right) -> None:
+    """Refuse an operation whose integer result would pass MAX_BITS, before Python spends the time on it."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return  # a float result overflows (OverflowError) or saturates at once: no time spent
+    if isinstance(op, ast.Pow) and right > 0 and abs(left) > 1 and right * math.log2(abs(left)) > MAX_BITS:
+        raise ValueError(f"the result would have more than {MAX_BITS} bits")
+    if isinstance(op, ast.Mult) and left.bit_length() + right.bit_length() > MAX_BITS + 1:
+        raise ValueError(f"the result would have more than {MAX_BITS} bits")
+
+
+def _bounded(value):
+    if isinstance(value, int) and value.bit_length() > MAX_BITS:
+        raise ValueError(f"a number has more than {MAX_BITS} bits")
+    return value
 
 
 def python(code: str) -> str:

@@ -21,10 +21,12 @@ carries state across episodes (counters, its own RNG) does not.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
 from ..rewards.runner import RewardFunction
+from ..userfiles import one_line
 from .tools import Tool, ToolError, load_attribute, make_tool
 
 RESERVED = ("reset", "get_reward")
@@ -45,7 +47,7 @@ class Environments:
             try:
                 instance = make()
             except Exception as error:
-                raise ToolError(f"environment error: {label}() raised {type(error).__name__}: {error}") from None
+                raise ToolError(f"environment error: {label}() raised {_error_line(error)}") from None
             if not callable(getattr(instance, "reset", None)):
                 raise ToolError(f"environment error: {label} has no reset method (reset(**row) -> str | None)")
             self.schemas[name] = {tool.name: tool for tool in (
@@ -76,12 +78,20 @@ class Environments:
         return taken
 
     def reset(self, instance: Any, name: str | None, row: dict) -> str | None:
+        """The instance's reset(**row); one that raises is a ToolError naming the class (exit 2), as a bad
+        environment is a bad input: every rollout of it would fail the same way (TRL: a traceback)."""
         columns = {key: value for key, value in row.items() if key != "environment" or not self.by_column}
-        observation = instance.reset(**columns)
+        try:
+            observation = instance.reset(**columns)
+        except Exception as error:
+            raise ToolError(f"environment error: {_label(self.factories[name], name)}.reset raised "
+                            f"{_error_line(error)}") from None
         return observation if isinstance(observation, str) else None
 
     def bound_tools(self, instance: Any, name: str | None) -> dict[str, Tool]:
-        return {tool_name: Tool(tool_name, getattr(instance, tool_name), tool.schema, tool.is_async)
+        """The instance's methods as Tools; they run in the trainer (in_trainer), as the state they change is
+        what get_reward and the reward functions read."""
+        return {tool_name: dataclasses.replace(tool, fn=getattr(instance, tool_name), in_trainer=True)
                 for tool_name, tool in self.schemas[name].items()}
 
     def reward_functions(self) -> list[RewardFunction]:
@@ -110,6 +120,13 @@ def _methods(instance: Any) -> list[str]:
     """Public methods of the instance's class (listed on the class: properties are not evaluated)."""
     return [name for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
             if name not in RESERVED and not name.startswith("_")]
+
+
+def _error_line(error: BaseException) -> str:
+    try:
+        return one_line(error)
+    except Exception:  # an exception whose own __str__ raises
+        return type(error).__name__
 
 
 def _label(make: Any, name: str | None) -> str:

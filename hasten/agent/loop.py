@@ -4,7 +4,8 @@ TRL 1.16's _tool_call_loop, on hasten's token-id engines:
 
     turn 0   engine.generate(prompts rendered with the tools' schemas, G)   (the group shares its prefill)
     turn k   for every rollout whose last turn ended (EOS) with <tool_call>s:
-               parse -> run every rollout's calls at once, each with a timeout (agent/tools.py)
+               parse -> run every rollout's calls at once, each with its timeout, in a child process
+               killed at the timeout or (tool_isolation=thread) on a thread (agent/tools.py, agent/isolation.py)
                -> the template's tool turn as ids (agent/template.py), appended without re-tokenizing
                -> engine.generate(prompt + completion so far, 1) for those rollouts only
     until no rollout calls a tool, generation.max_tool_turns rounds (TRL's max_tool_calling_iterations),
@@ -43,8 +44,10 @@ from ..rollout.continuation import ConversationCache
 from ..rollout.lean import LeanEngine
 from ..rollout.stops import apply_stop_strings
 from .environments import Environments
+from .forkserver import ForkServer
+from .results import result_limit
 from .template import ToolTemplate, tool_call_message
-from .tools import CALL_PATTERN, Tool, ToolCall, ToolRunner, parse_tool_calls
+from .tools import CALL_PATTERN, Tool, ToolCall, ToolRunner, parse_tool_calls, unique_tools
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class AgentSettings:
     timeout: float = 10.0  # seconds per tool call (generation.tool_timeout)
     stop_strings: tuple[str, ...] = ()  # generation.stop_strings, cut per model turn
     kv_cache: bool = True  # generation.tool_kv_cache: the lean engine keeps each conversation's K/V between turns
+    isolation: str = "process"  # generation.tool_isolation: where user tools run (agent/tools.py)
 
 
 @dataclass
@@ -91,12 +95,12 @@ class Agent:
     """Tools (and environments) for a run: `generate(engine, rows, G, sampling, seed)` -> AgentBatch."""
 
     def __init__(self, tokenizer, template: ToolTemplate, tools: list[Tool], environments: Environments | None,
-                 settings: AgentSettings, pad_token_id: int):
+                 settings: AgentSettings, pad_token_id: int, fork_server: ForkServer | None = None):
         self.tokenizer, self.template, self.settings = tokenizer, template, settings
-        self.tools = {tool.name: tool for tool in tools}
+        self.tools = unique_tools(tools)
         self.environments = environments
         self.pad_token_id = pad_token_id
-        self.runner = ToolRunner(settings.timeout)
+        self.runner = ToolRunner(settings.timeout, settings.isolation, fork_server)  # closes the server with it
 
     def generate(self, engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
                  seed: int, row_range: RowRange | None = None) -> AgentBatch:
@@ -113,7 +117,8 @@ class Agent:
             active = [c for c in conversations if c.pending]
             if not active:
                 break
-            results = self.runner.run([c.pending for c in active], [c.tools for c in active])
+            results = self.runner.run([c.pending for c in active], [c.tools for c in active],
+                                      result_limit(sampling.max_new_tokens))
             calls += sum(len(r) for r in results)
             failures += sum(result.failed for r in results for result in r)
             active = self._append_tool_turns(active, results, sampling.max_new_tokens)

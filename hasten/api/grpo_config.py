@@ -149,6 +149,7 @@ class _GRPOFields(_TrainingFields):
     generation_kwargs: dict | None = None  # only {"stop_strings": [...]}
     chat_template_kwargs: dict | None = None
     max_tool_calling_iterations: int | None = None  # tool rounds per rollout; None: no cap but the length cap
+    tool_isolation: str = "process"  # hasten only: generation.tool_isolation (process | thread: TRL's in-trainer tools)
     # logging and evaluation
     log_completions: bool = False
     eval_strategy: str = "no"  # no | steps
@@ -303,6 +304,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             # None is TRL's sys.maxsize: max_completion_length ends the loop first (one token per round at least)
             ("generation.max_tool_turns", self.max_completion_length if self.max_tool_calling_iterations is None
              else self.max_tool_calling_iterations),
+            ("generation.tool_isolation", self.tool_isolation),
             ("algo.loss", self._loss()), ("algo.beta", self.beta), ("algo.epsilon", self.epsilon),
             ("algo.epsilon_high", self.epsilon_high), ("algo.num_iterations", self.num_iterations),
             ("algo.scale_rewards", {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)),

@@ -1,0 +1,228 @@
+"""A fork server for tool_isolation=process: each call's child forked from a small copy of the trainer.
+
+A fork copies the parent's page tables, so forking the trainer itself costs
+time in proportion to its resident memory (a model, its gradients and the
+optimizer's state: docs/agentic.md has the measurements). make_agent starts
+this server before the model loads, when the trainer is small; from then on
+each call's child is a fork of the server, a few milliseconds whatever the
+trainer's size. What a tool sees is therefore the trainer as it was when the
+run's tools were loaded (its module, its closures), not the trainer's later
+state; a tool never changed the trainer's state in either case.
+
+The server is single-threaded, so its forks inherit no lock another thread
+holds. Protocol, over a SOCK_SEQPACKET socket pair (one message per send):
+
+    trainer -> server   ("call", name, arguments, deadline, limit)
+                        ("kill", pid)      the deadline passed: SIGKILL the child's group
+    server -> trainer   ("child", pid) + the read end of the child's pipe (SCM_RIGHTS)
+                        ("failed", reason) no process could be forked
+                        ("status", pid, waitpid status) when a child ends
+
+The child itself is isolation._child: its own process group and alarm, the
+result as bounded text on its pipe. The server reaps its children (so a
+kill never hits a reused pid) and reports how each ended; it leaves when the
+trainer closes the socket or is gone (its parent changes).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from .isolation import _child
+
+if TYPE_CHECKING:
+    from .tools import Tool
+
+POLL_MS = 1000  # how often the server checks that the trainer is still there
+
+
+class ForkServer:
+    """The trainer's end: start(name, arguments, deadline, limit) -> (pid, fd); kill(pid); status(pid, wait)."""
+
+    def __init__(self, tools: dict[str, Tool]):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                _serve(theirs, tools, parent)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.pid, self.socket = pid, ours
+        self.names = frozenset(tools)  # the tools it can run (the trainer forks itself for any other)
+        self.statuses: dict[int, int] = {}
+        self.broken = False
+        self._poll = select.poll()  # not select.select: the trainer may hold more than 1024 fds
+        self._poll.register(ours, select.POLLIN)
+        self._finalizer = weakref.finalize(self, _stop, pid, ours)
+
+    def start(self, name: str, arguments: dict, deadline: float, limit: int) -> tuple[int, int]:
+        """Ask for a child running tool `name`; OSError when none can be had (the call then fails)."""
+        try:
+            self.socket.send(pickle.dumps(("call", name, arguments, deadline, limit)))
+            message, fds = self._receive(timeout=10.0)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            self.broken = True  # the server is gone: the caller forks from the trainer from now on
+            raise OSError(0, "the fork server is gone") from None
+        if message[0] == "failed":
+            raise OSError(0, message[1])
+        self.statuses.pop(message[1], None)  # an earlier child's, with the same (reused) pid
+        return message[1], fds[0]
+
+    def kill(self, pid: int) -> None:
+        try:
+            self.socket.send(pickle.dumps(("kill", pid)))
+        except OSError:
+            self.broken = True
+
+    def status(self, pid: int, wait: float) -> int | None:
+        """How child `pid` ended (waitpid's status), waiting up to `wait` s for the server to say."""
+        give_up = time.monotonic() + wait
+        while pid not in self.statuses and not self.broken:
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                self._receive(timeout=remaining, statuses=True)
+            except TimeoutError:
+                return None
+            except (OSError, EOFError, pickle.UnpicklingError):
+                self.broken = True
+        return self.statuses.pop(pid, None)
+
+    def _receive(self, timeout: float, statuses: bool = False) -> tuple[tuple, list[int]]:
+        """The next message that is not a status (statuses are filed as they come; statuses=True: any message)."""
+        give_up = time.monotonic() + timeout
+        while True:
+            if not self._poll.poll(max(0.0, give_up - time.monotonic()) * 1000):
+                raise TimeoutError
+            data, fds, _, _ = socket.recv_fds(self.socket, 1 << 16, 1)
+            if not data:
+                raise EOFError
+            message = pickle.loads(data)
+            if message[0] == "status":
+                self.statuses[message[1]] = message[2]
+                if len(self.statuses) > 4096:  # children whose status nobody asked for (they sent a result)
+                    self.statuses.pop(next(iter(self.statuses)))
+                if not statuses:
+                    continue
+            return message, fds
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(pid: int, ours: socket.socket) -> None:
+    ours.close()  # the server leaves on EOF; SIGKILL in case it is stuck
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+
+
+def start_fork_server(tools: list[Tool]) -> ForkServer | None:
+    """A server for the tools that run in child processes; None when there are none or it cannot start."""
+    if not tools:
+        return None
+    try:
+        return ForkServer({tool.name: tool for tool in tools})
+    except OSError:  # no process to be had: each call forks from the trainer instead
+        return None
+
+
+def _serve(connection: socket.socket, tools: dict[str, Tool], parent: int) -> None:
+    os.setpgid(0, 0)  # a Ctrl-C for the trainer's terminal does not reach the server
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup byte is the point: poll returns, children are reaped
+    children: set[int] = set()
+    poller = select.poll()
+    poller.register(connection, select.POLLIN)
+    poller.register(wake_read, select.POLLIN)
+    try:
+        while os.getppid() == parent:
+            for fd, _ in poller.poll(POLL_MS):
+                if fd == wake_read:
+                    os.read(wake_read, 512)
+                    continue
+                data = connection.recv(1 << 20)
+                if not data:
+                    return
+                request = pickle.loads(data)
+                if request[0] == "kill" and request[1] in children:
+                    _kill_group(request[1])
+                elif request[0] == "call":
+                    _fork_child(connection, tools, request, children, (wake_read, wake_write))
+            _reap(connection, children)
+    finally:
+        for pid in children:
+            _kill_group(pid)
+
+
+def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tuple, children: set[int],
+                wake: tuple[int, int]) -> None:
+    from .tools import ToolCall
+
+    _, name, arguments, deadline, limit = request
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as error:
+        os.close(read_fd)
+        os.close(write_fd)
+        connection.send(pickle.dumps(("failed", error.strerror)))
+        return
+    if pid == 0:
+        try:
+            connection.close()
+            os.close(read_fd)
+            for fd in wake:
+                os.close(fd)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    children.add(pid)
+    socket.send_fds(connection, [pickle.dumps(("child", pid))], [read_fd])
+    os.close(read_fd)
+
+
+def _reap(connection: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        try:
+            connection.send(pickle.dumps(("status", pid, status)))
+        except OSError:
+            return
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
