@@ -29,8 +29,11 @@ MODES = ("auto", "live", "plain", "off")
 BAR_WIDTH = 24
 DEFAULT_WIDTH = 120  # when the stream cannot report a terminal size
 
-# (record key, short label) of the per-phase timings, in loop order.
-TIMINGS = (("time/generate", "gen"), ("time/reward", "reward"), ("time/learn", "learn"))
+# (record key, short label, threads key) of the per-phase timings, in loop order. The threads key is
+# speed.adaptive_threads' choice for the phase (kernels/threads.py): a step that slowed because the governor
+# dropped to one thread for a busy neighbour says so beside its time.
+TIMINGS = (("time/generate", "gen", "threads/generate"), ("time/reward", "reward", None),
+           ("time/learn", "learn", "threads/learn"))
 
 
 class Progress:
@@ -257,7 +260,8 @@ def _reward_text(record: dict[str, Any]) -> str:
 
 def _training_parts(record: dict[str, Any]) -> list[str]:
     parts = []
-    for key, label in (("completion_length", "len"), ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy")):
+    for key, label in (("completion_length", "len"), ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy"),
+                       ("tools/call_frequency", "tool calls/completion")):  # agentic runs (agent/loop.py)
         if _number(record.get(key)) is not None:
             parts.append(f"{label} {_format(record[key])}")
     if _number(record.get("lr")) is not None:
@@ -265,10 +269,19 @@ def _training_parts(record: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _threads_text(value: Any) -> str:
+    """' on 1 thread' where adaptive threads reported the phase's count, else ''."""
+    count = _number(value)
+    if count is None:
+        return ""
+    return f" on {count:.0f} thread{'s' if count != 1 else ''}"
+
+
 def _timing_text(record: dict[str, Any]) -> str:
-    """'3.6s/step (gen 1.23s, reward 0.01s, learn 2.34s)'."""
+    """'3.6s/step (gen 1.23s, reward 0.01s, learn 2.34s)'; with adaptive threads 'gen 1.23s on 1 thread'."""
     phases = [
-        f"{label} {_format(record[key])}s" for key, label in TIMINGS if _number(record.get(key)) is not None
+        f"{label} {_format(record[key])}s{_threads_text(record.get(threads))}"
+        for key, label, threads in TIMINGS if _number(record.get(key)) is not None
     ]
     if _number(record.get("time/step")) is not None:
         text = f"{_format(record['time/step'])}s/step"
