@@ -366,15 +366,12 @@ class GRPOJob:
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
         if step == 0:  # before training, nothing else is on screen yet: say what the wait is for
             self.log(f"evaluating {count} held-out questions (greedy, up to {cfg.eval.max_new_tokens} new tokens) ...")
-        # The count moves after every eval.batch_size questions, the elapsed time every second (ticker.py)
-        with Ticker(f"evaluating at step {step}", total=count, unit="question") as tick:
-            metrics, samples = evaluate(
-                session.task, session.engine, session.policy.tokenizer, session.rewards,
-                count, cfg.eval.max_new_tokens, cfg.eval.batch_size,
-                cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
-                agent=session.agent,
-                progress=tick.set,
-            )
+        metrics, samples = evaluate(  # its count moves after every eval.batch_size questions (ticker.py)
+            session.task, session.engine, session.policy.tokenizer, session.rewards,
+            count, cfg.eval.max_new_tokens, cfg.eval.batch_size,
+            cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
+            agent=session.agent, description=f"evaluating at step {step}",
+        )
         metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
         run.save_samples(f"eval-step{step}", samples)
