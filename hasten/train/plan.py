@@ -61,7 +61,11 @@ class Plan:
         """The thread choice: a slow step on a busy box is often one thread (kernels/threads.py)."""
         if not self.threads:
             return "adaptive threads" if self.adaptive_threads else ""
-        text = f"{self.threads} thread{'s' if self.threads != 1 else ''} on {self.cores} core{'s' if self.cores != 1 else ''}"
+        text = f"{_count(self.threads, 'thread')} on {_count(self.cores, 'core')}"
         if self.adaptive_threads:
             return text + ", adaptive (fewer while other processes run; the step line says when)"
         return text
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"
