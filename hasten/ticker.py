@@ -29,6 +29,7 @@ that stops taking writes turns the ticker off, never fails the run.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -37,7 +38,8 @@ from typing import Callable, TextIO
 MODES = ("auto", "live", "plain", "off")
 PLAIN_EVERY_S = 10.0  # a plain-mode line at most, and at least, this often: the longest silence in a log
 ELAPSED_ONLY = "{desc}: {elapsed} elapsed{postfix}"  # the live bar of a phase without a count
-LIVE_REFRESH_S = 1.0  # the live bar's redraw interval while its count stands still
+LIVE_REFRESH_S = 1.0
+FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # where the terminal reports 0 x 0 (tqdm would hide the bar)  # the live bar's redraw interval while its count stands still
 
 _mode = "auto"
 
@@ -90,8 +92,10 @@ class Ticker:
         if self.mode == "live":
             from tqdm import tqdm
 
+            sized = _has_width(self.stream)  # a terminal that reports 0 columns would get an empty bar
             self._bar = tqdm(total=total, desc=description, unit=unit, file=self.stream, leave=False,
-                             dynamic_ncols=True, mininterval=0.2,
+                             dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS,
+                             nrows=None if sized else FALLBACK_ROWS, mininterval=0.2,
                              bar_format=None if total is not None else ELAPSED_ONLY)
         if self.mode in ("live", "plain") and timer:  # timer False: only tick() beats (tests)
             self._timer = threading.Thread(target=self._run_timer, name="hasten-ticker", daemon=True)
@@ -114,8 +118,9 @@ class Ticker:
                 self.total = total
             if self._bar is not None:
                 try:
-                    if total is not None:
+                    if total is not None and self._bar.total != total:
                         self._bar.total = total
+                        self._bar.bar_format = None  # a count with an end now: tqdm's bar and ETA
                     self._bar.update(moved)
                 except OSError:
                     self._turn_off()
@@ -214,3 +219,10 @@ class Ticker:
         self.mode = "off"
         self._bar = None
         self._stop.set()
+
+
+def _has_width(stream: TextIO) -> bool:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
