@@ -308,7 +308,8 @@ def convert(target: Path) -> None:
     try:
         counter = _save_plain(source, staging)
         write_cache_manifest(staging)
-        counter.step()
+        if counter is not None:  # None: a stand-in conversion (tests) that counts nothing
+            counter.step()
         share_like_umask(staging)  # mkdtemp's 700 and safetensors' 600 would keep the cache to its converter
         if not cache_damage(target):  # a conversion beside this one finished first: keep its copy
             return
@@ -322,7 +323,7 @@ def convert(target: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _save_plain(source: Path, staging: Path) -> _Counter:
+def _save_plain(source: Path, staging: Path) -> _Counter | None:
     """Rebuild the GGUF's model unflagged (trainers refuse a "quantized" one) and save it with its tokenizer."""
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
