@@ -374,9 +374,9 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
     for workload in opts.workloads:
         opts.log(f"{workload}: start")
         # A live count of the workload's timed runs (those that report one: B1-B4), its elapsed time always;
-        # the log's lines print above it.
+        # the log's lines print above it. Its own mode: B1's config turns a run's progress off, not the bench's.
         log = opts.log
-        with Ticker(f"bench {workload}", unit="run") as tick:
+        with Ticker(f"bench {workload}", unit="run", mode="auto") as tick:
             opts.log, opts.progress = tick.wrap(log), tick.set
             try:
                 run_workload(workload)
