@@ -8,6 +8,13 @@ Modes (`output.progress`):
 - "off": prints nothing (metrics.jsonl still has everything).
 - "auto": "live" when the stream is a TTY, else "plain".
 
+Besides reward, loss and the step's seconds per phase, the step line shows,
+where the record has them, the threads each phase ran on (speed.adaptive_threads
+drops to one thread beside a busy neighbour: `gen 20.3s on 1 thread` explains a
+slow step) and the tool-call rate of agentic runs (`tool calls/completion`).
+The phases between steps (evals, the model load) show their own count
+(ticker.py); a live one stands in for the block's last line while it runs.
+
 Choices: every number shows 3 significant digits (the learning rate in
 `1e-6` style), keys missing from a record are simply left out, and the ETA
 is the mean step time so far times the steps left. Block lines are cut to
