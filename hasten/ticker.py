@@ -19,10 +19,10 @@ Modes, the values of `output.progress`:
 - "auto": "live" on a terminal, else "off": a log file keeps its one line per
   step and per eval (train/progress.py) unless `plain` is asked for.
 
-A live bar is never left on screen (tqdm's leave=False): it stands in for the
-last line under it (a run's live block, train/progress.py) and clears itself,
-so what was there is redrawn intact; the caller logs the phase's one-line
-result. The mode is the process's (`configure`, from `output.progress`), so
+A live bar is never left on screen (tqdm's leave=False): it is drawn over the
+line the cursor is on (the last line of a run's live block, train/progress.py)
+and cleared when the phase ends, so the block is then redrawn intact; the
+caller logs the phase's one-line result. The mode is the process's (`configure`, from `output.progress`), so
 the layers below the loop (models, rollout) need no argument for it. A stream
 that stops taking writes turns the ticker off, never fails the run.
 """
