@@ -52,7 +52,7 @@ def test_quick_grid_runs_every_cell_to_the_fixed_length_and_writes_the_report(ca
     assert (page / "b8-scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((page / "results.json").read_text()) == payload
     markdown = (page / "results.md").read_text()
-    assert "hasten tiny L=8" in markdown and "![b8-scaling.png](b8-scaling.png)" in markdown
+    assert "hasten tiny L=8" in markdown and "![B8](b8-scaling.png)" in markdown
     assert "B8       hasten qwen-tiny L=8" in table
 
 

@@ -43,7 +43,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(smollm2, "_save_plain", fake_save_plain)
     conversions = []
 
-    def in_process(target):
+    def in_process(target, progress=None):
         conversions.append(target)
         smollm2.convert(target)
         return subprocess.CompletedProcess([], 0, "", "")
@@ -154,7 +154,8 @@ def test_a_cache_converted_by_another_user_is_shared_or_one_line(monkeypatch, um
         monkeypatch.setenv("HASTEN_CACHE", str(shared))
         monkeypatch.setattr(smollm2, "_save_plain", fake_save_plain)
         monkeypatch.setattr(smollm2, "_run_converter",
-                            lambda target: (smollm2.convert(target), subprocess.CompletedProcess([], 0))[1])
+                            lambda target, progress=None: (smollm2.convert(target),
+                                                           subprocess.CompletedProcess([], 0))[1])
         target = converted_dir(log=lambda _: None)  # root's conversion
 
         def as_nobody():

@@ -296,13 +296,14 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
     except UserError as error:
         print(str(error).splitlines()[0], file=sys.stderr)
         return 2
-    from .report import format_table, to_json, write_report
+    from .report import format_table, to_json
+    from .results_page import write_report
 
     table, line = format_table(results, limits, header), to_json(results, limits, header)
     if not args.json_only:
         print(table)
     if opts.report is not None:
-        write_report(opts.report, table, line, results)
+        write_report(opts.report, table, line, results, header, limits)
     print(line, flush=True)
     return 0
 
@@ -315,9 +316,11 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
 
     from ..kernels.allocator import loaded as loaded_allocator
     from .cost import Limits
-    from .machine import best_rates, matmul_at_shapes, memory_bandwidth
+    from .machine import (best_rates, busy_reasons, cores, earlier_probes, matmul_at_shapes, memory_bandwidth,
+                          record_probes)
     from .report import matmul_peak
-    from .workloads import HastenSide, run_b1, run_b2, run_b2_batches, run_b3
+    from ..ticker import Ticker
+    from .workloads import HastenSide, no_progress, run_b1, run_b2, run_b2_batches, run_b3
 
     peers_missing = [peer for peer in opts.peers if importlib.util.find_spec(PEER_MODULES[peer]) is None]
     opts.peers = [peer for peer in opts.peers if peer not in peers_missing]
@@ -351,12 +354,12 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
             side = HastenSide.build(opts)
         return {"B2": run_b2, "B3": run_b3}[workload](side, opts)
 
-    for workload in opts.workloads:
-        opts.log(f"{workload}: start")
+    def run_workload(workload: str) -> None:
+        nonlocal side
         if workload == "B1":  # alternates the contention levels itself, step by step
             side = side or HastenSide.build(opts)
             results.append(run_b1(side, opts))
-            continue
+            return
         for level in opts.contention:  # every other workload: once per level, under its neighbours
             with Neighbours(level) as neighbours:
                 measured = [measure(workload)]
@@ -367,11 +370,24 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
                 result.settings["contention"] = {"neighbours": level, "load_average_before": neighbours.load_before,
                                                  "load_average_after": neighbours.load_after}
                 results.append(result)
+
+    for workload in opts.workloads:
+        opts.log(f"{workload}: start")
+        # A live count of the workload's timed runs (those that report one: B1-B4), its elapsed time always;
+        # the log's lines print above it. Its own mode: B1's config turns a run's progress off, not the bench's.
+        log = opts.log
+        with Ticker(f"bench {workload}", unit="run", mode="auto") as tick:
+            opts.log, opts.progress = tick.wrap(log), tick.set
+            try:
+                run_workload(workload)
+            finally:
+                opts.log, opts.progress = log, no_progress
     torch.set_num_threads(threads)
     peak_end = matmul_peak(size, repeats)
     config = side.session.policy.model.config if side is not None else _model_config(opts)
     header = {
-        "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "model": opts.model, "quick": opts.quick, "cpus": os.cpu_count(), "cores": cores(),
+        "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
         "peers": opts.peers, "peers_missing": peers_missing, "contention": opts.contention,
         "peak_gflops_start": round(peak_start, 1), "peak_gflops_end": round(peak_end, 1),
@@ -385,6 +401,10 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
         for model, rates in result.settings.get("matmul_gflops_at_model_shapes", {}).items():
             measured.update({f"{model} {part}": per_shape for part, per_shape in rates.items()})
     header["best_gflops"] = best_rates(measured, max(peak_start, peak_end))
+    # Too busy to measure? Against the load, the run's own two peaks and this machine's earlier probes;
+    # then this run's probes join the record.
+    header["busy_box"] = busy_reasons(header, earlier_probes(header))
+    record_probes(header)
     return results, header, Limits(header["best_gflops"], header["memory_gbs"]["best"])
 
 
@@ -501,8 +521,11 @@ def run_b4(opts) -> Any:
     result.rows.append(Row("hasten --help", "hasten", "s", help_seconds))
 
     launches, step_seconds = [], []
+    runs = help_rounds + 2 * rounds  # --help, launches, import + construction rounds
+    opts.progress(help_rounds, runs)
     for round_index in range(rounds):
         opts.log(f"B4: launch to step 1, round {round_index + 1}/{rounds}")
+        opts.progress(help_rounds + round_index, runs)
         with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
             elapsed, step = _launch_to_first_step(train_command, env, Path(workdir))
         launches.append(elapsed)
@@ -527,6 +550,7 @@ def run_b4(opts) -> Any:
             result.settings["trl"] = {"model": peer["model_dir"], **peer["config"]}
         for round_index in range(rounds):  # A B A B
             opts.log(f"B4: import + construction, round {round_index + 1}/{rounds}")
+            opts.progress(help_rounds + rounds + round_index, runs)
             prepared.append(_until_built([sys.executable, "-c", PREPARE_SCRIPT, spec], env))
             if trl:
                 try:
@@ -534,6 +558,8 @@ def run_b4(opts) -> Any:
                 except PeerError as error:
                     result.notes.append(str(error))
                     trl = False
+
+    opts.progress(runs, runs)
 
     def split(messages: list[dict]) -> dict[str, float]:
         return {"import": statistics.median(m["import_seconds"] for m in messages),

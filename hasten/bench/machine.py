@@ -13,13 +13,20 @@
   lean engine uses at decode, plain weights as speed.fast_linear uses in the
   learning pass) and F.linear in bf16. Each rate is the best of a few calls
   within a small time budget, so the whole block stays within seconds.
+- Whether the box was too busy to measure (`busy_reasons`): the load average
+  before the run above the cores, the peak moving over 2x within the run, or a
+  probe under half of what this machine reached before. Earlier figures are
+  kept per machine (CPU, cores, probe size) in $HASTEN_CACHE/bench/probes.json,
+  the last 20 runs: busy runs too, since a low figure never raises the best.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 # Variables that change how OpenMP threads wait and where they run (GNU libgomp and Intel's libiomp).
@@ -154,3 +161,95 @@ def best_rates(at_shapes: dict[str, dict[str, dict[str, float]]], square_fp32: f
                 precision = "bf16" if kernel == "bf16" else "fp32"
                 best[precision] = max(best[precision], rate)
     return {precision: round(rate, 1) for precision, rate in best.items() if rate > 0}
+
+
+# ------------------------------------------------------------------ is the box too busy to measure?
+
+BUSY_PROBE_FRACTION = 0.5  # a probe under half the machine's own best earlier figure: something else ran
+PROBE_HISTORY = 20  # earlier figures kept per machine
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity), which the load average is compared with."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def probes_path() -> Path:
+    """Where earlier runs' probe figures are kept: $HASTEN_CACHE/bench/probes.json (default ~/.cache/hasten)."""
+    from ..models.smollm2 import cache_root
+
+    return cache_root() / "bench" / "probes.json"
+
+
+def machine_key(header: dict[str, Any]) -> str:
+    """Probes compare only with the same CPU, core count and probe sizes (--quick's are smaller)."""
+    return f"{header.get('cpu')} | {header.get('cores')} cores | {'quick' if header.get('quick') else 'full'} probes"
+
+
+def _probes(header: dict[str, Any]) -> dict[str, float]:
+    """This run's probe figures: the best fp32 matmul peak and the best memory bandwidth."""
+    peaks = [header.get("peak_gflops_start") or 0.0, header.get("peak_gflops_end") or 0.0]
+    return {"fp32_gflops": float(max(peaks)), "bandwidth_gbs": float((header.get("memory_gbs") or {}).get("best", 0.0))}
+
+
+def busy_reasons(header: dict[str, Any], earlier: dict[str, list[float]] | None = None) -> list[str]:
+    """Why this run's figures should not be quoted (docs/benchmarks.md, "A busy box"); [] when none.
+
+    - the load average before the run was above the cores this process may use (other work was running);
+    - the matmul peak at the end of the run differs from the one at its start by over 2x (the machine's
+      speed changed under the run);
+    - a probe (the fp32 matmul peak, the memory bandwidth) is under BUSY_PROBE_FRACTION of the best this
+      machine reached in earlier runs (`earlier`: probe name -> figures, from `probes_path()`).
+    """
+    reasons = []
+    load, count = header.get("load_average_before"), header.get("cores") or cores()
+    if isinstance(load, (int, float)) and load > count:
+        reasons.append(f"load average {load:.2f} before the run, above the {count} cores")
+    start, end = header.get("peak_gflops_start") or 0.0, header.get("peak_gflops_end") or 0.0
+    if min(start, end) > 0 and max(start, end) > 2 * min(start, end):
+        reasons.append(f"the matmul peak moved from {start:.1f} to {end:.1f} GFLOP/s during the run")
+    labels = {"fp32_gflops": ("matmul peak", "GFLOP/s"), "bandwidth_gbs": ("memory bandwidth", "GB/s")}
+    for name, value in _probes(header).items():
+        best = max((earlier or {}).get(name) or [0.0])
+        if best > 0 and value < BUSY_PROBE_FRACTION * best:
+            label, unit = labels[name]
+            reasons.append(f"{label} {value:.3g} {unit}, under {100 * BUSY_PROBE_FRACTION:.0f}% of this machine's "
+                           f"best earlier figure ({best:.3g} {unit})")
+    return reasons
+
+
+def earlier_probes(header: dict[str, Any], path: Path | None = None) -> dict[str, list[float]]:
+    """This machine's earlier probe figures ({} when there are none or the record cannot be read)."""
+    try:
+        record = json.loads((path or probes_path()).read_text())
+        return {name: [float(value) for value in values]
+                for name, values in record.get(machine_key(header), {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def record_probes(header: dict[str, Any], path: Path | None = None) -> None:
+    """Add this run's probe figures to the record (the last PROBE_HISTORY per machine); a cache that cannot
+    be written costs the next run its comparison, never this run."""
+    path = path or probes_path()
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(record, dict):
+            record = {}
+    except (OSError, ValueError):
+        record = {}
+    entry = record.setdefault(machine_key(header), {})
+    for name, value in _probes(header).items():
+        if value > 0:
+            entry[name] = ([float(v) for v in entry.get(name, []) if isinstance(v, (int, float))] + [value])[
+                -PROBE_HISTORY:]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, path)
+    except OSError:
+        pass

@@ -27,7 +27,10 @@ that prefills a prompt once per sample gets no credit for the repeats):
 - a GRPO step (B1) = generation + learning. Attention scores (~4% at these
   lengths), norms, sampling and the optimizer are left out.
 
-Output: a table for people, then exactly one JSON line, last, for tools.
+Output: a table for people, then exactly one JSON line, last, for tools; a
+--quick run's ratios say "paths checked, not a measurement" in both, and a
+busy box (machine.busy_reasons) is a warning above the table. --report's page
+is results_page.py.
 """
 
 from __future__ import annotations
@@ -221,10 +224,31 @@ def _compact(value: Any) -> str:
     return " ".join(f"{key}={item}" for key, item in value.items()) if isinstance(value, dict) else str(value)
 
 
+QUICK_NOTE = "paths checked, not a measurement"  # beside every ratio of a --quick run
+
+
+def ratio_text(ratio: float | None, quick: bool) -> str:
+    """'3.17x'; a --quick run's ratio says what it is: the tiny random model at toy sizes measures nothing."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x ({QUICK_NOTE})" if quick else f"{ratio:.2f}x"
+
+
+def warnings(header: dict[str, Any]) -> list[str]:
+    """The lines that say a run's figures must not be quoted: a busy box, a --quick run."""
+    lines = []
+    if header.get("busy_box"):
+        lines.append("WARNING: busy box, do not quote these figures: " + "; ".join(header["busy_box"]))
+    if header.get("quick"):
+        lines.append(f"--quick: the tiny random model at toy sizes: {QUICK_NOTE}; every ratio says so")
+    return lines
+
+
 def format_table(results: list[Result], limits: cost.Limits | float, header: dict[str, Any]) -> str:
     """The human-readable report: one table over all workloads, then settings and notes."""
-    scalars = {key: value for key, value in header.items() if not isinstance(value, dict)}
-    lines = ["hasten bench  " + "  ".join(f"{key}={value}" for key, value in scalars.items())]
+    quick = bool(header.get("quick"))
+    scalars = {key: value for key, value in header.items() if not isinstance(value, dict) and key != "busy_box"}
+    lines = warnings(header) + ["hasten bench  " + "  ".join(f"{key}={value}" for key, value in scalars.items())]
     for key, value in header.items():  # nested figures (OpenMP variables, matmul rates per shape): a line each
         if isinstance(value, dict) and value and all(isinstance(item, dict) for item in value.values()):
             for part, items in value.items():
@@ -245,19 +269,20 @@ def format_table(results: list[Result], limits: cost.Limits | float, header: dic
     for result in results:
         for row in result.rows:
             values = row.values()
-            ratio_text, versus = "", ""
+            shown, versus, quick_note = "", "", ""
             if row.side == "peer":
                 base = result.baseline_of(row)
                 ratio = pair_ratio(row, base) if base else None
-                ratio_text = f"{ratio:.2f}x" if ratio is not None else "-"
+                shown = f"{ratio:.2f}x" if ratio is not None else "-"
+                quick_note = f"ratio: {QUICK_NOTE}" if quick and ratio is not None else ""
                 versus = base.name if base else "-"
             reached, by_phase = limit(row, limits), phase_limits(row, limits)
             flagged += sum(value > 1.0 for value in [reached or 0.0, *by_phase.values()])
             phase_text = " ".join(f"limit_{phase}={limit_flag(value)}" for phase, value in by_phase.items())
             lines.append(
                 f"{result.workload:<8} {row.name:<34} {_number(statistics.median(values))} {_number(min(values))} "
-                f"{_number(max(values))} {row.unit:<7} {ratio_text:>7} {versus:<22} "
-                f"{limit_flag(reached):>7}  {' '.join(filter(None, [phase_text, _extra_text(row.extra)]))}"
+                f"{_number(max(values))} {row.unit:<7} {shown:>7} {versus:<22} "
+                f"{limit_flag(reached):>7}  {' '.join(filter(None, [quick_note, phase_text, _extra_text(row.extra)]))}"
             )
         if not result.rows:
             lines.append(f"{result.workload:<8} (no rows: see notes)")
@@ -268,7 +293,7 @@ def format_table(results: list[Result], limits: cost.Limits | float, header: dic
     for result in results:
         all_pairs = all_ratios(result)
         if len(all_pairs) > 1:
-            pairs = ", ".join(f"{key} {value:.2f}x" for key, value in all_pairs.items())
+            pairs = ", ".join(f"{key} {ratio_text(value, quick)}" for key, value in all_pairs.items())
             lines.append(f"{result.workload} ratios: {pairs}")
     for result in results:
         lines.append(f"{result.workload} - {result.title}")
@@ -295,7 +320,7 @@ def all_ratios(result: Result) -> dict[str, float]:
 # ------------------------------------------------------------------ the JSON line
 
 
-def _row_json(result: Result, row: Row, limits: cost.Limits) -> dict[str, Any]:
+def _row_json(result: Result, row: Row, limits: cost.Limits, quick: bool = False) -> dict[str, Any]:
     values = row.values()
     out: dict[str, Any] = {
         "name": row.name,
@@ -313,6 +338,8 @@ def _row_json(result: Result, row: Row, limits: cost.Limits) -> dict[str, Any]:
         base = result.baseline_of(row)
         out["baseline"] = base.name if base else None
         out["ratio"] = pair_ratio(row, base) if base else None
+        if quick:
+            out["ratio_note"] = QUICK_NOTE
     if row.work is not None:
         out["work"] = row.work
     out.update(row.extra)
@@ -324,12 +351,13 @@ def to_json(results: list[Result], limits: cost.Limits | float, header: dict[str
     limits = as_limits(limits)
     payload = {
         **header,
+        **({"ratio_note": QUICK_NOTE} if header.get("quick") else {}),
         "peak_gflops": limits.gflops.get("fp32"),
         "limits": {"gflops": limits.gflops, "bandwidth_gbs": limits.bandwidth_gbs},
         "workloads": {
             result.workload: {
                 "title": result.title,
-                "rows": [_row_json(result, row, limits) for row in result.rows],
+                "rows": [_row_json(result, row, limits, bool(header.get("quick"))) for row in result.rows],
                 "ratios": all_ratios(result),
                 "settings": result.settings,
                 "notes": result.notes,
@@ -349,29 +377,3 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(item) for item in value]
     return value
-
-
-def write_report(directory, table: str, line: str, results: list[Result]) -> None:
-    """--report DIR: results.md (the table, in a code block, and the plots), results.json (the JSON line),
-    and the plots the run wrote elsewhere copied in: a results page is generated, not copied by hand."""
-    import shutil
-    from pathlib import Path
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    images = []
-    for result in results:
-        for key in ("plot",):
-            source = result.settings.get(key)
-            if isinstance(source, str) and Path(source).is_file():
-                target = directory / Path(source).name
-                if Path(source).resolve() != target.resolve():
-                    shutil.copyfile(source, target)
-                images.append(target.name)
-    workloads = ", ".join(result.workload for result in results)
-    generated = (f"Generated by `hasten bench --report` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-                 "the JSON line is results.json.")
-    page = [f"# hasten bench: {workloads}", "", generated, "", "```", table, "```", ""]
-    page += [f"![{name}]({name})" for name in images]
-    (directory / "results.md").write_text("\n".join(page) + "\n")
-    (directory / "results.json").write_text(line + "\n")

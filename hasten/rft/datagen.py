@@ -28,6 +28,8 @@ from ..config import Config
 from ..errors import UserError
 from ..rollout import SamplingParams
 from ..tasks import Task, make_task
+from .. import ticker
+from ..ticker import Ticker
 from ..rollout.prompts import encode_prompt
 from ..train.preflight import check_writable_file
 from .data import RFTRecord, trim_to_answer, write_records
@@ -99,17 +101,21 @@ def run_datagen(cfg: Config, log: Callable[[str], None] = print, engine=None, to
     rows = task.train_rows
     generated = 0
     started = time.perf_counter()
-    for batch_index, start in enumerate(range(0, len(rows), rft.prompts_per_batch)):
-        batch = rows[start:start + rft.prompts_per_batch]
-        prompts = [encode_prompt(tokenizer, row["prompt"]) for row in batch]
-        rollout = engine.generate(prompts, rft.oversample, sampling, seed=rft.seed * 1_000_003 + batch_index)
-        generated += int(rollout.completion_mask.sum())
-        texts = tokenizer.batch_decode(rollout.completion_token_lists(), skip_special_tokens=True)
-        records += select_records(task, batch, texts, rft.oversample, rft.keep, counts)
-        done = start + len(batch)
-        log(f"datagen: {done}/{len(rows)} questions, {counts['solved']} solved, {len(records)} records, "
-            f"{generated / (time.perf_counter() - started):.0f} tok/s")
+    ticker.configure(cfg.output.progress)
+    with Ticker("datagen", total=len(rows), unit="question") as tick:  # moves per rft.prompts_per_batch questions
+        for batch_index, start in enumerate(range(0, len(rows), rft.prompts_per_batch)):
+            batch = rows[start:start + rft.prompts_per_batch]
+            prompts = [encode_prompt(tokenizer, row["prompt"]) for row in batch]
+            rollout = engine.generate(prompts, rft.oversample, sampling, seed=rft.seed * 1_000_003 + batch_index)
+            generated += int(rollout.completion_mask.sum())
+            texts = tokenizer.batch_decode(rollout.completion_token_lists(), skip_special_tokens=True)
+            records += select_records(task, batch, texts, rft.oversample, rft.keep, counts)
+            tick.note(f"{counts['solved']} solved, {len(records)} records, "
+                      f"{generated / (time.perf_counter() - started):.0f} tok/s")
+            tick.update(len(batch))
     seconds = time.perf_counter() - started
+    log(f"datagen: {len(rows)} questions, {counts['solved']} solved, {len(records)} records, "
+        f"{generated / max(seconds, 1e-9):.0f} tok/s")
     if not records:  # an empty file would only fail later, in `hasten sft`
         raise NoRecords(f"rft error: no sample was correct ({len(rows)} questions x {rft.oversample} samples), so "
                         f"nothing was written to {rft.data}; raise rft.oversample or rft.temperature, or start "

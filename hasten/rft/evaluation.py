@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from .. import ticker
 from ..agent import make_agent
 from ..config import Config
 from ..tasks import Task, make_task
@@ -26,6 +27,7 @@ def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None])
     """Greedy held-out metrics of an in-memory policy (merged in place if it carries LoRA adapters)."""
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
+    ticker.configure(cfg.output.progress)  # the eval's count (train/evaluate.py) in the run's progress mode
     policy.model.eval()
     engine = make_engine(cfg, policy, log)
     parts = make_agent(cfg, task)  # a tool task: the tool loop generates, as in `hasten train`'s evals

@@ -6,7 +6,9 @@ tool) and calls per completion, the mean total reward under the run's reward fun
 and each function's mean over the samples it applied to (rewards/<name>), on the first `num_examples` held-out rows, plus whatever the
 task's own `metrics` function adds (chess: format rate, FEN exact match,
 mean similarity). Greedy decoding makes the numbers a property of the
-weights, not of a sampling seed.
+weights, not of a sampling seed. The questions go through the engine in
+chunks of `batch_size` (eval.batch_size, 16 by default), and the progress
+count moves after each chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from ..rewards import RewardFunction, score_rewards
 from ..rollout import Engine, SamplingParams
 from ..tasks import Task
+from ..ticker import Ticker
 from ..rewards.batch import reward_inputs
 from ..rollout.prompts import encode_prompt
 from ..rollout.stops import apply_stop_strings
@@ -36,14 +39,21 @@ def evaluate(
     stop_strings: list[str] | None = None,
     agent: Any = None,
     progress: Callable[[int, int], None] | None = None,
+    description: str = "evaluating",
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Returns (metrics, samples); samples hold each question and completion.
 
     template_kwargs: generation.chat_template_kwargs; reward_kwargs: TRL's trainer_state, log_metric,
     log_extra; stop_strings: generation.stop_strings, cut as in training; agent: the run's tool loop
     (agent/loop.py), which then generates each completion, tool calls and all; progress: called
-    with (questions done, questions in all) after each batch.
+    with (questions done, questions in all) after each batch; without it, a ticker (ticker.py) named
+    `description` shows that count on stderr in the process's progress mode, so no caller's eval
+    (hasten eval, rft test, the API's, the bench's scorer) sits silent.
     """
+    if progress is None:
+        with Ticker(description, total=min(num_examples, len(task.eval_rows)), unit="question") as tick:
+            return evaluate(task, engine, tokenizer, reward_functions, num_examples, max_new_tokens, batch_size,
+                            template_kwargs, reward_kwargs, stop_strings, agent, tick.set)
     rows = task.eval_rows[:num_examples]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     parsed = correct = judged = 0

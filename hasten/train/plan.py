@@ -26,6 +26,8 @@ class Plan:
     sharded: bool  # train.distributed=fsdp under torchrun
     adaptive_threads: bool  # speed.adaptive_threads where it applies (one CPU process, threads not pinned)
     async_steps: int  # speed.async_steps: batches sampled ahead of the update
+    threads: int = 0  # torch's intra-op threads when the run starts (0: not known)
+    cores: int = 0  # the cores this process may run on
 
     @classmethod
     def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool) -> Plan:
@@ -39,13 +41,31 @@ class Plan:
             engine_kind += f" ({cfg.speed.speculative})"
         sharded = fsdp.wanted(cfg)
         device = str(next(model.parameters()).device)
+        import os
+
+        import torch
+
         return cls(device, engine_kind, "native" if native else "transformers",
-                   LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.speed.async_steps)
+                   LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.speed.async_steps,
+                   torch.get_num_threads(), len(os.sched_getaffinity(0)))
 
     def describe(self) -> str:
-        """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy'."""
+        """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy, 2 threads
+        on 2 cores, adaptive (fewer while other processes run; each step line says when)'."""
         extras = (["FSDP-sharded"] if self.sharded else []) + (
-            [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + (
-            ["adaptive threads"] if self.adaptive_threads else [])
+            [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + [self.describe_threads()]
         return (f"plan: {self.device}, {self.engine} engine, {self.model_impl} forward, {self.learning.describe()}"
-                + "".join(f", {extra}" for extra in extras))
+                + "".join(f", {extra}" for extra in extras if extra))
+
+    def describe_threads(self) -> str:
+        """The thread choice: a slow step on a busy box is often one thread (kernels/threads.py)."""
+        if not self.threads:
+            return "adaptive threads" if self.adaptive_threads else ""
+        text = f"{_count(self.threads, 'thread')} on {_count(self.cores, 'core')}"
+        if self.adaptive_threads:
+            return text + ", adaptive (fewer while other processes run; the step line says when)"
+        return text
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"

@@ -8,6 +8,13 @@ Modes (`output.progress`):
 - "off": prints nothing (metrics.jsonl still has everything).
 - "auto": "live" when the stream is a TTY, else "plain".
 
+Besides reward, loss and the step's seconds per phase, the step line shows,
+where the record has them, the threads each phase ran on (speed.adaptive_threads
+drops to one thread beside a busy neighbour: `gen 20.3s on 1 thread` explains a
+slow step) and the tool-call rate of agentic runs (`tool calls/completion`).
+The phases between steps (evals, the model load) show their own count
+(ticker.py); a live one stands in for the block's last line while it runs.
+
 Choices: every number shows 3 significant digits (the learning rate in
 `1e-6` style), keys missing from a record are simply left out, and the ETA
 is the mean step time so far times the steps left. Block lines are cut to
@@ -29,8 +36,11 @@ MODES = ("auto", "live", "plain", "off")
 BAR_WIDTH = 24
 DEFAULT_WIDTH = 120  # when the stream cannot report a terminal size
 
-# (record key, short label) of the per-phase timings, in loop order.
-TIMINGS = (("time/generate", "gen"), ("time/reward", "reward"), ("time/learn", "learn"))
+# (record key, short label, threads key) of the per-phase timings, in loop order. The threads key is
+# speed.adaptive_threads' choice for the phase (kernels/threads.py): a step that slowed because the governor
+# dropped to one thread for a busy neighbour says so beside its time.
+TIMINGS = (("time/generate", "gen", "threads/generate"), ("time/reward", "reward", None),
+           ("time/learn", "learn", "threads/learn"))
 
 
 class Progress:
@@ -257,7 +267,8 @@ def _reward_text(record: dict[str, Any]) -> str:
 
 def _training_parts(record: dict[str, Any]) -> list[str]:
     parts = []
-    for key, label in (("completion_length", "len"), ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy")):
+    for key, label in (("completion_length", "len"), ("loss", "loss"), ("kl", "kl"), ("entropy", "entropy"),
+                       ("tools/call_frequency", "tool calls/completion")):  # agentic runs (agent/loop.py)
         if _number(record.get(key)) is not None:
             parts.append(f"{label} {_format(record[key])}")
     if _number(record.get("lr")) is not None:
@@ -265,10 +276,19 @@ def _training_parts(record: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _threads_text(value: Any) -> str:
+    """' on 1 thread' where adaptive threads reported the phase's count, else ''."""
+    count = _number(value)
+    if count is None:
+        return ""
+    return f" on {count:.0f} thread{'s' if count != 1 else ''}"
+
+
 def _timing_text(record: dict[str, Any]) -> str:
-    """'3.6s/step (gen 1.23s, reward 0.01s, learn 2.34s)'."""
+    """'3.6s/step (gen 1.23s, reward 0.01s, learn 2.34s)'; with adaptive threads 'gen 1.23s on 1 thread'."""
     phases = [
-        f"{label} {_format(record[key])}s" for key, label in TIMINGS if _number(record.get(key)) is not None
+        f"{label} {_format(record[key])}s{_threads_text(record.get(threads))}"
+        for key, label, threads in TIMINGS if _number(record.get(key)) is not None
     ]
     if _number(record.get("time/step")) is not None:
         text = f"{_format(record['time/step'])}s/step"

@@ -54,6 +54,8 @@ from ..kernels.compile import compile_model
 from ..algo.dynamic_sampling import refill
 from ..kernels.threads import ThreadGovernor
 from ..tasks import Task, make_task
+from .. import ticker
+from ..ticker import Ticker
 from . import distributed, fsdp, loop
 from .evaluate import evaluate
 from .feeder import Feeder, make_feeder
@@ -112,6 +114,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     functions receive as `trainer_state` (default: a RewardState the step keeps current). tools /
     environment: the API's tools= and environment_factory= (agent/, added to the task's and the config's)."""
     device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
+    ticker.configure(cfg.output.progress if distributed.is_main() else "off")  # every phase's live progress (ticker.py)
     configure_device(device)
     check_trackers(cfg)
     configure_threads(cfg.train.num_threads)
@@ -127,7 +130,8 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
         check_engine_installed(cfg)  # speed.engine=vllm without vLLM: likewise
         log(f"loading model {cfg.model.name} ...")  # the first line of a run: the load (and a first conversion) take seconds
-        policy = load_policy(cfg.model, log, native=use_native_model(cfg, log))
+        with Ticker(f"loading model {cfg.model.name}", unit="s") as tick:  # elapsed; a first conversion counts tensors
+            policy = load_policy(cfg.model, tick.wrap(log), native=use_native_model(cfg, log))
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
     place_reward_models(rewards, device)  # reward models score where the policy runs
@@ -360,16 +364,13 @@ class GRPOJob:
         cfg, session = self.cfg, self.session
         started = time.perf_counter()
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
-        counter = None
         if step == 0:  # before training, nothing else is on screen yet: say what the wait is for
             self.log(f"evaluating {count} held-out questions (greedy, up to {cfg.eval.max_new_tokens} new tokens) ...")
-            counter = lambda done, total: self.log(f"  evaluated {done}/{total}")  # noqa: E731
-        metrics, samples = evaluate(
+        metrics, samples = evaluate(  # its count moves after every eval.batch_size questions (ticker.py)
             session.task, session.engine, session.policy.tokenizer, session.rewards,
             count, cfg.eval.max_new_tokens, cfg.eval.batch_size,
             cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(), cfg.generation.stop_strings,
-            agent=session.agent,
-            progress=counter,
+            agent=session.agent, description=f"evaluating at step {step}",
         )
         metrics.update(session.reward_logs.drain()[0])  # what reward functions logged during the eval
         metrics["seconds"] = time.perf_counter() - started
