@@ -240,3 +240,30 @@ def test_other_architectures_are_refused(tokenizer):
 def test_empty_prompt_is_refused(model, tokenizer):
     with pytest.raises(ValueError, match="at least one token"):
         lean_engine(model, tokenizer).generate([[5], []], 2, SamplingParams(4), seed=0)
+
+
+def test_a_resync_drops_the_old_copy_before_making_the_new_one(tokenizer, monkeypatch):
+    # Two engine copies beside the model at once were the 0.5B cell's missing 1.7 GiB (docs/scaling.md):
+    # by the time the first new matrix is prepared, no matrix of the previous sync may be alive.
+    import gc
+    import weakref
+
+    from hasten.models.tiny import tiny_model
+    from hasten.rollout.lean import LeanEngine, Matmul
+
+    model = tiny_model(len(tokenizer))
+    engine = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    old = [weakref.ref(tensor) for layer in engine.layers for tensor in (layer.qkv, layer.out, layer.gate_up,
+                                                                         layer.down)]
+    alive_at_first_prepare = []
+    original = Matmul.prepare
+
+    def prepare(self, weight, *args, **kwargs):
+        if not alive_at_first_prepare:
+            gc.collect()
+            alive_at_first_prepare.append(sum(ref() is not None for ref in old))
+        return original(self, weight, *args, **kwargs)
+
+    monkeypatch.setattr(Matmul, "prepare", prepare)
+    engine.sync_weights(force=True)
+    assert alive_at_first_prepare == [0]
