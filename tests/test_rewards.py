@@ -130,7 +130,7 @@ def test_a_function_without_kwargs_is_reported_not_crashed(is_async):
         return [0.0] * len(completions)
 
     function = RewardFunction("strict", async_reward if is_async else sync_reward)
-    message = r"'strict' failed on sample 0: TypeError: .*unexpected keyword argument"
+    message = r"'strict' failed on sample 0 \(prompt \"prompt 0\"\): TypeError: .*unexpected keyword argument"
     with pytest.raises(RewardError, match=message):
         score_rewards([function], **batch())
 
@@ -159,7 +159,7 @@ def test_raising_function_names_the_failing_sample(is_async):
     function = RewardFunction("picky", async_reward if is_async else sync_reward)
     with pytest.raises(RewardError) as error:
         score_rewards([RewardFunction("fine", constant(1.0)), function], **batch())
-    assert str(error.value) == "reward error: function 'picky' failed on sample 2: KeyError: 'boom'"
+    assert str(error.value) == "reward error: function 'picky' failed on sample 2 (prompt \"prompt 1\"): KeyError: 'boom'"
 
 
 def test_failure_only_on_the_whole_batch():
@@ -168,7 +168,9 @@ def test_failure_only_on_the_whole_batch():
             raise ValueError("batch broke\nsecond line")
         return [0.0]
 
-    message = r"^reward error: function 'pairs' failed on the batch: ValueError: batch broke$"
+    # No sample fails alone: the shortest failing prefix is named, ending at the sample whose addition breaks it.
+    message = (r"^reward error: function 'pairs' failed on samples 0 to 1 together, though each passes alone "
+               r"\(sample 1: prompt \"prompt 0\"\): ValueError: batch broke$")
     with pytest.raises(RewardError, match=message):
         score_rewards([RewardFunction("pairs", needs_pairs)], **batch())
 

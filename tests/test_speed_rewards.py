@@ -100,7 +100,7 @@ def test_slow_rewards_by_config_name_and_unknown_name():
 def test_worker_errors_name_the_function_and_sample(slow):
     bad = RewardFunction("fragile", fragile, slow=slow)
     scorer = RewardScorer(functions() + [bad], SpeedConfig(reward_workers=2))
-    with pytest.raises(RewardError, match=r"^reward error: function 'fragile' failed on sample 9: ValueError: "
+    with pytest.raises(RewardError, match=r"^reward error: function 'fragile' failed on sample 9 \(prompt \".*\"\): ValueError: "
                                           r"cannot score abcd$"):
         scored(scorer)
     scorer.close()
