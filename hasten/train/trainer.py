@@ -325,7 +325,8 @@ class GRPOJob:
         if not self.announced:
             self.announced = True
             generation = self.cfg.generation
-            self.log(f"training {self.total_steps} steps; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
+            steps = f"{self.total_steps} step{'' if self.total_steps == 1 else 's'}"
+            self.log(f"training {steps}; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
                      f"{generation.num_generations} completions, scoring, learning ...")
         before = shared_stats()
         record = self._step(step)
