@@ -104,6 +104,14 @@ def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = 
     return functions
 
 
+def callable_name(obj: Any) -> str:
+    """'module:qualified.name' of a function or class (what a tools= / environment_factory= entry is)."""
+    target = getattr(obj, "func", obj)  # functools.partial: the function it wraps
+    if not hasattr(target, "__qualname__"):  # a callable instance: its class
+        target = type(target)
+    return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
+
+
 def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None = None,
             rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
             trainer_state: Any = None, tools: list | None = None, environment: Any = None) -> Session:
@@ -122,6 +130,9 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     torch.manual_seed(cfg.train.seed)
     task = task if task is not None else make_task(cfg.task, cfg)
     parts = make_agent(cfg, task, tools, environment)  # tools and environments checked before the model loads
+    # config.yaml records what the run uses: the API's callables by name (they cannot be reloaded from it)
+    cfg.generation.api_tools = [callable_name(tool) for tool in tools or []]
+    cfg.task.api_environment = callable_name(environment) if environment is not None else None
     rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
