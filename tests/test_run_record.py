@@ -1,5 +1,6 @@
-"""A run's config.yaml records what the run used: the Python API's tools= and environment_factory= by
-name (`generation.api_tools`, `task.api_environment`), not the empty defaults a config file would show."""
+"""What a run records and says matches what it did: config.yaml names the Python API's tools= and
+environment_factory= (`generation.api_tools`, `task.api_environment`), not the empty defaults a config
+file would show; the log says "1 step", not "1 steps"."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ def test_callable_names():
 
     assert callable_name(functools.partial(multiply, 2)) == f"{__name__}:multiply"
     assert callable_name(Scorer()).endswith(":test_callable_names.<locals>.Scorer")
+
+
+def test_one_step_and_one_question_are_singular(tmp_path, capsys):
+    from hasten.cli import main
+
+    code = main(["train", "--model.name=tiny", "--task.name=arithmetic", "--train.steps=1", "--eval.num_examples=1",
+                 "--train.prompts_per_step=2", "--generation.num_generations=2", "--generation.max_new_tokens=4",
+                 "--eval.max_new_tokens=4", f"--output.dir={tmp_path}", "--output.progress=off"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "training 1 step;" in err and "evaluating 1 held-out question (" in err
+    assert "1 steps" not in err and "1 held-out questions" not in err

@@ -374,7 +374,8 @@ class GRPOJob:
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
         counter = None
         if step == 0:  # before training, nothing else is on screen yet: say what the wait is for
-            self.log(f"evaluating {count} held-out questions (greedy, up to {cfg.eval.max_new_tokens} new tokens) ...")
+            self.log(f"evaluating {count} held-out question{'' if count == 1 else 's'} (greedy, up to "
+                     f"{cfg.eval.max_new_tokens} new tokens) ...")
             counter = lambda done, total: self.log(f"  evaluated {done}/{total}")  # noqa: E731
         metrics, samples = evaluate(
             session.task, session.engine, session.policy.tokenizer, session.rewards,
