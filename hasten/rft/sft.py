@@ -350,7 +350,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     run, checkpoint = loop.open_run(cfg, resume)
     length = (f"{cfg.sft.epochs} epoch{'' if cfg.sft.epochs == 1 else 's'}" if cfg.sft.max_steps <= 0
               else f"{cfg.sft.max_steps} step{'' if cfg.sft.max_steps == 1 else 's'}")
-    log(f"sft: {len(examples)} examples x {length}, run directory {run.path}")
+    log(f"sft: {len(examples)} example{'' if len(examples) == 1 else 's'} x {length}, run directory {run.path}")
     if not from_records and resume is None and distributed.is_main():  # what the tool conversations were
         save_demonstrations(run.path / DEMONSTRATIONS_FILE, task, cfg.sft.max_examples)
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
