@@ -7,7 +7,9 @@ The rule (README.md, "Tests", says the same):
   one command is read by the next) that holds a link to the repository's `configs/`.
 - Before it runs, the tiny settings of its subcommand (TINY below) are appended: the model becomes
   `tiny` and the run one step (or one SFT step, 2 datagen questions, 2 held-out questions), small
-  enough to run in seconds. Being last, they override the doc's own values; everything else (the
+  enough to run in seconds. A model directory that an earlier command of the same doc wrote is kept
+  (the agentic recipe trains GRPO from the SFT step's checkpoint), so a command that reads a path no
+  earlier command writes fails. Being last, they override the doc's own values; everything else (the
   preset file, the task, the profile, LoRA, tools, ...) runs as the doc wrote it. `hasten tasks`,
   `hasten models` and `hasten config` run as they are.
 - A command that cannot run that way (the real model's weights or minutes of training are its point,
@@ -119,6 +121,28 @@ def runnable_by_doc() -> dict[str, list[Command]]:
     return found
 
 
+def named_model(words: list[str]) -> str | None:
+    """The model a command names (--model X, --model=X, --model.name X or --model.name=X), if any."""
+    for index, word in enumerate(words):
+        for flag in ("--model", "--model.name"):
+            if word == flag and index + 1 < len(words):
+                return words[index + 1]
+            if word.startswith(flag + "="):
+                return word.split("=", 1)[1]
+    return None
+
+
+def tiny_settings(command: Command) -> list[str]:
+    """TINY's settings for the command; a model directory an earlier command of the doc wrote (the agentic
+    recipe's SFT checkpoint) is kept, so the path one command writes is the path the next one reads."""
+    model = named_model(command.words)
+    assert model is None or not model.startswith("runs/") or Path(model).is_dir(), (
+        f"{command.where}: {model} is written by no command before it in the doc")
+    if model is not None and Path(model).is_dir():
+        return [setting for setting in TINY[command.subcommand] if not setting.startswith("--model.name=")]
+    return TINY[command.subcommand]
+
+
 @pytest.mark.parametrize("doc", sorted(runnable_by_doc()))
 def test_documented_commands_run_on_tiny(doc, tmp_path, monkeypatch):
     """The doc's unmarked commands, in order, each rewritten by TINY; every one exits 0."""
@@ -130,7 +154,7 @@ def test_documented_commands_run_on_tiny(doc, tmp_path, monkeypatch):
         assert command.subcommand in TINY, (
             f"{command.where}: `hasten {' '.join(command.words)}` has no tiny settings in TINY; add them "
             f"or mark it '# {MARK} <reason>'")
-        code = main([*command.words, *TINY[command.subcommand]])
+        code = main([*command.words, *tiny_settings(command)])
         assert code == 0, f"{command.where}: `hasten {' '.join(command.words)}` exited {code}"
 
 
