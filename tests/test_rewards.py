@@ -337,3 +337,22 @@ def test_builtins_run_through_score_rewards():
     scores = score_rewards(functions, **data)
     # Format 0.25 x (1, 1, 1, 0) plus correct (1, 0, 1, 0): an untagged "1" earns nothing.
     assert scores.total.tolist() == [1.25, 0.25, 1.25, 0.0]
+
+
+def test_a_failing_sample_is_named_with_its_prompts_start():
+    """A chat prompt is named by its last message; a long one is cut at 40 characters."""
+    question = "How many grams are there in 6 kilograms of flour, exactly?"
+    data = batch(2)
+    data["prompts"] = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]] * 2
+
+    def fails_second(prompts, completions, **kwargs):
+        if len(completions) == 1 and completions[0] == "completion 1":
+            raise ValueError("no")
+        if len(completions) > 1:
+            raise ValueError("batch")
+        return [0.0]
+
+    with pytest.raises(RewardError) as error:
+        score_rewards([RewardFunction("second", fails_second)], **data)
+    assert str(error.value) == ("reward error: function 'second' failed on sample 1 "
+                                f"(prompt \"{question[:40]}...\"): ValueError: no")
