@@ -100,6 +100,16 @@ COMMANDS = [command for path in DOCS for command in documented(path)[0]]
 SNIPPETS = [snippet for snippet in documented(ROOT / "README.md")[1]]
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The commands run in this process and may set torch's thread count (train.num_threads): restore it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_the_docs_show_commands():
     assert len(COMMANDS) > 40 and sum(command.skip is None for command in COMMANDS) >= 10
 
