@@ -61,6 +61,7 @@ def test_callable_names():
 
     assert callable_name(functools.partial(multiply, 2)) == f"{__name__}:multiply"
     assert callable_name(Scorer()).endswith(":test_callable_names.<locals>.Scorer")
+    assert callable_name({"game": GuessingGame}) == "{game: hasten.tasks.guess:GuessingGame}"
 
 
 def test_one_step_and_one_question_are_singular(tmp_path, capsys):

@@ -105,7 +105,10 @@ def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = 
 
 
 def callable_name(obj: Any) -> str:
-    """'module:qualified.name' of a function or class (what a tools= / environment_factory= entry is)."""
+    """'module:qualified.name' of a function or class (what a tools= / environment_factory= entry is); a
+    dict of environment factories (TRL's per-row `environment` column) as '{name: module:Class, ...}'."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{key}: {callable_name(value)}" for key, value in obj.items()) + "}"
     target = getattr(obj, "func", obj)  # functools.partial: the function it wraps
     if not hasattr(target, "__qualname__"):  # a callable instance: its class
         target = type(target)
