@@ -53,6 +53,7 @@ class TaskConfig:
     system_prompt: str | None = None  # None: the task's own
     worked_example: bool = True  # show one solved question first (generated tasks)
     environment: str | None = None  # "path/to/file.py:Class": TRL's environment_factory (docs/agentic.md)
+    api_environment: str | None = None  # recorded, not read: the Python API's environment_factory, as module:name
 
 
 @dataclass
@@ -75,6 +76,7 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)  # a completion ends after the first of these it produces
     chat_template_kwargs: dict = field(default_factory=dict)  # chat template variables (enable_thinking: false)
     tools: list[str] = field(default_factory=list)  # "path/to/file.py:function" tools the model may call (docs/agentic.md)
+    api_tools: list[str] = field(default_factory=list)  # recorded, not read: the Python API's tools=, as module:name
     max_tool_turns: int = 10  # tool-calling rounds after the first turn (TRL: max_tool_calling_iterations)
     tool_timeout: float = 10.0  # seconds a tool call may take; then the model reads "timed out"
     tool_isolation: str = "process"  # process: each user tool call in a child killed at the timeout (a hang, crash or os._exit is that call's error) | thread: in the trainer, TRL's contract (tools can share state with it) (docs/agentic.md)

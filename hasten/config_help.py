@@ -6,6 +6,10 @@ are the dataclasses', the types `config._type_name`'s, the allowed values
 field's trailing comment in config.py or config_jobs.py (read from the source with
 `tokenize`; tests/test_config_help.py checks every key has one). Per-task
 defaults (config.TASK_DEFAULTS) are shown beside the key they change.
+
+The docs' tables that list what the code offers are generated here too, so the docs cannot drift either:
+`python -m hasten.config_help losses` prints the losses table of docs/running.md (algo/losses.py's
+LOSSES, each loss's docstring); tests/test_docs_tables.py checks the docs hold exactly that text.
 """
 
 from __future__ import annotations
@@ -92,3 +96,24 @@ def render(sections: list[str]) -> str:
         lines.append(f"      {entry.help}")
     lines.append("\nSet any key in a YAML file (section: {key: value}) or as --section.key=value.")
     return "\n".join(lines)
+
+
+def losses_table() -> str:
+    """The markdown table of `algo.loss` values: LOSSES' names in order, each loss's docstring summary."""
+    from .algo.losses import LOSSES  # torch: only when the table is asked for
+
+    default = config.AlgoConfig().loss
+    lines = ["| `algo.loss` | what it computes |", "|---|---|"]
+    for name, function in LOSSES.items():
+        summary = " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
+        lines.append(f"| `{name}`{' (default)' if name == default else ''} | {summary} |")
+    return "\n".join(lines)
+
+
+GENERATED = {"losses": losses_table}  # what `python -m hasten.config_help NAME` prints (docs' generated blocks)
+
+if __name__ == "__main__":
+    import sys
+
+    for table in sys.argv[1:] or list(GENERATED):
+        print(GENERATED[table]())

@@ -130,7 +130,7 @@ def test_a_function_without_kwargs_is_reported_not_crashed(is_async):
         return [0.0] * len(completions)
 
     function = RewardFunction("strict", async_reward if is_async else sync_reward)
-    message = r"'strict' failed on sample 0: TypeError: .*unexpected keyword argument"
+    message = r"'strict' failed on sample 0 \(prompt \"prompt 0\"\): TypeError: .*unexpected keyword argument"
     with pytest.raises(RewardError, match=message):
         score_rewards([function], **batch())
 
@@ -159,7 +159,7 @@ def test_raising_function_names_the_failing_sample(is_async):
     function = RewardFunction("picky", async_reward if is_async else sync_reward)
     with pytest.raises(RewardError) as error:
         score_rewards([RewardFunction("fine", constant(1.0)), function], **batch())
-    assert str(error.value) == "reward error: function 'picky' failed on sample 2: KeyError: 'boom'"
+    assert str(error.value) == "reward error: function 'picky' failed on sample 2 (prompt \"prompt 1\"): KeyError: 'boom'"
 
 
 def test_failure_only_on_the_whole_batch():
@@ -168,7 +168,9 @@ def test_failure_only_on_the_whole_batch():
             raise ValueError("batch broke\nsecond line")
         return [0.0]
 
-    message = r"^reward error: function 'pairs' failed on the batch: ValueError: batch broke$"
+    # No sample fails alone: the shortest failing prefix is named, ending at the sample whose addition breaks it.
+    message = (r"^reward error: function 'pairs' failed on samples 0 to 1 together, though each passes alone "
+               r"\(sample 1: prompt \"prompt 0\"\): ValueError: batch broke$")
     with pytest.raises(RewardError, match=message):
         score_rewards([RewardFunction("pairs", needs_pairs)], **batch())
 
@@ -335,3 +337,22 @@ def test_builtins_run_through_score_rewards():
     scores = score_rewards(functions, **data)
     # Format 0.25 x (1, 1, 1, 0) plus correct (1, 0, 1, 0): an untagged "1" earns nothing.
     assert scores.total.tolist() == [1.25, 0.25, 1.25, 0.0]
+
+
+def test_a_failing_sample_is_named_with_its_prompts_start():
+    """A chat prompt is named by its last message; a long one is cut at 40 characters."""
+    question = "How many grams are there in 6 kilograms of flour, exactly?"
+    data = batch(2)
+    data["prompts"] = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]] * 2
+
+    def fails_second(prompts, completions, **kwargs):
+        if len(completions) == 1 and completions[0] == "completion 1":
+            raise ValueError("no")
+        if len(completions) > 1:
+            raise ValueError("batch")
+        return [0.0]
+
+    with pytest.raises(RewardError) as error:
+        score_rewards([RewardFunction("second", fails_second)], **data)
+    assert str(error.value) == ("reward error: function 'second' failed on sample 1 "
+                                f"(prompt \"{question[:40]}...\"): ValueError: no")

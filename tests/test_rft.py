@@ -285,6 +285,7 @@ def test_sft_cli_end_to_end_on_tiny(tmp_path, capsys):
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["examples"] == 4 and report["optimizer_steps"] == 2 and report["adapter_mb"] > 0
+    assert report["lora"] and "model_mb" not in report  # LoRA: the size is the adapters'
     assert report["settings"]["profile"] == "balanced" and report["eval"]["num_examples"] == 2
     checkpoint = tmp_path / "runs" / report["run_dir"].split("/")[-1] / "checkpoint"
     assert (checkpoint / "adapter_config.json").is_file()
@@ -295,3 +296,14 @@ def test_sft_cli_end_to_end_on_tiny(tmp_path, capsys):
     code = cli_main(["rft", "test", "--model", str(checkpoint), "--num-examples", "2", "--eval.max_new_tokens=4",
                      "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out.strip())["num_examples"] == 2
+
+
+def test_sft_report_names_the_size_for_what_was_saved():
+    """A full model's size is model_mb (a 538 MB model is no adapter), LoRA adapters' adapter_mb."""
+    from hasten.rft.sft import SFTReport
+
+    fields = dict(run_dir="r", checkpoint="r/checkpoint", examples=1, optimizer_steps=1, train_seconds=1.0,
+                  trained_tokens=1, target_tokens=1, first_loss=1.0, final_loss=0.5, weights_mb=538.1)
+    full, adapters = SFTReport(**fields, lora=False).to_dict(), SFTReport(**fields, lora=True).to_dict()
+    assert full["model_mb"] == 538.1 and "adapter_mb" not in full and "weights_mb" not in full
+    assert adapters["adapter_mb"] == 538.1 and "model_mb" not in adapters

@@ -100,7 +100,7 @@ def test_slow_rewards_by_config_name_and_unknown_name():
 def test_worker_errors_name_the_function_and_sample(slow):
     bad = RewardFunction("fragile", fragile, slow=slow)
     scorer = RewardScorer(functions() + [bad], SpeedConfig(reward_workers=2))
-    with pytest.raises(RewardError, match=r"^reward error: function 'fragile' failed on sample 9: ValueError: "
+    with pytest.raises(RewardError, match=r"^reward error: function 'fragile' failed on sample 9 \(prompt \".*\"\): ValueError: "
                                           r"cannot score abcd$"):
         scored(scorer)
     scorer.close()
@@ -174,3 +174,21 @@ def test_gate_skips_exactly_the_failing_samples():
 def test_unknown_gate_is_a_config_error():
     with pytest.raises(ConfigError, match="speed.gate_reward 'syntax'"):
         RewardScorer(functions(), SpeedConfig(gate_reward="syntax"))
+
+
+def uneven(prompts, completions, **kwargs):
+    """Breaks on any call holding more than 2 samples; every sample alone passes."""
+    if len(completions) > 2:
+        raise ValueError("too many at once")
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_function_failing_only_together_is_named_by_its_first_failing_samples(workers):
+    # The pool's slices and the plain call both name samples by their index in the whole batch.
+    scorer = RewardScorer([RewardFunction("uneven", uneven, slow=bool(workers))],
+                          SpeedConfig(reward_workers=workers, reward_cache=False))
+    with pytest.raises(RewardError, match=r"^reward error: function 'uneven' failed on samples (\d+) to (\d+) together, "
+                                          r"though each passes alone \(sample \2: prompt \".*\"\): ValueError: too many"):
+        scored(scorer)
+    scorer.close()

@@ -147,7 +147,8 @@ def test_a_raising_reward_stops_the_run_naming_function_and_sample(data, capsys)
     # The first sample of the bad row's group: index 0 or 4 depending on the shuffle.
     assert err.startswith("reward error: function 'fragile' failed on sample ")
     assert err.endswith(": ValueError: cannot score this one")
-    index = int(err.split("failed on sample ")[1].split(":")[0])
+    index = int(err.split("failed on sample ")[1].split(" ")[0])
+    assert ' (prompt "' in err  # and the start of its prompt
     assert index in (0, 4)
 
 

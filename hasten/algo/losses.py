@@ -185,6 +185,8 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
 
 
 def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """GRPO: the clipped surrogate (and KL) averaged over each sequence's tokens, then over sequences (the
+    paper's form; it favours short correct answers and long wrong ones)."""
     losses, metrics = _token_losses(inputs, settings)
     lengths = inputs.completion_mask.sum(dim=1).clamp(min=1)  # (N,)
     per_sequence = losses.sum(dim=1) / lengths  # (N,)
@@ -192,21 +194,27 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
 
 
 def bnpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """BNPO: the per-token losses summed over the chunk's tokens, divided by that chunk's token count (defined
+    per accumulation chunk, as TRL)."""
     losses, metrics = _token_losses(inputs, settings)
     return losses.sum() / inputs.chunk_tokens / inputs.num_chunks, metrics
 
 
 def dr_grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """Dr. GRPO: the per-token losses summed, divided by sequences x max_completion_length (no length bias)."""
     losses, metrics = _token_losses(inputs, settings)
     return losses.sum() / (inputs.total_sequences * inputs.max_completion_length), metrics
 
 
 def dapo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """DAPO: the per-token losses summed, divided by the tokens of the whole generation batch (TRL's default)."""
     losses, metrics = _token_losses(inputs, settings)
     return losses.sum() / max(inputs.total_tokens, 1.0), metrics
 
 
 def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:
+    """GSPO: the sequence ratio exp(mean_t(logp - old_logp)), clipped per sequence, mean over sequences (TRL's
+    loss_type="grpo" with importance_sampling_level="sequence"; use a small epsilon, ~3e-4)."""
     mask = inputs.completion_mask.to(inputs.logps.dtype)
     present = (mask.sum(dim=1) > 0).to(mask.dtype)  # (N,) an empty completion contributes nothing
     lengths = mask.sum(dim=1).clamp(min=1)  # (N,)

@@ -27,7 +27,7 @@ import multiprocessing
 import pickle
 from dataclasses import dataclass
 
-from .runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary
+from .runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary, name_failure
 
 
 @dataclass
@@ -104,14 +104,9 @@ def join(function: RewardFunction, batch: _Batch, slices: list[Slice]) -> list:
     return values
 
 
-def locate(function: RewardFunction, batch: _Batch, indices: list[int], error: BaseException) -> RewardError:
+def locate(function: RewardFunction, batch: _Batch, indices: list[int], error: Exception) -> RewardError:
     """Re-run the slice one sample at a time (main thread) to name the sample that raises."""
     if isinstance(error, RewardExit):  # the worker's call already said which function exited
         return RewardExit(str(error))
-    for index in indices:
-        try:
-            _call_one(function, slice_batch(batch, [index]))
-        except Exception as sample_error:
-            return RewardError(
-                f"reward error: function '{function.name}' failed on sample {index}: {_summary(sample_error)}")
-    return RewardError(f"reward error: function '{function.name}' failed on the batch: {_summary(error)}")
+    return name_failure(function, error, [batch.prompts[i] for i in indices], indices,
+                        lambda positions: _call_one(function, slice_batch(batch, [indices[p] for p in positions])))

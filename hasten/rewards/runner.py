@@ -20,7 +20,9 @@ unchanged:
 Choices: each function is called once on the whole batch; coroutine functions
 run concurrently under one `asyncio.run`, sync ones are called directly. When
 a function raises, it is re-run one sample at a time to name the sample that
-breaks it, because "failed on the batch" rarely tells a user what to fix.
+breaks it (index and the prompt's first characters), because "failed on the
+batch" rarely tells a user what to fix; a function that fails only on several
+samples together is named with the shortest failing run of samples.
 Nothing here prints; problems surface as `RewardError` with a one-line message,
 and a sample no function scored is TRL's logging warning ("All reward functions
 returned None for the following kwargs: ...") on the "hasten.rewards" logger.
@@ -248,12 +250,15 @@ class _Batch:
         }
 
     def sample(self, index: int) -> _Batch:
-        window = slice(index, index + 1)
+        return self.select([index])
+
+    def select(self, positions: list[int]) -> _Batch:
+        """The samples at `positions`, in that order."""
         return _Batch(
-            prompts=self.prompts[window],
-            completions=self.completions[window],
-            columns={name: values[window] for name, values in self.columns.items()},
-            completion_ids=self.completion_ids[window],
+            prompts=[self.prompts[i] for i in positions],
+            completions=[self.completions[i] for i in positions],
+            columns={name: [values[i] for i in positions] for name, values in self.columns.items()},
+            completion_ids=[self.completion_ids[i] for i in positions],
             extra=self.extra,
         )
 
@@ -310,25 +315,63 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseException) -> RewardError:
-    """Re-run one sample at a time to find which sample makes `function` raise."""
+def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseException,
+                    indices: list[int] | tuple[int, ...] | None = None) -> RewardError:
+    """Re-run one sample at a time to find which sample makes `function` raise.
+
+    indices: the batch positions of `batch`'s samples as the user knows them (`batch` may be a part).
+    """
     if not isinstance(error, Exception):
         # KeyboardInterrupt and the like are not reward bugs (a reward's SystemExit is RewardExit by now).
         raise error
     if isinstance(error, RewardExit):  # says it all; re-running would only exit again
         return error
-    for index in range(len(batch.completions)):
+    positions = list(range(len(batch.completions)))
+    return name_failure(function, error, batch.prompts, list(indices) if indices is not None else positions,
+                        lambda chosen: _call_one(function, batch.select(chosen)))
+
+
+def name_failure(function: RewardFunction, error: Exception, prompts: list, indices: list[int],
+                 call: Callable[[list[int]], Any]) -> RewardError:
+    """The one-line error naming the sample that makes `function` raise, its index and its prompt's start.
+
+    prompts[i] and indices[i] belong to the i-th sample of the failed call; call(positions) re-runs the
+    function on those samples (positions into prompts). Each sample is tried alone first. When every one
+    passes alone (a function that breaks only on a batch, e.g. on samples of unequal lengths), a binary
+    search over prefixes finds the shortest failing one, ceil(log2 n) more calls, and the error names its
+    last sample, the one whose addition breaks it.
+    """
+    for position, index in enumerate(indices):
         try:
-            _call_one(function, batch.sample(index))
+            call([position])
         except Exception as sample_error:
-            result = RewardError(
-                f"reward error: function '{function.name}' failed on sample {index}: {_summary(sample_error)}"
-            )
+            result = RewardError(f"reward error: function '{function.name}' failed on sample {index} "
+                                 f"({_prompt_start(prompts[position])}): {_summary(sample_error)}")
             result.__cause__ = sample_error
             return result
-    result = RewardError(f"reward error: function '{function.name}' failed on the batch: {_summary(error)}")
+    passing, failing = 1, len(indices)  # the first sample alone passes; the whole call fails
+    while failing - passing > 1:
+        middle = (passing + failing) // 2
+        try:
+            call(list(range(middle)))
+        except Exception as prefix_error:
+            failing, error = middle, prefix_error
+        else:
+            passing = middle
+    last = failing - 1
+    result = RewardError(
+        f"reward error: function '{function.name}' failed on samples {indices[0]} to {indices[last]} together, "
+        f"though each passes alone (sample {indices[last]}: {_prompt_start(prompts[last])}): {_summary(error)}")
     result.__cause__ = error
     return result
+
+
+def _prompt_start(prompt: Any, width: int = 40) -> str:
+    """'prompt "What is 12 + 7? ..."': the prompt's first characters (a chat prompt's last message's)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content", "")
+    text = " ".join(str(prompt).split())
+    return f'prompt "{text[:width]}{"..." if len(text) > width else ""}"'
 
 
 def _validate(name: str, values: Any, count: int) -> list[float]:

@@ -167,7 +167,7 @@ class RewardScorer:
             functions = [self.functions[index] for index in members]
             for index, outcome in zip(members, _call_all(functions, part)):
                 if isinstance(outcome, BaseException):
-                    raise _renumber(_locate_failure(self.functions[index], part, outcome), subset)
+                    raise _locate_failure(self.functions[index], part, outcome, indices=subset)
                 scores = _validate(self.functions[index].name, outcome, len(subset))
                 self._store(index, list(subset), scores, values, keys)
 
@@ -194,20 +194,6 @@ class RewardScorer:
             pending.metrics["reward_cache/size"] = len(self.cache.entries)
         return RewardScores(per_function=per_function, total=total,
                             names=[f.name for f in self.functions])
-
-
-def _renumber(error: RewardError, subset: tuple[int, ...]) -> RewardError:
-    """A 'failed on sample i' message from a sub-batch, with i mapped back to the batch index."""
-    text = str(error)
-    marker = "failed on sample "
-    if marker in text and len(subset):
-        head, _, rest = text.partition(marker)
-        local, _, tail = rest.partition(":")
-        if local.isdigit():
-            text = f"{head}{marker}{subset[int(local)]}:{tail}"
-    renumbered = RewardError(text)
-    renumbered.__cause__ = error.__cause__
-    return renumbered
 
 
 def _check(prompts, completions, columns, completion_ids) -> None:

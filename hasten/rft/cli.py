@@ -134,12 +134,14 @@ def cmd_sft(args, extra) -> int:
 
     if not is_main():  # torchrun: rank 0 reports the run
         return 0
-    lines = [f"trained {report['examples']} examples, {report['optimizer_steps']} optimizer steps in "
+    examples, steps = report["examples"], report["optimizer_steps"]
+    lines = [f"trained {examples} example{'' if examples == 1 else 's'}, {steps} optimizer step{'' if steps == 1 else 's'} in "
              f"{report['train_seconds']:.1f} s ({report['tokens_per_second']:.0f} tok/s); "
              f"loss {report['first_loss']:.4f} -> {report['final_loss']:.4f}",
              f"settings: {report['settings']}",
-             f"checkpoint: {report['checkpoint']} ({report['adapter_mb']:.1f} MB"
-             f"{' of LoRA adapters' if cfg.model.lora else ''})"]
+             f"checkpoint: {report['checkpoint']} ("
+             + (f"{report['adapter_mb']:.1f} MB of LoRA adapters)" if report["lora"] else
+                f"{report['model_mb']:.1f} MB model)")]
     if report["eval"]:
         lines.append(f"held-out: accuracy {report['eval'].get('accuracy', float('nan')):.3f}, answer rate "
                      f"{report['eval'].get('answer_rate', float('nan')):.3f} on {report['eval']['num_examples']}")

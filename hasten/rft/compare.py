@@ -73,7 +73,8 @@ def compare(profiles: list[str], rounds: int, sft_args: list[str], output_dir: P
             "train_seconds": statistics.median(times), "speedup": statistics.median(ratios),
             "tokens_per_second": statistics.median(run["tokens_per_second"] for run in runs[name]),
             "final_loss": last["final_loss"], "accuracy": last["eval"].get("accuracy"),
-            "answer_rate": last["eval"].get("answer_rate"), "adapter_mb": last["adapter_mb"],
+            "answer_rate": last["eval"].get("answer_rate"),
+            "weights_mb": last.get("adapter_mb", last.get("model_mb")),  # LoRA adapters or the whole model
             "settings": last["settings"], "checkpoint": last["checkpoint"],
         })
     first = runs[BASELINE][-1]
@@ -91,7 +92,7 @@ def format_table(result: dict) -> str:
     for row in result["profiles"]:
         lines.append((row["profile"], _number(row["train_seconds"], 1), _number(row["speedup"], 2) + "x",
                       _number(row["tokens_per_second"], 0), _number(row["final_loss"], 4),
-                      _number(row["accuracy"], 3), _number(row["answer_rate"], 3), _number(row["adapter_mb"], 1),
+                      _number(row["accuracy"], 3), _number(row["answer_rate"], 3), _number(row["weights_mb"], 1),
                       row["description"]))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]

@@ -82,12 +82,15 @@ class SFTReport:
     target_tokens: int
     first_loss: float
     final_loss: float
-    adapter_mb: float  # size of the saved weights (adapters only with LoRA), 10^6 bytes
+    weights_mb: float  # size of the saved weights, 10^6 bytes
+    lora: bool  # the weights are LoRA adapters (reported as adapter_mb) or the whole model (model_mb)
     settings: dict[str, Any] = field(default_factory=dict)  # what the speed switches resolved to
     eval: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
+        # Named for what was saved: a full model's 538 MB are not an adapter's.
+        out["adapter_mb" if self.lora else "model_mb"] = out.pop("weights_mb")
         out["tokens_per_second"] = self.trained_tokens / max(self.train_seconds, 1e-9)
         return out
 
@@ -345,8 +348,9 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
 
     job = SFTJob(policy.model, examples, cfg, policy.pad_token_id, log, policy.tokenizer, evaluate)
     run, checkpoint = loop.open_run(cfg, resume)
-    length = f"{cfg.sft.epochs} epochs" if cfg.sft.max_steps <= 0 else f"{cfg.sft.max_steps} steps"
-    log(f"sft: {len(examples)} examples x {length}, run directory {run.path}")
+    length = (f"{cfg.sft.epochs} epoch{'' if cfg.sft.epochs == 1 else 's'}" if cfg.sft.max_steps <= 0
+              else f"{cfg.sft.max_steps} step{'' if cfg.sft.max_steps == 1 else 's'}")
+    log(f"sft: {len(examples)} example{'' if len(examples) == 1 else 's'} x {length}, run directory {run.path}")
     if not from_records and resume is None and distributed.is_main():  # what the tool conversations were
         save_demonstrations(run.path / DEMONSTRATIONS_FILE, task, cfg.sft.max_examples)
     summary = loop.run(job, cfg, run, log, checkpoint, created=resume is None,
@@ -359,7 +363,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
         run_dir=str(run.path), checkpoint=str(final), examples=len(examples), optimizer_steps=len(job.losses),
         train_seconds=job.train_seconds, trained_tokens=sum(examples[i].input_length for i in job.planned()),
         target_tokens=sum(examples[i].num_targets for i in job.planned()),
-        first_loss=job.losses[0], final_loss=job.losses[-1], adapter_mb=weights_megabytes(final),
+        first_loss=job.losses[0], final_loss=job.losses[-1], weights_mb=weights_megabytes(final), lora=cfg.model.lora,
         settings={"profile": profile, **job.settings()}, eval=summary.get("eval_after", {}),
     )
     run.write_summary({**summary, **report.to_dict()})

@@ -106,6 +106,17 @@ def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = 
     return functions
 
 
+def callable_name(obj: Any) -> str:
+    """'module:qualified.name' of a function or class (what a tools= / environment_factory= entry is); a
+    dict of environment factories (TRL's per-row `environment` column) as '{name: module:Class, ...}'."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{key}: {callable_name(value)}" for key, value in obj.items()) + "}"
+    target = getattr(obj, "func", obj)  # functools.partial: the function it wraps
+    if not hasattr(target, "__qualname__"):  # a callable instance: its class
+        target = type(target)
+    return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
+
+
 def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None = None,
             rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
             trainer_state: Any = None, tools: list | None = None, environment: Any = None) -> Session:
@@ -125,6 +136,9 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     torch.manual_seed(cfg.train.seed)
     task = task if task is not None else make_task(cfg.task, cfg)
     parts = make_agent(cfg, task, tools, environment)  # tools and environments checked before the model loads
+    # config.yaml records what the run uses: the API's callables by name (they cannot be reloaded from it)
+    cfg.generation.api_tools = [callable_name(tool) for tool in tools or []]
+    cfg.task.api_environment = callable_name(environment) if environment is not None else None
     rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
     if policy is None:
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
@@ -329,7 +343,8 @@ class GRPOJob:
         if not self.announced:
             self.announced = True
             generation = self.cfg.generation
-            self.log(f"training {self.total_steps} steps; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
+            steps = f"{self.total_steps} step{'' if self.total_steps == 1 else 's'}"
+            self.log(f"training {steps}; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
                      f"{generation.num_generations} completions, scoring, learning ...")
         before = shared_stats()
         record = self._step(step)
@@ -365,7 +380,8 @@ class GRPOJob:
         started = time.perf_counter()
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
         if step == 0:  # before training, nothing else is on screen yet: say what the wait is for
-            self.log(f"evaluating {count} held-out questions (greedy, up to {cfg.eval.max_new_tokens} new tokens) ...")
+            self.log(f"evaluating {count} held-out question{'' if count == 1 else 's'} (greedy, up to "
+                     f"{cfg.eval.max_new_tokens} new tokens) ...")
         metrics, samples = evaluate(  # its count moves after every eval.batch_size questions (ticker.py)
             session.task, session.engine, session.policy.tokenizer, session.rewards,
             count, cfg.eval.max_new_tokens, cfg.eval.batch_size,
