@@ -139,3 +139,12 @@ def test_b8_qwen_shapes_have_the_published_parameter_counts():
     counts = {name: cost.Shape.from_config(Qwen2Config(**SHAPES[name], **QWEN_COMMON)).parameters(tied=True)
               for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
     assert counts == {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}  # 0.49B and 1.54B
+
+
+def test_an_int8_generate_floor_reads_int8_weights_and_an_fp32_cache():
+    # speed.generation_precision=int8: one byte per weight, while the KV cache stays fp32 (rollout/lean.py)
+    weights = TOY.body + TOY.head
+    assert cost.decode_step_bytes(TOY, rows=3, context=5, precision="int8") == (
+        weights * 1 + 3 * 5 * cost.kv_bytes_per_position(TOY, "fp32"))
+    rates = best_rates({"M=64": {"qkv 8x16": {"onednn": 100.0, "bf16": 50.0, "int8": 300.0}}}, square_fp32=80.0)
+    assert rates == {"fp32": 100.0, "bf16": 50.0, "int8": 300.0}  # the int8 floor divides by the int8 kernel

@@ -24,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+# The KV cache's bytes per element when a phase runs in `precision`: int8 sampling keeps its cache fp32.
+KV_BYTES = {**BYTES, "int8": 4}
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def learning_flops(shape: Shape, prompt_tokens: float, completion_tokens: float,
 
 def kv_bytes_per_position(shape: Shape, precision: str = "fp32") -> int:
     """One position's keys and values over all layers."""
-    return 2 * shape.layers * shape.kv_width * BYTES[precision]
+    return 2 * shape.layers * shape.kv_width * KV_BYTES[precision]
 
 
 def decode_step_bytes(shape: Shape, rows: int, context: float, precision: str = "fp32") -> float:

@@ -95,7 +95,7 @@ def _best_rate(call: Callable[[], Any], flops: float, budget: float, repeats: in
 
 
 def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[str, float]]]:
-    """{"M=1700": {"qkv 576x960": {"mkl": GFLOP/s, "onednn": ..., "bf16": ...}, ...}, "M=64": ...}."""
+    """{"M=1700": {"qkv 576x960": {"mkl": GFLOP/s, "onednn": ..., "bf16": ...}, ...}, "M=64": {... "int8": ...}}."""
     import torch
     import torch.nn.functional as F
 
@@ -105,6 +105,9 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
     repeats, budget = (1, 0.02) if quick else (5, 0.25)
     rows = (128, 16) if quick else (LEARNING_ROWS, DECODE_ROWS)
     packed = Matmul(torch.float32, torch.device("cpu"))
+    from ..device import cpu_int8_unavailable_reason
+
+    int8_matmul = Matmul(torch.float32, torch.device("cpu"), "int8") if cpu_int8_unavailable_reason() is None else None
     plain_onednn = fast_linear.available()
     out: dict[str, dict[str, dict[str, float]]] = {}
     generator = torch.Generator().manual_seed(0)
@@ -121,6 +124,9 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
                 rates["onednn"] = _best_rate(lambda: fast_linear._onednn(x, weight), flops, budget, repeats)
             x16, weight16 = x.bfloat16(), weight.bfloat16()
             rates["bf16"] = _best_rate(lambda: F.linear(x16, weight16), flops, budget, repeats)
+            if count == rows[1] and int8_matmul is not None:  # decode: speed.generation_precision=int8's kernel
+                prepared8 = int8_matmul.prepare(weight)  # no name: plain int8, no statistics carried
+                rates["int8"] = _best_rate(lambda: int8_matmul(x, prepared8), flops, budget, repeats)
             per_shape[f"{name} {k}x{n}"] = {kernel: round(rate, 1) for kernel, rate in rates.items()}
         out[f"M={count}"] = per_shape
     return out
@@ -152,13 +158,14 @@ def best_rates(at_shapes: dict[str, dict[str, dict[str, float]]], square_fp32: f
 
     fp32: MKL (the square peak and F.linear at the model's shapes) and oneDNN (fast_linear's plain weights,
     the lean engine's packed ones); bf16: F.linear in bf16. The best, not MKL's alone: a learning pass on
-    oneDNN at 470 GFLOP/s divided by MKL's 210 read 116% (issue 33).
+    oneDNN at 470 GFLOP/s divided by MKL's 210 read 116% (issue 33). int8: the int8 sampler's kernel
+    (kernels/int8.py) at the decode shapes, the rate an int8 generate phase's floor divides by.
     """
-    best = {"fp32": square_fp32, "bf16": 0.0}
+    best = {"fp32": square_fp32, "bf16": 0.0, "int8": 0.0}
     for per_shape in at_shapes.values():
         for rates in per_shape.values():
             for kernel, rate in rates.items():
-                precision = "bf16" if kernel == "bf16" else "fp32"
+                precision = kernel if kernel in ("bf16", "int8") else "fp32"
                 best[precision] = max(best[precision], rate)
     return {precision: round(rate, 1) for precision, rate in best.items() if rate > 0}
 

@@ -204,8 +204,12 @@ class Matmul:
 
             if exact:
                 return self.exact.prepare(weight)
-            prepared = int8.prepare(weight, self.statistics.get(name))
-            self.statistics[name] = prepared.activation_absmax
+            seen = self.statistics.get(name) if name else None
+            if seen is not None and seen.shape[0] != weight.shape[1]:
+                seen = None  # another weight under this name (a different model): nothing to smooth by
+            prepared = int8.prepare(weight, seen)
+            if name:
+                self.statistics[name] = prepared.activation_absmax
             return prepared
         if self.bf16:
             # A copy even when the weight is bf16 already: this engine's own memory, never an alias.
