@@ -109,8 +109,8 @@ def build_rewards(reward_funcs: Any, reward_processing_classes: Any = None,
     if reward_funcs is None and optional:
         return []
     if reward_funcs is None:
-        raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, a reward "
-                       "model, or a list)")
+        raise APIError("No reward source provided: GRPOTrainer needs reward_funcs (a function, a 'module:function' "
+                       "string, a reward model, or a list), or an environment_factory whose environment has get_reward")
     given = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     tokenizers = [None] * len(given) if reward_processing_classes is None else (
         list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
@@ -156,7 +156,8 @@ def build_task(train_dataset: Any, eval_dataset: Any, placeholder: list[dict] | 
     from ..tasks.jsonl import check_answer_column
 
     if train_dataset is None and placeholder is None:
-        raise APIError("GRPOTrainer: train_dataset is required (unless an environment_factory makes the prompts)")
+        raise APIError("GRPOTrainer: `train_dataset` is required unless an `environment_factory` is provided (its "
+                       "reset makes the prompts)")
     train_rows = rows_from(_filled(train_dataset, fill_prompt) if train_dataset is not None else placeholder,
                            "train_dataset")
     eval_rows = rows_from(_filled(eval_dataset, fill_prompt), "eval_dataset") if eval_dataset is not None else []

@@ -36,7 +36,7 @@ from typing import Any
 from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, TrainingConfig, _TrainingFields
-from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where
+from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where, tag_model
 from .inputs import build_policy, model_name
 
 
@@ -105,7 +105,13 @@ class SFTTrainer:
         if not isinstance(args, SFTConfig):
             raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
         if train_dataset is None:
-            raise APIError("SFTTrainer: train_dataset is required")
+            raise APIError("SFTTrainer: `train_dataset` is required")
+        for dataset in [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])]:
+            if getattr(dataset, "format", {}).get("type") == "custom":  # TRL refuses them too, in these words
+                raise APIError("SFTTrainer: a Dataset.with_transform() dataset is not supported: hasten tokenizes "
+                               "rows once, and TRL's way out (dataset_kwargs={'skip_prepare_dataset': True} with a "
+                               "transform that returns trainer-ready rows) is not supported; materialize the "
+                               "transform with Dataset.map() first")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
         rows = _rows(_head(train_dataset, args), "train_dataset")
         base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
@@ -114,17 +120,12 @@ class SFTTrainer:
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         self.policy = build_policy(model, self.config, processing_class, peft_config, log)
-        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
-        self.eval_dataset = eval_dataset
-        # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss)
-        named = {} if eval_dataset is None else dict(eval_dataset) if isinstance(eval_dataset, dict) \
-            else {None: eval_dataset}
-        if isinstance(eval_dataset, dict) and not named:
-            raise APIError("SFTTrainer: eval_dataset is an empty dict")
-        self.eval_sets = {
-            name: to_examples(_rows(dataset, "eval_dataset" if name is None else f"eval_dataset['{name}']"),
-                              self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
-            for name, dataset in named.items()}
+        tag_model(self.policy.model, ["trl", "sft", "hasten"])
+        kept: list = []
+        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log, kept)
+        self.train_dataset = prepared(kept)  # TRL's processed rows: input_ids and labels
+        # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss); kept prepared
+        self.eval_sets, self.eval_dataset = self._eval_sets(eval_dataset)
         self.eval_examples = [example for examples in self.eval_sets.values() for example in examples]
         if args.eval_strategy not in ("no", "steps", "epoch"):
             raise APIError(f"SFTConfig: eval_strategy={args.eval_strategy!r} is not supported (no | steps | epoch)")
@@ -136,6 +137,45 @@ class SFTTrainer:
     @property
     def model(self):
         return self.policy.model
+
+    def _eval_sets(self, eval_dataset: Any) -> tuple[dict[str | None, list], Any]:
+        """{name or None: Examples} and the prepared dataset(s), shaped as given (one, or a dict by name)."""
+        if eval_dataset is None:
+            return {}, None
+        named = dict(eval_dataset) if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        if not named:
+            raise APIError("SFTTrainer: eval_dataset is an empty dict")
+        sets, shown = {}, {}
+        for name, dataset in named.items():
+            kept: list = []
+            label = "eval_dataset" if name is None else f"eval_dataset['{name}']"
+            sets[name] = to_examples(_rows(dataset, label), self.policy.tokenizer, self.policy.eos_token_ids[0],
+                                     self.args, self.log, kept)
+            shown[name] = prepared(kept)
+        return sets, shown[None] if None in shown else shown
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """transformers' evaluate(): the loss over eval_dataset's target tokens (default: the trainer's), with
+        mean_token_accuracy and entropy as TRL logs them, under "<prefix>_..." ("<prefix>_<name>_..." for each
+        set of a dict); logged to log_history and on_evaluate."""
+        sets = self._eval_sets(eval_dataset)[0] if eval_dataset is not None else self.eval_sets
+        if not sets:
+            raise APIError("SFTTrainer.evaluate: there is no eval_dataset (pass one here or to SFTTrainer)")
+        metrics: dict[str, float] = {}
+        for name, examples in sets.items():
+            label = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            found = self._loss_on(examples)
+            runtime = found.pop("seconds")
+            found.update({"runtime": runtime, "samples_per_second": len(examples) / max(runtime, 1e-9),
+                          "steps_per_second": -(-len(examples) // self.args.per_device_eval_batch_size)
+                          / max(runtime, 1e-9)})
+            found.pop("num_examples")
+            metrics.update({f"{label}_{key}": value for key, value in found.items()})
+        metrics = {key: value for key, value in metrics.items() if key not in (ignore_keys or [])}
+        CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1, 1, 1
+                       ).log_eval(metrics)
+        return metrics
 
     @property
     def processing_class(self):
@@ -188,7 +228,7 @@ class SFTTrainer:
         device = next(model.parameters()).device
         was_training, started = model.training, time.perf_counter()
         model.eval()
-        total = tokens = 0.0
+        total = tokens = correct = entropy = 0.0
         size = self.args.per_device_eval_batch_size
         with torch.no_grad():
             for start in range(0, len(examples), size):
@@ -199,15 +239,24 @@ class SFTTrainer:
                 labels = torch.full((len(ids), width), -100, dtype=torch.long)
                 for row, (example, sequence) in enumerate(zip(batch, ids)):
                     inputs[row, :len(sequence)] = torch.tensor(sequence)
-                    labels[row, len(example.prompt_ids):len(sequence)] = torch.tensor(example.completion_ids)
+                    targets = torch.tensor(example.completion_ids)
+                    if example.target_mask is not None:  # context tokens inside the completion
+                        targets[~torch.tensor(example.target_mask, dtype=torch.bool)] = -100
+                    labels[row, len(example.prompt_ids):len(sequence)] = targets
                 attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
                 logits = model(input_ids=inputs.to(device), attention_mask=attention.to(device)).logits.float()
                 targets = labels[:, 1:].to(device)  # (B, L-1): each position predicts the next token
-                total += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets,
+                predictions = logits[:, :-1]  # (B, L-1, V)
+                total += float(torch.nn.functional.cross_entropy(predictions.transpose(1, 2), targets,
                                                                  ignore_index=-100, reduction="sum"))
-                tokens += float((targets != -100).sum())
+                counted = targets != -100  # (B, L-1)
+                tokens += float(counted.sum())
+                correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's mean_token_accuracy
+                log_probs = torch.log_softmax(predictions, dim=-1)
+                entropy += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
         model.train(was_training)
-        return {"loss": total / max(tokens, 1.0), "seconds": time.perf_counter() - started,
+        return {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
+                "entropy": entropy / max(tokens, 1.0), "seconds": time.perf_counter() - started,
                 "num_examples": len(examples)}
 
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -237,6 +286,8 @@ def _head(dataset: Any, args: SFTConfig) -> Any:
 def _rows(dataset: Any, argument: str = "train_dataset") -> list[dict[str, Any]]:
     if isinstance(dataset, (str, Path)):
         return _file_rows(str(dataset))
+    if type(dataset).__name__ == "IterableDataset":  # datasets' streaming one: read it whole (eval sets)
+        dataset = list(dataset)
     if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
         return dataset.to_list()
     if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset) and dataset:
@@ -254,9 +305,14 @@ def _file_rows(path: str) -> list[dict[str, Any]]:
     return READERS[suffix](Path(path))[0]
 
 
-def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTConfig, log) -> list:
-    """Rows -> rft/batches.py Examples (prompt ids as context, completion ids + EOS as targets)."""
-    from ..rft.batches import Example
+def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTConfig, log,
+                kept: list | None = None) -> list:
+    """Rows -> rft/batches.py Examples, through TRL's prepared form: input_ids and labels (-100 where a
+    token is context, not a target). The labels come from a "labels" column as given, a pretokenized
+    completion_mask / assistant_masks column (1 = target), the completion of a prompt + completion row,
+    or every token (text / messages / plain input_ids); EOS ends every text, as TRL appends it. Sequences
+    are cut to max_length (keep_start); one left with no target is dropped, with a log line.
+    kept: a list that gets each kept example's (input_ids, labels), TRL's prepared row."""
     from ..rollout.prompts import encode_prompt
 
     def ids(text: str) -> list[int]:
@@ -265,38 +321,79 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
     examples, dropped = [], 0
     for number, row in enumerate(rows, start=1):
         row = _chatml(row)
-        if "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added, every token after the first
-            if "completion_mask" in row or "assistant_masks" in row:
-                raise APIError(f"SFTTrainer: train_dataset row {number}: a pretokenized completion_mask / "
-                               "assistant_masks column is not supported (give prompt + completion text)")
+        if "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added
             tokens = list(row["input_ids"])
-            example = Example(tokens[:1], tokens[1:])
+            labels = _given_labels(row, tokens, number)
         elif "prompt" in row and "completion" in row:
             prompt = encode_prompt(tokenizer, row["prompt"])
             completion = row["completion"]
             text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-            example = Example(prompt, ids(text) + [eos_id])
+            target = ids(text) + [eos_id]
+            tokens, labels = prompt + target, [-100] * len(prompt) + target  # completion_only_loss
         elif args.dataset_text_field in row or "messages" in row:
             text = row.get(args.dataset_text_field)
             if text is None:
                 text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
             tokens = ids(text) + [eos_id]
-            example = Example(tokens[:1], tokens[1:])  # language modelling: every token after the first
+            labels = list(tokens)  # language modelling: every token (the first is never predicted)
         else:
             raise APIError(f"SFTTrainer: train_dataset row {number} has none of prompt+completion, "
                            f"'{args.dataset_text_field}' or 'messages' (columns: {', '.join(row)})")
-        if args.max_length is not None and len(example.prompt_ids) + len(example.completion_ids) > args.max_length:
-            keep = args.max_length - len(example.prompt_ids)
-            example = Example(example.prompt_ids[:args.max_length], example.completion_ids[:max(keep, 0)])
-        if not example.completion_ids or not example.prompt_ids:
+        if args.max_length is not None:
+            tokens, labels = tokens[:args.max_length], labels[:args.max_length]
+        example = _example(tokens, labels)
+        if example is None:
             dropped += 1
             continue
         examples.append(example)
+        if kept is not None:
+            kept.append((tokens, labels))
     if dropped:
         log(f"SFTTrainer: {dropped} examples left no target token within max_length={args.max_length}; dropped")
     if not examples:
         raise APIError("SFTTrainer: no example has a target token")
     return examples
+
+
+def _given_labels(row: dict[str, Any], tokens: list[int], number: int) -> list[int]:
+    """A pretokenized row's labels: its own "labels", else its completion_mask / assistant_masks, else all."""
+    if "labels" in row:
+        labels = list(row["labels"])
+        if len(labels) != len(tokens) or any(label not in (-100, token) for label, token in zip(labels, tokens)):
+            raise APIError(f"SFTTrainer: train_dataset row {number}: labels must be input_ids with -100 where a "
+                           "token is not a target (hasten trains next-token targets only)")
+        return labels
+    for column in ("completion_mask", "assistant_masks"):
+        if column in row:
+            mask = list(row[column])
+            if len(mask) != len(tokens):
+                raise APIError(f"SFTTrainer: train_dataset row {number}: {column} has {len(mask)} entries for "
+                               f"{len(tokens)} input_ids")
+            return [token if keep else -100 for token, keep in zip(tokens, mask)]
+    return list(tokens)
+
+
+def _example(tokens: list[int], labels: list[int]):
+    """(input_ids, labels) as an Example: the context up to the first target (at least the first token, which
+    nothing predicts), then the rest with a target_mask where context tokens follow; None without a target."""
+    from ..rft.batches import Example
+
+    targets = [index for index, label in enumerate(labels) if label != -100 and index > 0]
+    if not targets:
+        return None
+    first = targets[0]
+    mask = tuple(int(label != -100) for label in labels[first:])
+    return Example(tokens[:first], tokens[first:], None if all(mask) else mask)
+
+
+def prepared(kept: list[tuple[list[int], list[int]]]) -> Any:
+    """TRL's processed dataset: a datasets.Dataset of input_ids and labels (a list of dicts without datasets)."""
+    rows = [{"input_ids": tokens, "labels": labels} for tokens, labels in kept]
+    try:
+        from datasets import Dataset
+    except ImportError:
+        return rows
+    return Dataset.from_list(rows)
 
 
 _ROLES = {"human": "user", "gpt": "assistant"}
