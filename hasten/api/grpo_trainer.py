@@ -135,6 +135,15 @@ class GRPOTrainer:
         return self.session.policy.tokenizer
 
     @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the model is a mixture of experts (its config has output_router_logits) and
+        router_aux_loss_coef is not 0; the learner then adds coef x the router load-balancing loss and logs
+        it as aux_loss."""
+        from ..train.learner import is_mixture_of_experts
+
+        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
+
+    @property
     def reward_func_names(self) -> list[str]:
         """The reward functions' names, in reward_funcs order: the keys of the rewards/<name>/mean metrics."""
         return [function.name for function in self.session.rewards]
@@ -279,10 +288,13 @@ class GRPOTrainer:
 
 
 def tag_model(model, tags: list[str]) -> None:
-    """TRL's model tags (written to the model card on push): transformers models carry them, hasten's
-    native one has nowhere to put them."""
+    """TRL's model tags, which transformers writes to the model card on push_to_hub; hasten's native forward
+    model (models/llama.py) keeps them in the same attribute."""
     if hasattr(model, "add_model_tags"):
         model.add_model_tags(tags)
+    else:
+        model.model_tags = [*(getattr(model, "model_tags", None) or []),
+                            *(tag for tag in tags if tag not in (getattr(model, "model_tags", None) or []))]
 
 
 def _say_where(cfg: Config, log: Callable[[str], None]) -> None:

@@ -163,7 +163,8 @@ class SFTTrainer:
         if not sets:
             raise APIError("SFTTrainer.evaluate: there is no eval_dataset (pass one here or to SFTTrainer)")
         metrics: dict[str, float] = {}
-        for name, examples in sets.items():
+        bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1, 1, 1)
+        for name, examples in sets.items():  # one log entry per set, as transformers evaluates a dict
             label = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
             found = self._loss_on(examples)
             runtime = found.pop("seconds")
@@ -171,10 +172,9 @@ class SFTTrainer:
                           "steps_per_second": -(-len(examples) // self.args.per_device_eval_batch_size)
                           / max(runtime, 1e-9)})
             found.pop("num_examples")
-            metrics.update({f"{label}_{key}": value for key, value in found.items()})
-        metrics = {key: value for key, value in metrics.items() if key not in (ignore_keys or [])}
-        CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1, 1, 1
-                       ).log_eval(metrics)
+            found = {f"{label}_{key}": value for key, value in found.items() if key not in (ignore_keys or [])}
+            bridge.log_eval(found)
+            metrics.update(found)
         return metrics
 
     @property
@@ -357,14 +357,14 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
 
 def _given_labels(row: dict[str, Any], tokens: list[int], number: int) -> list[int]:
     """A pretokenized row's labels: its own "labels", else its completion_mask / assistant_masks, else all."""
-    if "labels" in row:
+    if row.get("labels") is not None:
         labels = list(row["labels"])
         if len(labels) != len(tokens) or any(label not in (-100, token) for label, token in zip(labels, tokens)):
             raise APIError(f"SFTTrainer: train_dataset row {number}: labels must be input_ids with -100 where a "
                            "token is not a target (hasten trains next-token targets only)")
         return labels
     for column in ("completion_mask", "assistant_masks"):
-        if column in row:
+        if row.get(column) is not None:
             mask = list(row[column])
             if len(mask) != len(tokens):
                 raise APIError(f"SFTTrainer: train_dataset row {number}: {column} has {len(mask)} entries for "
