@@ -86,6 +86,7 @@ class SFTConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # 0 = no clipping
     packing: bool = True  # examples packed into rows with a block mask; logits only where the loss is
+    router_aux_loss_coef: float = 0.001  # mixture-of-experts models: + this x the router load-balancing loss per micro-batch (TRL's key; 0 = off; runs the padded pass)
     pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     compile: str = "off"  # off | on | gpu (on only with CUDA); torch.compile the decoder, eager (logged) on failure

@@ -50,6 +50,7 @@ class _SFTFields(_TrainingFields):
     eval_strategy: str = "no"  # no | steps | epoch: the eval loss on eval_dataset (token mean over its targets)
     eval_steps: float | None = None
     per_device_eval_batch_size: int = 8
+    router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -73,7 +74,7 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
                  ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
-                 ("sft.seed", self.seed), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.seed", self.seed), ("sft.router_aux_loss_coef", self.router_aux_loss_coef), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
                  ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
@@ -121,6 +122,11 @@ class SFTTrainer:
         torch.manual_seed(args.seed)
         self.policy = build_policy(model, self.config, processing_class, peft_config, log)
         tag_model(self.policy.model, ["trl", "sft", "hasten"])
+        if self.aux_loss_enabled and self.config.sft.packing:  # the router loss comes from the padded pass
+            if args.packing:
+                raise APIError("SFTConfig: packing=True is not supported on a mixture-of-experts model with "
+                               "router_aux_loss_coef != 0 (hasten's router aux loss needs the padded pass)")
+            self.config.sft.packing = False
         kept: list = []
         self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log, kept)
         self.train_dataset = prepared(kept)  # TRL's processed rows: input_ids and labels
@@ -137,6 +143,14 @@ class SFTTrainer:
     @property
     def model(self):
         return self.policy.model
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: a mixture-of-experts model (its config has output_router_logits) and router_aux_loss_coef
+        != 0; each micro-batch's loss then adds coef x the router load-balancing loss, logged as aux_loss."""
+        from ..train.learner import is_mixture_of_experts
+
+        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
 
     def _eval_sets(self, eval_dataset: Any) -> tuple[dict[str | None, list], Any]:
         """{name or None: Examples} and the prepared dataset(s), shaped as given (one, or a dict by name)."""

@@ -47,7 +47,6 @@ PACKING = ("hasten packs whole examples with a block mask (each sees only itself
 # default, why hasten does not take another value)
 SFT_ONLY: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
-    "router_aux_loss_coef": (None, "hasten's SFT adds no mixture-of-experts aux loss (GRPO does)"),
     "chat_template_path": (None, SFT),
     "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),

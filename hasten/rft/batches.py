@@ -175,12 +175,16 @@ def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backb
     return total
 
 
-def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None) -> torch.Tensor:
-    """The plain reference: full logits on every position of a padded batch, prompt and padding ignored."""
+def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool = False):
+    """The plain reference: full logits on every position of a padded batch, prompt and padding ignored.
+    router_aux: returns (nll, the mixture-of-experts model's router load-balancing loss over the batch's
+    unpadded tokens) instead, as the model's own forward computes it (output_router_logits=True)."""
     device = next(model.parameters()).device
     forward = backbone or model
-    logits = forward(input_ids=batch.input_ids.to(device),
-                     attention_mask=batch.attention_mask.to(device)).logits  # (B, L, V)
+    outputs = forward(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                      **({"output_router_logits": True} if router_aux else {}))
+    logits = outputs.logits  # (B, L, V)
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(L-1), V): position t predicts t+1
-    return F.cross_entropy(shifted, batch.labels[:, 1:].reshape(-1).to(device), ignore_index=IGNORE,
-                           reduction="sum")
+    nll = F.cross_entropy(shifted, batch.labels[:, 1:].reshape(-1).to(device), ignore_index=IGNORE,
+                          reduction="sum")
+    return (nll, outputs.aux_loss) if router_aux else nll

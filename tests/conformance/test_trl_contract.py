@@ -171,3 +171,15 @@ def test_sft_evaluate_and_prepared_eval_dataset(lib, models, tmp_path, shape):
         assert 0 <= metrics["eval_mean_token_accuracy"] <= 1 and metrics["eval_entropy"] > 0
     before = snapshot(trainer)
     assert all(torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+
+
+@pytest.mark.parametrize("model, enabled", [("qwen3_moe", True), ("qwen2", False)])
+def test_sft_moe_router_aux_loss(lib, models, tmp_path, model, enabled):
+    trainer = lib.SFTTrainer(model=models[model], args=sft_args(lib, tmp_path),
+                             train_dataset=sft_dataset("language_modeling"))
+    assert trainer.aux_loss_enabled is enabled
+    before = snapshot(trainer)
+    trainer.train()
+    assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+    if enabled:
+        assert trainer.state.log_history[-1]["aux_loss"] > 0
