@@ -89,6 +89,7 @@ class SFTConfig:
     router_aux_loss_coef: float = 0.001  # mixture-of-experts models: + this x the router load-balancing loss per micro-batch (TRL's key; 0 = off; runs the padded pass)
     pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+    gradient_checkpointing_reentrant: bool = False  # torch's reentrant checkpoint (TRL's gradient_checkpointing_kwargs use_reentrant)
     compile: str = "off"  # off | on | gpu (on only with CUDA); torch.compile the decoder, eager (logged) on failure
     precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (CUDA only)
     adamw: str = "fused"  # fused | foreach | plain (for-loop); fused falls back to foreach where unsupported

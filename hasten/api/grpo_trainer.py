@@ -89,6 +89,8 @@ class GRPOTrainer:
                 raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
                                "args.max_steps must be set")
             placeholder = [{"prompt": [{"role": "user", "content": ""}]}] * args.prompts_per_step()
+        if type(train_dataset).__name__ == "IterableDataset":  # TRL forces 0 workers on a stream; hasten reads
+            args.dataloader_num_workers = 0                    # prompts in its own process anyway
         self.eval_dataset = eval_dataset
         # {None: rows} or {name: rows}; {} without one
         self.eval_sets = named_eval_sets(eval_dataset, fill_prompt=environment_factory is not None)

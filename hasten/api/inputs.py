@@ -48,6 +48,11 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
         if not hasattr(model, "parameters") or not callable(model):
             raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "
                            f"(got {type(model).__name__})")
+        prompt_learning = [config for config in getattr(model, "peft_config", {}).values()
+                           if getattr(config, "is_prompt_learning", False)]
+        if prompt_learning:  # its virtual tokens are not in hasten's forward: no gradient would reach them
+            raise APIError(f"peft: a {type(prompt_learning[0]).__name__} model is not supported (hasten trains LoRA "
+                           "adapters: give a peft LoraConfig)")
         tokenizer = processing_class if processing_class is not None else _tokenizer_for(model)
         policy = Policy(model=model, tokenizer=tokenizer, source=model_name(model), lora=hasattr(model, "peft_config"))
     if processing_class is not None:

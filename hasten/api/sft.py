@@ -51,6 +51,7 @@ class _SFTFields(_TrainingFields):
     eval_steps: float | None = None
     per_device_eval_batch_size: int = 8
     router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
+    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -83,6 +84,14 @@ class SFTConfig(TrainingConfig, _SFTFields):
             pairs.append(("sft.packing", self.packing))
         if self.gradient_checkpointing is not None:
             pairs.append(("sft.gradient_checkpointing", self.gradient_checkpointing))
+        checkpointing = dict(self.gradient_checkpointing_kwargs or {})
+        if set(checkpointing) - {"use_reentrant"}:
+            raise self._error(f"gradient_checkpointing_kwargs: only use_reentrant is supported (got "
+                              f"{', '.join(sorted(checkpointing))}); hasten calls transformers' checkpointing itself")
+        reentrant = bool(checkpointing.get("use_reentrant", False))
+        pairs.append(("sft.gradient_checkpointing_reentrant", reentrant))
+        if reentrant and self.gradient_checkpointing and "model_impl" not in (self.speed or {}):
+            pairs.append(("speed.model_impl", "hf"))  # the native Llama checkpoints non-reentrantly only
         pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
         return pairs
 
@@ -96,7 +105,8 @@ class SFTConfig(TrainingConfig, _SFTFields):
 class SFTTrainer:
     def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: list | None = None,
-                 peft_config: Any = None, log: Callable[[str], None] = print, **others: Any):
+                 peft_config: Any = None, formatting_func: Callable[[dict], str] | None = None,
+                 log: Callable[[str], None] = print, **others: Any):
         import torch
 
         unexpected = {name: value for name, value in others.items() if value not in (None, (None, None))}
@@ -114,7 +124,8 @@ class SFTTrainer:
                                "transform that returns trainer-ready rows) is not supported; materialize the "
                                "transform with Dataset.map() first")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
-        rows = _rows(_head(train_dataset, args), "train_dataset")
+        self.formatting_func = formatting_func
+        rows = self._formatted(_rows(_head(train_dataset, args), "train_dataset"))
         base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
         steps, more = args.steps_and_warmup(len(rows))
         self.config: Config = load_config(None, base + more, profile=None)
@@ -144,6 +155,15 @@ class SFTTrainer:
     def model(self):
         return self.policy.model
 
+    def _formatted(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """TRL's formatting_func: each row becomes the text it returns, trained as language modelling."""
+        if self.formatting_func is None:
+            return rows
+        texts = [self.formatting_func(row) for row in rows]
+        if not all(isinstance(text, str) for text in texts):
+            raise APIError("SFTTrainer: formatting_func must return one string per example")
+        return [{self.args.dataset_text_field: text} for text in texts]
+
     @property
     def aux_loss_enabled(self) -> bool:
         """TRL's: a mixture-of-experts model (its config has output_router_logits) and router_aux_loss_coef
@@ -163,7 +183,7 @@ class SFTTrainer:
         for name, dataset in named.items():
             kept: list = []
             label = "eval_dataset" if name is None else f"eval_dataset['{name}']"
-            sets[name] = to_examples(_rows(dataset, label), self.policy.tokenizer, self.policy.eos_token_ids[0],
+            sets[name] = to_examples(self._formatted(_rows(dataset, label)), self.policy.tokenizer, self.policy.eos_token_ids[0],
                                      self.args, self.log, kept)
             shown[name] = prepared(kept)
         return sets, shown[None] if None in shown else shown
@@ -347,7 +367,9 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
         elif args.dataset_text_field in row or "messages" in row:
             text = row.get(args.dataset_text_field)
             if text is None:
-                text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+                # a row's own chat_template_kwargs column, as TRL passes it to the template
+                text = tokenizer.apply_chat_template(row["messages"], tokenize=False,
+                                                     **(row.get("chat_template_kwargs") or {}))
             tokens = ids(text) + [eos_id]
             labels = list(tokens)  # language modelling: every token (the first is never predicted)
         else:

@@ -177,10 +177,14 @@ def _identity(item):
     return item
 
 
-def enable_gradient_checkpointing(model) -> None:
+def enable_gradient_checkpointing(model, reentrant: bool = False) -> None:
+    """reentrant: torch's reentrant checkpoint, which gives parameters inside a checkpointed layer a gradient
+    only when the layer's input requires one, so the embeddings' output is made to (LoRA freezes them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.use_cache = False
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        base.enable_input_require_grads()
 
 
 class SFTJob:
@@ -199,7 +203,7 @@ class SFTJob:
         self.evaluator = evaluate
         self.device = next(model.parameters()).device
         if sft.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, sft.gradient_checkpointing_reentrant)
         model.train()
         self.plan = plan_steps(len(examples), sft)
         # torchrun: each rank takes every world_size-th micro-batch of a step; the loss is still divided

@@ -15,7 +15,7 @@ from unittest.mock import Mock
 import pytest
 import torch
 
-from .conftest import prompt_dataset, sft_dataset
+from .conftest import prompt_dataset, sft_dataset, unsupported_on_hasten
 from .test_trl_conformance import grpo_args, sft_args, snapshot, varied_reward
 
 LOGGERS = {"trl": "trl.trainer.grpo_trainer", "hasten": "hasten.api.grpo_trainer"}
@@ -183,3 +183,60 @@ def test_sft_moe_router_aux_loss(lib, models, tmp_path, model, enabled):
     assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
     if enabled:
         assert trainer.state.log_history[-1]["aux_loss"] > 0
+
+
+def test_sft_formatting_func(lib, models, tmp_path):
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"chosen": ["Simple is better.", "Flat is better."], "rejected": ["Complex.", "Nested."]})
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path), train_dataset=rows,
+                             formatting_func=lambda row: f"### Chosen: {row['chosen']}\n### Rejected: {row['rejected']}")
+    text = trainer.processing_class.decode(trainer.train_dataset[0]["input_ids"])
+    assert text.startswith("### Chosen: Simple is better.\n### Rejected: Complex.")
+    before = snapshot(trainer)
+    trainer.train()
+    assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_sft_gradient_checkpointing_use_reentrant(lib, models, tmp_path, use_reentrant):
+    trainer = lib.SFTTrainer(model=models["qwen2"], train_dataset=sft_dataset("language_modeling"),
+                             args=sft_args(lib, tmp_path, gradient_checkpointing=True,
+                                           gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}))
+    before = snapshot(trainer)
+    trainer.train()
+    assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+
+
+def test_sft_row_chat_template_kwargs(lib, models, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
+    tokenizer.chat_template = ("{% for m in messages %}{{ (m.role.upper() if shout else m.role) + ': ' + m.content "
+                               "+ '\n' }}{% endfor %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = Dataset.from_dict({"messages": [messages, messages],
+                              "chat_template_kwargs": [{"shout": False}, {"shout": True}]})
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path), train_dataset=rows,
+                             processing_class=tokenizer)
+    texts = [tokenizer.decode(row["input_ids"]) for row in trainer.train_dataset]
+    assert texts[0].startswith("user: Hi") and texts[1].startswith("USER: Hi")
+
+
+def test_iterable_dataset_forces_num_workers_zero(lib, models, tmp_path):
+    stream = prompt_dataset().to_iterable_dataset()
+    trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=stream,
+                              args=grpo_args(lib, tmp_path, dataloader_num_workers=4))
+    assert trainer.args.dataloader_num_workers == 0
+
+
+@unsupported_on_hasten("prompt learning's virtual tokens are not in hasten's forward")
+def test_sft_prompt_tuning_peft_model_is_refused(lib, models, tmp_path):
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(models["qwen2"]),
+                           PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    trainer = lib.SFTTrainer(model=model, args=sft_args(lib, tmp_path), train_dataset=sft_dataset("language_modeling"))
+    trainer.train()
