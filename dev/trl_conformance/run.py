@@ -16,7 +16,7 @@ GRPOConfig, GRPOTrainer` (and the SFT pair) import from hasten, and the
 is TRL's file unchanged. Tests that never name a switched class exercise TRL's
 private helpers on both sides; they are listed as "internal" and not counted.
 
-The two sides run at once, one thread each (`--jobs 1` runs them in turn).
+Each (side, file) is one pytest process with one thread; --jobs of them run at once (default 2).
 `--reuse-control` keeps the TRL side's results from the last run with the
 same checkout and selection, for quick re-runs while fixing hasten.
 """
@@ -61,21 +61,23 @@ def prepare(side: str, trl_source: Path, work: Path, names: list[str]) -> Path:
     return root
 
 
-def launch(side: str, root: Path, names: list[str], args, env: dict) -> subprocess.Popen:
-    env = dict(env, TRL_CONFORMANCE_RESULTS=str(root / "results.json"))
-    command = [sys.executable, "-m", "pytest", *[FILES[n] for n in names], "-p", "plugin", "-p", "no:cacheprovider",
+def launch(side: str, root: Path, name: str, args, env: dict) -> subprocess.Popen:
+    env = dict(env, TRL_CONFORMANCE_RESULTS=str(root / f"results-{name}.json"))
+    command = [sys.executable, "-m", "pytest", FILES[name], "-p", "plugin", "-p", "no:cacheprovider",
                "-q", "--no-header", "-rN", "--tb=line"]
     if args.k:
         command += ["-k", args.k]
-    log = open(root / "pytest.log", "w")
-    print(f"[{side}] {' '.join(command[1:])}  (log: {root / 'pytest.log'})", file=sys.stderr)
+    log = open(root / f"pytest-{name}.log", "w")
+    print(f"[{side}] {' '.join(command[1:])}  (log: {root / f'pytest-{name}.log'})", file=sys.stderr)
     return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def outcomes(root: Path) -> dict[str, list]:
     """nodeid -> [passed|failed|skipped|missing, first line of the error, trainer|internal]."""
-    path = root / "results.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    found: dict[str, list] = {}
+    for path in sorted(root.glob("results-*.json")):
+        found.update(json.loads(path.read_text()))
+    return found
 
 
 def report(control: dict, hasten: dict, names: list[str]) -> dict:
@@ -105,7 +107,7 @@ def main() -> None:
     parser.add_argument("--files", nargs="+", choices=list(FILES), default=list(FILES))
     parser.add_argument("-k", help="pytest -k selection, applied to both sides")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hasten" / "trl-conformance")
-    parser.add_argument("--jobs", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="pytest processes at once (one thread each)")
     parser.add_argument("--reuse-control", action="store_true")
     parser.add_argument("--hasten-only", action="store_true",
                         help="run the hasten side alone and list its outcomes (a quick check while fixing)")
@@ -133,13 +135,15 @@ def main() -> None:
     sides = ["hasten"] if reuse or args.hasten_only else ["trl", "hasten"]
     for side in sides:
         roots[side] = prepare(side, args.trl_source, args.work / "runs", args.files)
-    running = []
-    for side in sides:
-        running.append(launch(side, roots[side], args.files, args, env))
-        if args.jobs == 1:
-            running[-1].wait()
-    for process in running:
-        process.wait()
+    # one pytest per (side, file), --jobs of them at a time
+    waiting = [(side, name) for side in sides for name in args.files]
+    running: list[subprocess.Popen] = []
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            side, name = waiting.pop(0)
+            running.append(launch(side, roots[side], name, args, env))
+        running[0].wait()
+        running = [process for process in running if process.poll() is None]
     if args.hasten_only:
         for nodeid, (status, line, _) in sorted(outcomes(roots["hasten"]).items()):
             if status in ("passed", "failed"):
