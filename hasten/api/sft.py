@@ -51,6 +51,7 @@ class _SFTFields(_TrainingFields):
     eval_steps: float | None = None
     per_device_eval_batch_size: int = 8
     router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
+    assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
     gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
 
@@ -355,7 +356,15 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
     examples, dropped = [], 0
     for number, row in enumerate(rows, start=1):
         row = _chatml(row)
-        if "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added
+        conversation = row.get("messages") if "messages" in row else (
+            [*row["prompt"], *row["completion"]] if isinstance(row.get("prompt"), list)
+            and isinstance(row.get("completion"), list) else None)
+        if args.assistant_only_loss and "input_ids" not in row:
+            if conversation is None:
+                raise APIError(f"SFTTrainer: train_dataset row {number}: assistant_only_loss needs conversational "
+                               "rows (messages, or prompt + completion message lists)")
+            tokens, labels = _assistant_only(tokenizer, conversation, row.get("chat_template_kwargs") or {}, number)
+        elif "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added
             tokens = list(row["input_ids"])
             labels = _given_labels(row, tokens, number)
         elif "prompt" in row and "completion" in row:
@@ -389,6 +398,45 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTCon
     if not examples:
         raise APIError("SFTTrainer: no example has a target token")
     return examples
+
+
+def _assistant_only(tokenizer, messages: list[dict], template_kwargs: dict, number: int
+                    ) -> tuple[list[int], list[int]]:
+    """TRL's assistant_only_loss without its `{% generation %}` training templates: the targets are each
+    assistant message's content as the chat template places it in the whole conversation, and the
+    end-of-turn token right after it (EOS), found by character offsets; everything else is context.
+    A message whose content the template does not reproduce verbatim is one error."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    tokens, offsets = _with_offsets(tokenizer, text)
+    spans, cursor = [], 0
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") != "assistant" or not isinstance(content, str) or not content:
+            continue
+        start = text.find(content, cursor)
+        if start < 0:
+            raise APIError(f"SFTTrainer: train_dataset row {number}: assistant_only_loss cannot find an assistant "
+                           "message's content in the chat template's text; give assistant_masks instead")
+        end = start + len(content)
+        if tokenizer.eos_token and text.startswith(tokenizer.eos_token, end):
+            end += len(tokenizer.eos_token)  # the turn's end is learned too, as in TRL's templates
+        spans.append((start, end))
+        cursor = end
+    labels = [token if any(first < stop and last > begin for begin, stop in spans) else -100
+              for token, (first, last) in zip(tokens, offsets)]
+    return tokens, labels
+
+
+def _with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """The text's ids and each one's character span: the tokenizer's offsets where it has them, else the
+    growth of the decoded prefix (hasten's byte tokenizer, whose decode gives the text back)."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoded["input_ids"]), [tuple(span) for span in encoded["offset_mapping"]]
+    except (TypeError, NotImplementedError, ValueError):
+        tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ends = [len(tokenizer.decode(tokens[:count + 1])) for count in range(len(tokens))]
+        return tokens, list(zip([0, *ends[:-1]], ends))
 
 
 def _given_labels(row: dict[str, Any], tokens: list[int], number: int) -> list[int]:

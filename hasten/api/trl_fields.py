@@ -51,7 +51,7 @@ SFT_ONLY: dict[str, tuple[Any, str]] = {
     "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
     "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING), "padding_free": (False, PACKING),
-    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT), "assistant_only_loss": (False, SFT),
+    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT),
     "loss_type": ("nll", SFT), "activation_offloading": (False, SFT),
 }
 

@@ -240,3 +240,27 @@ def test_sft_prompt_tuning_peft_model_is_refused(lib, models, tmp_path):
                            PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
     trainer = lib.SFTTrainer(model=model, args=sft_args(lib, tmp_path), train_dataset=sft_dataset("language_modeling"))
     trainer.train()
+
+
+TRAINING_CHATML = (  # ChatML with the assistant turns marked, as TRL's training templates mark them
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>' }}"
+    "{% endif %}{{ '\n' }}{% endfor %}")
+
+
+def test_sft_assistant_only_loss_labels(lib, models, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
+    tokenizer.chat_template = TRAINING_CHATML
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, assistant_only_loss=True),
+                             train_dataset=sft_dataset("conversational_language_modeling"), processing_class=tokenizer)
+    for example in trainer.train_dataset:
+        labels, input_ids = example["labels"], example["input_ids"]
+        assert len(labels) == len(input_ids)
+        assert all(label in (-100, token) for label, token in zip(labels, input_ids))
+        learned = tokenizer.decode([label for label in labels if label != -100])
+        assert "user" not in learned and learned.strip()  # the assistant's reply (and its turn end) only
+    before = snapshot(trainer)
+    trainer.train()
+    assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
