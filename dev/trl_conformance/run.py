@@ -49,9 +49,12 @@ def switched(source: str) -> str:
 
 
 def prepare(side: str, trl_source: Path, work: Path, names: list[str]) -> Path:
-    """A copy of TRL's tests/ folder for `side`, the hasten one with the import switched."""
+    """A copy of TRL's tests/ folder for `side`, the hasten one with the import switched; the results of
+    the files about to run are cleared (other files' stay, for --report-only)."""
     root = work / side
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root / "tests", ignore_errors=True)
+    for name in names:
+        (root / f"results-{name}.json").unlink(missing_ok=True)
     shutil.copytree(trl_source / "tests", root / "tests",
                     ignore=shutil.ignore_patterns("experimental", "distributed", "__pycache__"))
     if side == "hasten":
@@ -109,6 +112,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hasten" / "trl-conformance")
     parser.add_argument("--jobs", type=int, default=2, help="pytest processes at once (one thread each)")
     parser.add_argument("--reuse-control", action="store_true")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report the last results of both sides for --files")
     parser.add_argument("--hasten-only", action="store_true",
                         help="run the hasten side alone and list its outcomes (a quick check while fixing)")
     parser.add_argument("--test-seconds", type=int, default=300, help="wall-clock limit per test")
@@ -128,11 +133,12 @@ def main() -> None:
                PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), str(args.trl_source.resolve()),
                                            os.environ.get("PYTHONPATH", "")]))
 
-    selection = json.dumps([commit, args.files, args.k])
-    stamp = args.work / "runs" / "trl" / "selection.json"
-    reuse = args.reuse_control and stamp.exists() and stamp.read_text() == selection
-    roots = {"trl": args.work / "runs" / "trl"} if reuse else {}
-    sides = ["hasten"] if reuse or args.hasten_only else ["trl", "hasten"]
+    stamps = {name: (args.work / "runs" / "trl" / f"selection-{name}.json", json.dumps([commit, args.k]))
+              for name in args.files}  # the control's results are reused only for the same commit and -k
+    reuse = args.report_only or (args.reuse_control and all(
+        path.exists() and path.read_text() == selection for path, selection in stamps.values()))
+    roots = {side: args.work / "runs" / side for side in ("trl", "hasten")}
+    sides = [] if args.report_only else ["hasten"] if reuse or args.hasten_only else ["trl", "hasten"]
     for side in sides:
         roots[side] = prepare(side, args.trl_source, args.work / "runs", args.files)
     # one pytest per (side, file), --jobs of them at a time
@@ -149,8 +155,9 @@ def main() -> None:
             if status in ("passed", "failed"):
                 print(f"{status.upper():6} {nodeid} {line}")
         return
-    if not reuse:
-        stamp.write_text(selection)
+    if "trl" in sides:
+        for path, selection in stamps.values():
+            path.write_text(selection)
 
     summary = report(outcomes(roots["trl"]), outcomes(roots["hasten"]), args.files)
     (args.work / "runs" / "summary.json").write_text(json.dumps({"commit": commit, **summary}, indent=1))
