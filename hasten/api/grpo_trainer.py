@@ -152,10 +152,12 @@ class GRPOTrainer:
 
     @property
     def entropy_coef(self) -> float:
-        """The entropy bonus coefficient now: args.entropy_coef until the first step, then the one the last
-        logged step applied (the adaptive control moves it, use_adaptive_entropy)."""
-        logged = [record["entropy_coef"] for record in self.state.log_history if "entropy_coef" in record]
-        return logged[-1] if logged else self.args.entropy_coef
+        """The entropy bonus coefficient now: args.entropy_coef before training, then the one the last step
+        left (the adaptive control moves it once per optimizer step, use_adaptive_entropy), from the run's
+        metrics.jsonl (log_history holds means over logging windows)."""
+        records = _records(self.run_dir) if self.run_dir is not None else []
+        steps = [record["entropy_coef"] for record in records if "entropy_coef" in record]
+        return steps[-1] if steps else self.args.entropy_coef
 
     def get_high_entropy_mask(self, entropies, mask, threshold: float):
         """(B, T) bool: the `mask` tokens whose entropy is at least the `threshold` quantile of the masked
