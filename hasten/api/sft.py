@@ -52,6 +52,7 @@ class _SFTFields(_TrainingFields):
     per_device_eval_batch_size: int = 8
     router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
     assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
+    padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
     gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
 
@@ -81,8 +82,12 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
             raise self._error("adam_beta1 / adam_beta2 other than 0.9 / 0.999 are not supported for SFT")
-        if self.packing is not None:
-            pairs.append(("sft.packing", self.packing))
+        if self.padding_free and not self.packing and self.max_length is not None:  # TRL's check, in its words
+            raise self._error("When `padding_free=True` without packing, `max_length` is not enforced. Either "
+                              "enable packing (packing=True), provide already truncated inputs, or set "
+                              "max_length=None")
+        if self.packing is not None or self.padding_free:
+            pairs.append(("sft.packing", bool(self.packing or self.padding_free)))
         if self.gradient_checkpointing is not None:
             pairs.append(("sft.gradient_checkpointing", self.gradient_checkpointing))
         checkpointing = dict(self.gradient_checkpointing_kwargs or {})
@@ -114,6 +119,7 @@ class SFTTrainer:
         if unexpected:
             raise APIError(f"SFTTrainer: {next(iter(unexpected))} is not supported by hasten (docs/trl.md)")
         args = args if args is not None else SFTConfig(f"{model_name(model).rstrip('/').split('/')[-1]}-SFT")
+        args = _from_training_arguments(args)
         if not isinstance(args, SFTConfig):
             raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
         if train_dataset is None:
@@ -302,6 +308,21 @@ class SFTTrainer:
         target.mkdir(parents=True, exist_ok=True)
         save_model_files(self.model, self.processing_class, target)
         return target
+
+
+def _from_training_arguments(args: Any) -> Any:
+    """transformers' TrainingArguments as SFT args, as TRL takes them: an SFTConfig with its values (the
+    fields it sets away from TrainingArguments' defaults, and its learning rate, whose default differs)."""
+    if isinstance(args, SFTConfig) or type(args).__name__ != "TrainingArguments":
+        return args
+    import dataclasses
+
+    reference = type(args)(output_dir=args.output_dir)  # the defaults as __post_init__ normalizes them
+    given = {item.name: getattr(args, item.name) for item in dataclasses.fields(args)
+             if item.init and item.name not in ("output_dir", "logging_dir", "report_to")
+             and getattr(args, item.name) != getattr(reference, item.name)}
+    given["report_to"] = "none" if args.report_to in ([], ["none"], "none", None) else args.report_to
+    return SFTConfig(args.output_dir, **{"learning_rate": args.learning_rate, **given})
 
 
 def _head(dataset: Any, args: SFTConfig) -> Any:

@@ -50,7 +50,7 @@ SFT_ONLY: dict[str, tuple[Any, str]] = {
     "chat_template_path": (None, SFT),
     "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
-    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING), "padding_free": (False, PACKING),
+    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING),
     "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT),
     "loss_type": ("nll", SFT), "activation_offloading": (False, SFT),
 }

@@ -264,3 +264,18 @@ def test_sft_assistant_only_loss_labels(lib, models, tmp_path):
     before = snapshot(trainer)
     trainer.train()
     assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+
+
+def test_sft_takes_training_arguments(lib, models, tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "ta"), report_to="none", num_train_epochs=1,
+                             learning_rate=0.1, **lib.machine)
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=args, train_dataset=sft_dataset("language_modeling"))
+    assert trainer.args.learning_rate == 0.1 and trainer.args.output_dir == str(tmp_path / "ta")
+
+
+def test_sft_padding_free_without_packing_needs_no_max_length(lib, models, tmp_path):
+    with pytest.raises(ValueError, match="`max_length` is not enforced"):
+        lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, padding_free=True, max_length=16),
+                       train_dataset=sft_dataset("language_modeling"))
