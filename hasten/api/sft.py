@@ -52,6 +52,7 @@ class _SFTFields(_TrainingFields):
     per_device_eval_batch_size: int = 8
     router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
     assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
+    loss_type: str = "nll"  # nll | dft (sft.loss)
     padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
     gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
@@ -77,7 +78,7 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
                  ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
-                 ("sft.seed", self.seed), ("sft.router_aux_loss_coef", self.router_aux_loss_coef), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()), ("sft.router_aux_loss_coef", self.router_aux_loss_coef), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
                  ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
@@ -100,6 +101,11 @@ class SFTConfig(TrainingConfig, _SFTFields):
             pairs.append(("speed.model_impl", "hf"))  # the native Llama checkpoints non-reentrantly only
         pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
         return pairs
+
+    def _loss_type(self) -> str:
+        if self.loss_type not in ("nll", "dft"):
+            raise self._error(f"loss_type={self.loss_type!r} is not supported (nll, dft)")
+        return self.loss_type
 
     def steps_and_warmup(self, num_examples: int) -> tuple[int, list[tuple[str, Any]]]:
         """Optimizer steps of the run, and the output / warmup keys that depend on them."""

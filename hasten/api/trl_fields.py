@@ -52,7 +52,7 @@ SFT_ONLY: dict[str, tuple[Any, str]] = {
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
     "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING),
     "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT),
-    "loss_type": ("nll", SFT), "activation_offloading": (False, SFT),
+    "activation_offloading": (False, SFT),
 }
 
 # TrainingArguments fields whose defaults TRL's GRPOConfig overrides (the rest come from transformers).

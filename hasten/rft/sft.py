@@ -251,11 +251,12 @@ class SFTJob:
         for _ in micro_batches:
             batch = next(self.batches)
             with self.optimization.autocast():
+                dft = self.sft.loss == "dft"
                 if self.router_coef:
-                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True)
+                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft)
                 else:
-                    nll = (packed_nll_sum(self.model, batch, backbone=self.forward) if self.sft.packing
-                           else padded_nll_sum(self.model, batch, backbone=self.forward))
+                    nll = (packed_nll_sum(self.model, batch, backbone=self.forward, dft=dft) if self.sft.packing
+                           else padded_nll_sum(self.model, batch, backbone=self.forward, dft=dft))
             loss = nll / step_targets  # this micro-batch's share of the step's token-mean loss
             if self.router_coef:
                 loss = loss + self.router_coef * aux / len(micro_batches)

@@ -279,3 +279,22 @@ def test_sft_padding_free_without_packing_needs_no_max_length(lib, models, tmp_p
     with pytest.raises(ValueError, match="`max_length` is not enforced"):
         lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, padding_free=True, max_length=16),
                        train_dataset=sft_dataset("language_modeling"))
+
+
+def test_sft_dft_loss(lib, models, tmp_path):
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, loss_type="dft"),
+                             train_dataset=sft_dataset("language_modeling"))
+    before = snapshot(trainer)
+    trainer.train()
+    assert all(not torch.equal(value, trainer.model.get_parameter(name)) for name, value in before.items())
+
+
+def test_dft_token_loss_is_probability_weighted_nll():
+    """TRL's TestDFTLoss case: two equally likely tokens, so each target's loss is its nll x 0.5."""
+    from hasten.rft.batches import _token_loss_sum
+
+    logits = torch.zeros(4, 2, requires_grad=True)
+    targets = torch.tensor([1, 0, 0, -100])
+    nll = _token_loss_sum(logits, targets, dft=False)
+    torch.testing.assert_close(_token_loss_sum(logits, targets, dft=True), nll / 2)
+    torch.testing.assert_close(nll, torch.tensor(3 * 0.6931472))
