@@ -53,6 +53,8 @@ class _SFTFields(_TrainingFields):
     router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
     assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
     loss_type: str = "nll"  # nll | dft (sft.loss)
+    metric_for_best_model: str | None = None  # state.best_metric follows this eval metric (no checkpoint choice)
+    greater_is_better: bool | None = None  # None: True unless the metric is a loss
     padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
     gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
@@ -118,6 +120,7 @@ class SFTTrainer:
     def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: list | None = None,
                  peft_config: Any = None, formatting_func: Callable[[dict], str] | None = None,
+                 compute_metrics: Callable[[Any], dict[str, float]] | None = None,
                  log: Callable[[str], None] = print, **others: Any):
         import torch
 
@@ -137,7 +140,7 @@ class SFTTrainer:
                                "transform that returns trainer-ready rows) is not supported; materialize the "
                                "transform with Dataset.map() first")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
-        self.formatting_func = formatting_func
+        self.formatting_func, self.compute_metrics = formatting_func, compute_metrics
         rows = self._formatted(_rows(_head(train_dataset, args), "train_dataset"))
         base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
         steps, more = args.steps_and_warmup(len(rows))
@@ -277,6 +280,7 @@ class SFTTrainer:
         model.eval()
         total = tokens = correct = entropy = 0.0
         size = self.args.per_device_eval_batch_size
+        kept_logits, kept_labels = [], []  # compute_metrics' EvalPrediction, as transformers gathers it
         with torch.no_grad():
             for start in range(0, len(examples), size):
                 batch = examples[start:start + size]
@@ -299,12 +303,31 @@ class SFTTrainer:
                 counted = targets != -100  # (B, L-1)
                 tokens += float(counted.sum())
                 correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's mean_token_accuracy
+                if self.compute_metrics is not None:
+                    kept_logits.append(logits.cpu())
+                    kept_labels.append(labels)
                 log_probs = torch.log_softmax(predictions, dim=-1)
                 entropy += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
         model.train(was_training)
-        return {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
-                "entropy": entropy / max(tokens, 1.0), "seconds": time.perf_counter() - started,
-                "num_examples": len(examples)}
+        found = {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
+                 "entropy": entropy / max(tokens, 1.0)}
+        if self.compute_metrics is not None:
+            found.update(self._user_metrics(kept_logits, kept_labels))
+        return {**found, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
+
+    def _user_metrics(self, logits: list, labels: list) -> dict[str, float]:
+        """compute_metrics(EvalPrediction(predictions=logits (N, L, V), label_ids=labels (N, L))), the batches
+        padded to one length with -100, as transformers concatenates them; its keys join the eval metrics."""
+        import torch
+        from transformers import EvalPrediction
+
+        width = max(batch.shape[1] for batch in labels)
+        logits = torch.cat([torch.nn.functional.pad(batch, (0, 0, 0, width - batch.shape[1]), value=-100.0)
+                            for batch in logits])
+        labels = torch.cat([torch.nn.functional.pad(batch, (0, width - batch.shape[1]), value=-100)
+                            for batch in labels])
+        metrics = self.compute_metrics(EvalPrediction(predictions=logits.numpy(), label_ids=labels.numpy()))
+        return {key.removeprefix("eval_"): float(value) for key, value in dict(metrics).items()}
 
     def save_model(self, output_dir: str | None = None) -> Path:
         from ..train.outputs import save_model_files

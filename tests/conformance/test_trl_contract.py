@@ -298,3 +298,25 @@ def test_dft_token_loss_is_probability_weighted_nll():
     nll = _token_loss_sum(logits, targets, dft=False)
     torch.testing.assert_close(_token_loss_sum(logits, targets, dft=True), nll / 2)
     torch.testing.assert_close(nll, torch.tensor(3 * 0.6931472))
+
+
+def test_sft_compute_metrics_and_best_metric(lib, models, tmp_path):
+    from datasets import Dataset
+
+    seen = {}
+
+    def metrics(prediction):
+        seen["shapes"] = prediction.predictions.shape, prediction.label_ids.shape
+        return {"my_metric": 0.123}
+
+    eval_rows = Dataset.from_dict({"text": ["Errors should never pass silently.", "Unless explicitly silenced."]})
+    trainer = lib.SFTTrainer(model=models["qwen2"], train_dataset=sft_dataset("language_modeling"),
+                             eval_dataset=eval_rows, compute_metrics=metrics,
+                             args=sft_args(lib, tmp_path, eval_strategy="steps", eval_steps=1,
+                                           metric_for_best_model="eval_mean_token_accuracy"))
+    trainer.train()
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert evals and all(entry["eval_my_metric"] == 0.123 for entry in evals)
+    (logits, labels) = seen["shapes"]
+    assert logits[:2] == labels and logits[0] == 2  # (N, L, V) and (N, L)
+    assert trainer.state.best_metric == max(entry["eval_mean_token_accuracy"] for entry in evals)
