@@ -105,13 +105,13 @@ def _model(name: str, vocab_size: int, tokenizer, seed: int):
                 for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
                 for model_type, klass in mapping.items()}
     model_type = by_class[class_name]
-    small = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                 num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=32, first_k_dense_replace=0, n_group=1, topk_group=1,
-                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                 bos_token_id=tokenizer.bos_token_id, num_labels=1)
+    small = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+             "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+             "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+             "bos_token_id": tokenizer.bos_token_id, "num_labels": 1}
     if model_type == "nemotron_h":
         small.update(hybrid_override_pattern="M*", layers_block_type=["mamba", "attention"], mamba_num_heads=4,
                      mamba_head_dim=16, n_groups=1, ssm_state_size=16)
@@ -181,7 +181,7 @@ def build(cache: Path, trl_source: Path) -> Path:
         tokenizer = tokenizer_for(name, trl_source)
         try:
             model = _model(name, len(tokenizer), tokenizer, seed=len(name))
-        except Exception as error:  # an architecture this transformers cannot build small: left absent
+        except Exception as error:  # noqa: BLE001  an architecture this transformers cannot build small: left absent
             print(f"  (not built: {name}: {str(error).splitlines()[0][:120]})", file=sys.stderr)
             continue
         snapshot = _snapshot(hub, f"trl-internal-testing/{name}")

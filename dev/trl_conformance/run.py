@@ -70,9 +70,9 @@ def launch(side: str, root: Path, name: str, args, env: dict) -> subprocess.Pope
                "-q", "--no-header", "-rN", "--tb=line"]
     if args.k:
         command += ["-k", args.k]
-    log = open(root / f"pytest-{name}.log", "w")
     print(f"[{side}] {' '.join(command[1:])}  (log: {root / f'pytest-{name}.log'})", file=sys.stderr)
-    return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(root / f"pytest-{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def outcomes(root: Path) -> dict[str, list]:
@@ -120,10 +120,10 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
-    from hub import build  # noqa: E402  (this folder is on sys.path when run as a script)
+    from hub import build  # this folder is on sys.path when run as a script
 
     commit = subprocess.run(["git", "-C", str(args.trl_source), "rev-parse", "--short=9", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+                            capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     print(f"TRL tests from {args.trl_source} at {commit}; building tiny stand-ins under {args.work}", file=sys.stderr)
     hub = build(args.work, args.trl_source)
     env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",

@@ -202,7 +202,7 @@ class SFTTrainer:
             sets[name] = to_examples(self._formatted(_rows(dataset, label)), self.policy.tokenizer, self.policy.eos_token_ids[0],
                                      self.args, self.log, kept)
             shown[name] = prepared(kept)
-        return sets, shown[None] if None in shown else shown
+        return sets, shown.get(None, shown)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -9,7 +9,6 @@ the suite's tiny local models, against both libraries by the `lib` switch (conft
 
 from __future__ import annotations
 
-import logging
 from unittest.mock import Mock
 
 import pytest
