@@ -86,8 +86,11 @@ class SFTConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # 0 = no clipping
     packing: bool = True  # examples packed into rows with a block mask; logits only where the loss is
+    loss: str = "nll"  # nll | dft: each target token's -log p weighted by p, detached (DFT, arXiv:2508.05629; TRL's loss_type)
+    router_aux_loss_coef: float = 0.001  # mixture-of-experts models: + this x the router load-balancing loss per micro-batch (TRL's key; 0 = off; runs the padded pass)
     pack_length: int = 1024  # tokens per packed row (an example longer than this gets a row alone)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+    gradient_checkpointing_reentrant: bool = False  # torch's reentrant checkpoint (TRL's gradient_checkpointing_kwargs use_reentrant)
     compile: str = "off"  # off | on | gpu (on only with CUDA); torch.compile the decoder, eager (logged) on failure
     precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (CUDA only)
     adamw: str = "fused"  # fused | foreach | plain (for-loop); fused falls back to foreach where unsupported
@@ -103,6 +106,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rft.keep": ("one", "all"),
     "sft.source": ("records", "task"),
     "sft.lr_schedule": ("cosine", "linear", "constant"),
+    "sft.loss": ("nll", "dft"),
     "sft.precision": ("auto", "fp32", "bf16", "fp16"),
     "sft.adamw": ("fused", "foreach", "plain"),
     "sft.compile": ("off", "on", "gpu"),

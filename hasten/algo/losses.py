@@ -245,11 +245,17 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
     """(N, T) bool: the completion tokens whose entropy is at least the (1 - quantile) quantile of the
     chunk's completion-token entropies (TRL's top_entropy_quantile, arXiv:2506.01939); the rest get no
     policy gradient. quantile 1 keeps every token; no tokens gives an all-False mask."""
+    return entropy_quantile_mask(entropies, mask, 1.0 - quantile)
+
+
+def entropy_quantile_mask(entropies: torch.Tensor, mask: torch.Tensor, level: float) -> torch.Tensor:
+    """(N, T) bool: the `mask` tokens whose entropy is at least the `level` quantile of the masked
+    entropies (TRL's GRPOTrainer.get_high_entropy_mask(entropies, mask, threshold=level))."""
     present = mask.bool()
     values = entropies[present].float()
     if not values.numel():
         return torch.zeros_like(present)
-    threshold = torch.quantile(values, 1.0 - quantile)
+    threshold = torch.quantile(values, level)
     return ((entropies * mask) >= threshold) & present
 
 

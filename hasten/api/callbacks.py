@@ -162,9 +162,26 @@ class CallbackBridge(Hook):
         self.log_eval({f"eval_{key}": value for key, value in trl_record(metrics).items()})
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
-        """Eval metrics, already prefixed, into log_history and on_evaluate (as transformers logs them)."""
+        """Eval metrics, already prefixed, into log_history and on_evaluate (as transformers logs them);
+        args.metric_for_best_model (where the args have it) moves state.best_metric, as transformers'."""
+        self._track_best(metrics)
         self.state.log_history.append({**metrics, "epoch": self.state.epoch, "step": self.state.global_step})
         self._call("on_evaluate", metrics=metrics)
+
+    def _track_best(self, metrics: dict[str, Any]) -> None:
+        metric = getattr(self.args, "metric_for_best_model", None)
+        if not metric:
+            return
+        name = metric if metric.startswith("eval_") else f"eval_{metric}"
+        if name not in metrics:
+            if "eval_loss" in metrics:  # a single eval set that lacks it: a misspelt metric, not a silent no-op
+                raise APIError(f"metric_for_best_model: {name} is not an eval metric ({', '.join(sorted(metrics))})")
+            return  # one set of a dict of eval sets
+        greater = getattr(self.args, "greater_is_better", None)
+        greater = not name.endswith("loss") if greater is None else greater
+        best = self.state.best_metric
+        if best is None or (metrics[name] > best if greater else metrics[name] < best):
+            self.state.best_metric = float(metrics[name])
 
     def on_save(self, step: int, checkpoint) -> None:
         if getattr(self.args, "save_only_model", False):  # transformers': the model only, no optimizer/RNG state

@@ -121,6 +121,7 @@ class _GRPOFields(_TrainingFields):
     ref_model_mixup_alpha: float = 0.6  # algo.ref_model_mixup_alpha
     delta: float | None = None  # algo.delta
     off_policy_mask_threshold: float | None = None  # algo.off_policy_mask_threshold
+    router_aux_loss_coef: float = 0.001  # algo.router_aux_loss_coef (mixture-of-experts models only)
     sapo_temperature_pos: float = 1.0  # algo.sapo_temperature_pos
     sapo_temperature_neg: float = 1.05  # algo.sapo_temperature_neg
     vespo_k_pos: float = 2.0  # algo.vespo_k_pos, and the three below
@@ -316,6 +317,7 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             ("algo.kl_bias_correction", bool(self.use_bias_correction_kl)),
             ("algo.ref_model_sync_steps", self._sync_steps()), ("algo.ref_model_mixup_alpha", self.ref_model_mixup_alpha),
             ("algo.off_policy_mask_threshold", self.off_policy_mask_threshold),
+            ("algo.router_aux_loss_coef", self.router_aux_loss_coef),
             ("algo.sapo_temperature_pos", self.sapo_temperature_pos),
             ("algo.sapo_temperature_neg", self.sapo_temperature_neg),
             *[(f"algo.{name}", getattr(self, name)) for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",

@@ -24,6 +24,7 @@ after saving a checkpoint instead of raising KeyboardInterrupt.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from .grpo_config import APIError, GRPOConfig
 from .inputs import build_policy, build_rewards, build_task, model_name, named_eval_sets
 
 UNSUPPORTED_ARGUMENTS = ("quantization_config",)
+LOGGER = logging.getLogger(__name__)  # TRL's construction warnings, which scripts and tests capture
+TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 @dataclass
@@ -72,6 +75,11 @@ class GRPOTrainer:
             raise APIError(f"GRPOTrainer: args must be a hasten GRPOConfig (got {type(args).__name__})")
         self.args, self.log = args, log
         self.callbacks = instantiate(callbacks)
+        if args.importance_sampling_level == "sequence" and args.loss_type in TOKEN_SUMMED_LOSSES:  # TRL's words
+            LOGGER.warning(
+                f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums per-token "
+                "contributions, which effectively weights each sequence by its completion length instead of "
+                "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`.")
         if rollout_func is not None and (tools or environment_factory is not None):
             raise APIError("GRPOTrainer: rollout_func does its own generation; it does not combine with tools or "
                            "environment_factory")
@@ -81,6 +89,8 @@ class GRPOTrainer:
                 raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
                                "args.max_steps must be set")
             placeholder = [{"prompt": [{"role": "user", "content": ""}]}] * args.prompts_per_step()
+        if type(train_dataset).__name__ == "IterableDataset":  # TRL forces 0 workers on a stream; hasten reads
+            args.dataloader_num_workers = 0                    # prompts in its own process anyway
         self.eval_dataset = eval_dataset
         # {None: rows} or {name: rows}; {} without one
         self.eval_sets = named_eval_sets(eval_dataset, fill_prompt=environment_factory is not None)
@@ -113,6 +123,7 @@ class GRPOTrainer:
 
             self.session.agent = RolloutFunction(rollout_func, self, policy.tokenizer, policy.pad_token_id,
                                                  policy.eos_token_ids)
+        tag_model(self.model, ["trl", "grpo", "hasten"])
         self.run_dir: Path | None = None
         self._trained = False  # train() began (a second call is an error)
         self._finished = False  # train() returned: the session's engine is closed
@@ -124,6 +135,45 @@ class GRPOTrainer:
     @property
     def processing_class(self):
         return self.session.policy.tokenizer
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the model is a mixture of experts (its config has output_router_logits) and
+        router_aux_loss_coef is not 0; the learner then adds coef x the router load-balancing loss and logs
+        it as aux_loss."""
+        from ..train.learner import is_mixture_of_experts
+
+        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The reward functions' names, in reward_funcs order: the keys of the rewards/<name>/mean metrics."""
+        return [function.name for function in self.session.rewards]
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus coefficient now: args.entropy_coef before training, then the one the last step
+        left (the adaptive control moves it once per optimizer step, use_adaptive_entropy), from the run's
+        metrics.jsonl (log_history holds means over logging windows)."""
+        records = _records(self.run_dir) if self.run_dir is not None else []
+        steps = [record["entropy_coef"] for record in records if "entropy_coef" in record]
+        return steps[-1] if steps else self.args.entropy_coef
+
+    def get_high_entropy_mask(self, entropies, mask, threshold: float):
+        """(B, T) bool: the `mask` tokens whose entropy is at least the `threshold` quantile of the masked
+        entropies, as TRL's (the learner applies it with threshold = 1 - top_entropy_quantile). One process:
+        hasten's learner takes the quantile per micro-batch on each rank."""
+        from ..algo.losses import entropy_quantile_mask
+
+        return entropy_quantile_mask(entropies, mask, threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """(B, 1): 1 keeps a sequence, 0 drops one whose advantage is negative and whose mean token KL from
+        the sampler exceeds the threshold (DeepSeek-V3.2; TRL's off_policy_mask_threshold)."""
+        from ..algo.losses import off_policy_mask
+
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
 
     @property
     def ref_model(self):
@@ -239,6 +289,16 @@ class GRPOTrainer:
             target.mkdir(parents=True, exist_ok=True)
             save_model_files(self.model, self.processing_class, target, state)
         return target
+
+
+def tag_model(model, tags: list[str]) -> None:
+    """TRL's model tags, which transformers writes to the model card on push_to_hub; hasten's native forward
+    model (models/llama.py) keeps them in the same attribute."""
+    if hasattr(model, "add_model_tags"):
+        model.add_model_tags(tags)
+    else:
+        model.model_tags = [*(getattr(model, "model_tags", None) or []),
+                            *(tag for tag in tags if tag not in (getattr(model, "model_tags", None) or []))]
 
 
 def _say_where(cfg: Config, log: Callable[[str], None]) -> None:

@@ -48,6 +48,11 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
         if not hasattr(model, "parameters") or not callable(model):
             raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "
                            f"(got {type(model).__name__})")
+        prompt_learning = [config for config in getattr(model, "peft_config", {}).values()
+                           if getattr(config, "is_prompt_learning", False)]
+        if prompt_learning:  # its virtual tokens are not in hasten's forward: no gradient would reach them
+            raise APIError(f"peft: a {type(prompt_learning[0]).__name__} model is not supported (hasten trains LoRA "
+                           "adapters: give a peft LoraConfig)")
         tokenizer = processing_class if processing_class is not None else _tokenizer_for(model)
         policy = Policy(model=model, tokenizer=tokenizer, source=model_name(model), lora=hasattr(model, "peft_config"))
     if processing_class is not None:
@@ -109,8 +114,8 @@ def build_rewards(reward_funcs: Any, reward_processing_classes: Any = None,
     if reward_funcs is None and optional:
         return []
     if reward_funcs is None:
-        raise APIError("GRPOTrainer: reward_funcs is required (a function, a 'module:function' string, a reward "
-                       "model, or a list)")
+        raise APIError("No reward source provided: GRPOTrainer needs reward_funcs (a function, a 'module:function' "
+                       "string, a reward model, or a list), or an environment_factory whose environment has get_reward")
     given = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     tokenizers = [None] * len(given) if reward_processing_classes is None else (
         list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
@@ -156,7 +161,8 @@ def build_task(train_dataset: Any, eval_dataset: Any, placeholder: list[dict] | 
     from ..tasks.jsonl import check_answer_column
 
     if train_dataset is None and placeholder is None:
-        raise APIError("GRPOTrainer: train_dataset is required (unless an environment_factory makes the prompts)")
+        raise APIError("GRPOTrainer: `train_dataset` is required unless an `environment_factory` is provided (its "
+                       "reset makes the prompts)")
     train_rows = rows_from(_filled(train_dataset, fill_prompt) if train_dataset is not None else placeholder,
                            "train_dataset")
     eval_rows = rows_from(_filled(eval_dataset, fill_prompt), "eval_dataset") if eval_dataset is not None else []

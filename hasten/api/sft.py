@@ -36,8 +36,9 @@ from typing import Any
 from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, TrainingConfig, _TrainingFields
-from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where
+from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where, tag_model
 from .inputs import build_policy, model_name
+from .sft_rows import prepared, to_examples
 
 
 @dataclass
@@ -50,6 +51,13 @@ class _SFTFields(_TrainingFields):
     eval_strategy: str = "no"  # no | steps | epoch: the eval loss on eval_dataset (token mean over its targets)
     eval_steps: float | None = None
     per_device_eval_batch_size: int = 8
+    router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
+    assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
+    loss_type: str = "nll"  # nll | dft (sft.loss)
+    metric_for_best_model: str | None = None  # state.best_metric follows this eval metric (no checkpoint choice)
+    greater_is_better: bool | None = None  # None: True unless the metric is a loss
+    padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
+    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -73,17 +81,34 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
                  ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
-                 ("sft.seed", self.seed), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()), ("sft.router_aux_loss_coef", self.router_aux_loss_coef), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
                  ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
             raise self._error("adam_beta1 / adam_beta2 other than 0.9 / 0.999 are not supported for SFT")
-        if self.packing is not None:
-            pairs.append(("sft.packing", self.packing))
+        if self.padding_free and not self.packing and self.max_length is not None:  # TRL's check, in its words
+            raise self._error("When `padding_free=True` without packing, `max_length` is not enforced. Either "
+                              "enable packing (packing=True), provide already truncated inputs, or set "
+                              "max_length=None")
+        if self.packing is not None or self.padding_free:
+            pairs.append(("sft.packing", bool(self.packing or self.padding_free)))
         if self.gradient_checkpointing is not None:
             pairs.append(("sft.gradient_checkpointing", self.gradient_checkpointing))
+        checkpointing = dict(self.gradient_checkpointing_kwargs or {})
+        if set(checkpointing) - {"use_reentrant"}:
+            raise self._error(f"gradient_checkpointing_kwargs: only use_reentrant is supported (got "
+                              f"{', '.join(sorted(checkpointing))}); hasten calls transformers' checkpointing itself")
+        reentrant = bool(checkpointing.get("use_reentrant", False))
+        pairs.append(("sft.gradient_checkpointing_reentrant", reentrant))
+        if reentrant and self.gradient_checkpointing and "model_impl" not in (self.speed or {}):
+            pairs.append(("speed.model_impl", "hf"))  # the native Llama checkpoints non-reentrantly only
         pairs += [(f"speed.{key}", value) for key, value in (self.speed or {}).items()]
         return pairs
+
+    def _loss_type(self) -> str:
+        if self.loss_type not in ("nll", "dft"):
+            raise self._error(f"loss_type={self.loss_type!r} is not supported (nll, dft)")
+        return self.loss_type
 
     def steps_and_warmup(self, num_examples: int) -> tuple[int, list[tuple[str, Any]]]:
         """Optimizer steps of the run, and the output / warmup keys that depend on them."""
@@ -95,36 +120,46 @@ class SFTConfig(TrainingConfig, _SFTFields):
 class SFTTrainer:
     def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: list | None = None,
-                 peft_config: Any = None, log: Callable[[str], None] = print, **others: Any):
+                 peft_config: Any = None, formatting_func: Callable[[dict], str] | None = None,
+                 compute_metrics: Callable[[Any], dict[str, float]] | None = None,
+                 log: Callable[[str], None] = print, **others: Any):
         import torch
 
         unexpected = {name: value for name, value in others.items() if value not in (None, (None, None))}
         if unexpected:
             raise APIError(f"SFTTrainer: {next(iter(unexpected))} is not supported by hasten (docs/trl.md)")
         args = args if args is not None else SFTConfig(f"{model_name(model).rstrip('/').split('/')[-1]}-SFT")
+        args = _from_training_arguments(args)
         if not isinstance(args, SFTConfig):
             raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
         if train_dataset is None:
-            raise APIError("SFTTrainer: train_dataset is required")
+            raise APIError("SFTTrainer: `train_dataset` is required")
+        for dataset in [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])]:
+            if getattr(dataset, "format", {}).get("type") == "custom":  # TRL refuses them too, in these words
+                raise APIError("SFTTrainer: a Dataset.with_transform() dataset is not supported: hasten tokenizes "
+                               "rows once, and TRL's way out (dataset_kwargs={'skip_prepare_dataset': True} with a "
+                               "transform that returns trainer-ready rows) is not supported; materialize the "
+                               "transform with Dataset.map() first")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
-        rows = _rows(_head(train_dataset, args), "train_dataset")
+        self.formatting_func, self.compute_metrics = formatting_func, compute_metrics
+        rows = self._formatted(_rows(_head(train_dataset, args), "train_dataset"))
         base = [("model.name", model_name(model)), ("task.name", "dataset"), *args.overrides()]
         steps, more = args.steps_and_warmup(len(rows))
         self.config: Config = load_config(None, base + more, profile=None)
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         self.policy = build_policy(model, self.config, processing_class, peft_config, log)
-        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
-        self.eval_dataset = eval_dataset
-        # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss)
-        named = {} if eval_dataset is None else dict(eval_dataset) if isinstance(eval_dataset, dict) \
-            else {None: eval_dataset}
-        if isinstance(eval_dataset, dict) and not named:
-            raise APIError("SFTTrainer: eval_dataset is an empty dict")
-        self.eval_sets = {
-            name: to_examples(_rows(dataset, "eval_dataset" if name is None else f"eval_dataset['{name}']"),
-                              self.policy.tokenizer, self.policy.eos_token_ids[0], args, log)
-            for name, dataset in named.items()}
+        tag_model(self.policy.model, ["trl", "sft", "hasten"])
+        if self.aux_loss_enabled and self.config.sft.packing:  # the router loss comes from the padded pass
+            if args.packing:
+                raise APIError("SFTConfig: packing=True is not supported on a mixture-of-experts model with "
+                               "router_aux_loss_coef != 0 (hasten's router aux loss needs the padded pass)")
+            self.config.sft.packing = False
+        kept: list = []
+        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log, kept)
+        self.train_dataset = prepared(kept)  # TRL's processed rows: input_ids and labels
+        # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss); kept prepared
+        self.eval_sets, self.eval_dataset = self._eval_sets(eval_dataset)
         self.eval_examples = [example for examples in self.eval_sets.values() for example in examples]
         if args.eval_strategy not in ("no", "steps", "epoch"):
             raise APIError(f"SFTConfig: eval_strategy={args.eval_strategy!r} is not supported (no | steps | epoch)")
@@ -136,6 +171,62 @@ class SFTTrainer:
     @property
     def model(self):
         return self.policy.model
+
+    def _formatted(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """TRL's formatting_func: each row becomes the text it returns, trained as language modelling."""
+        if self.formatting_func is None:
+            return rows
+        texts = [self.formatting_func(row) for row in rows]
+        if not all(isinstance(text, str) for text in texts):
+            raise APIError("SFTTrainer: formatting_func must return one string per example")
+        return [{self.args.dataset_text_field: text} for text in texts]
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: a mixture-of-experts model (its config has output_router_logits) and router_aux_loss_coef
+        != 0; each micro-batch's loss then adds coef x the router load-balancing loss, logged as aux_loss."""
+        from ..train.learner import is_mixture_of_experts
+
+        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
+
+    def _eval_sets(self, eval_dataset: Any) -> tuple[dict[str | None, list], Any]:
+        """{name or None: Examples} and the prepared dataset(s), shaped as given (one, or a dict by name)."""
+        if eval_dataset is None:
+            return {}, None
+        named = dict(eval_dataset) if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        if not named:
+            raise APIError("SFTTrainer: eval_dataset is an empty dict")
+        sets, shown = {}, {}
+        for name, dataset in named.items():
+            kept: list = []
+            label = "eval_dataset" if name is None else f"eval_dataset['{name}']"
+            sets[name] = to_examples(self._formatted(_rows(dataset, label)), self.policy.tokenizer, self.policy.eos_token_ids[0],
+                                     self.args, self.log, kept)
+            shown[name] = prepared(kept)
+        return sets, shown.get(None, shown)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """transformers' evaluate(): the loss over eval_dataset's target tokens (default: the trainer's), with
+        mean_token_accuracy and entropy as TRL logs them, under "<prefix>_..." ("<prefix>_<name>_..." for each
+        set of a dict); logged to log_history and on_evaluate."""
+        sets = self._eval_sets(eval_dataset)[0] if eval_dataset is not None else self.eval_sets
+        if not sets:
+            raise APIError("SFTTrainer.evaluate: there is no eval_dataset (pass one here or to SFTTrainer)")
+        metrics: dict[str, float] = {}
+        bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class, 1, 1, 1)
+        for name, examples in sets.items():  # one log entry per set, as transformers evaluates a dict
+            label = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            found = self._loss_on(examples)
+            runtime = found.pop("seconds")
+            found.update({"runtime": runtime, "samples_per_second": len(examples) / max(runtime, 1e-9),
+                          "steps_per_second": -(-len(examples) // self.args.per_device_eval_batch_size)
+                          / max(runtime, 1e-9)})
+            found.pop("num_examples")
+            found = {f"{label}_{key}": value for key, value in found.items() if key not in (ignore_keys or [])}
+            bridge.log_eval(found)
+            metrics.update(found)
+        return metrics
 
     @property
     def processing_class(self):
@@ -188,8 +279,9 @@ class SFTTrainer:
         device = next(model.parameters()).device
         was_training, started = model.training, time.perf_counter()
         model.eval()
-        total = tokens = 0.0
+        total = tokens = correct = entropy = 0.0
         size = self.args.per_device_eval_batch_size
+        kept_logits, kept_labels = [], []  # compute_metrics' EvalPrediction, as transformers gathers it
         with torch.no_grad():
             for start in range(0, len(examples), size):
                 batch = examples[start:start + size]
@@ -199,16 +291,44 @@ class SFTTrainer:
                 labels = torch.full((len(ids), width), -100, dtype=torch.long)
                 for row, (example, sequence) in enumerate(zip(batch, ids)):
                     inputs[row, :len(sequence)] = torch.tensor(sequence)
-                    labels[row, len(example.prompt_ids):len(sequence)] = torch.tensor(example.completion_ids)
+                    targets = torch.tensor(example.completion_ids)
+                    if example.target_mask is not None:  # context tokens inside the completion
+                        targets[~torch.tensor(example.target_mask, dtype=torch.bool)] = -100
+                    labels[row, len(example.prompt_ids):len(sequence)] = targets
                 attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
                 logits = model(input_ids=inputs.to(device), attention_mask=attention.to(device)).logits.float()
                 targets = labels[:, 1:].to(device)  # (B, L-1): each position predicts the next token
-                total += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets,
+                predictions = logits[:, :-1]  # (B, L-1, V)
+                total += float(torch.nn.functional.cross_entropy(predictions.transpose(1, 2), targets,
                                                                  ignore_index=-100, reduction="sum"))
-                tokens += float((targets != -100).sum())
+                counted = targets != -100  # (B, L-1)
+                tokens += float(counted.sum())
+                correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's mean_token_accuracy
+                if self.compute_metrics is not None:
+                    kept_logits.append(logits.cpu())
+                    kept_labels.append(labels)
+                log_probs = torch.log_softmax(predictions, dim=-1)
+                entropy += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
         model.train(was_training)
-        return {"loss": total / max(tokens, 1.0), "seconds": time.perf_counter() - started,
-                "num_examples": len(examples)}
+        found = {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
+                 "entropy": entropy / max(tokens, 1.0)}
+        if self.compute_metrics is not None:
+            found.update(self._user_metrics(kept_logits, kept_labels))
+        return {**found, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
+
+    def _user_metrics(self, logits: list, labels: list) -> dict[str, float]:
+        """compute_metrics(EvalPrediction(predictions=logits (N, L, V), label_ids=labels (N, L))), the batches
+        padded to one length with -100, as transformers concatenates them; its keys join the eval metrics."""
+        import torch
+        from transformers import EvalPrediction
+
+        width = max(batch.shape[1] for batch in labels)
+        logits = torch.cat([torch.nn.functional.pad(batch, (0, 0, 0, width - batch.shape[1]), value=-100.0)
+                            for batch in logits])
+        labels = torch.cat([torch.nn.functional.pad(batch, (0, width - batch.shape[1]), value=-100)
+                            for batch in labels])
+        metrics = self.compute_metrics(EvalPrediction(predictions=logits.numpy(), label_ids=labels.numpy()))
+        return {key.removeprefix("eval_"): float(value) for key, value in dict(metrics).items()}
 
     def save_model(self, output_dir: str | None = None) -> Path:
         from ..train.outputs import save_model_files
@@ -218,6 +338,21 @@ class SFTTrainer:
         target.mkdir(parents=True, exist_ok=True)
         save_model_files(self.model, self.processing_class, target)
         return target
+
+
+def _from_training_arguments(args: Any) -> Any:
+    """transformers' TrainingArguments as SFT args, as TRL takes them: an SFTConfig with its values (the
+    fields it sets away from TrainingArguments' defaults, and its learning rate, whose default differs)."""
+    if isinstance(args, SFTConfig) or type(args).__name__ != "TrainingArguments":
+        return args
+    import dataclasses
+
+    reference = type(args)(output_dir=args.output_dir)  # the defaults as __post_init__ normalizes them
+    given = {item.name: getattr(args, item.name) for item in dataclasses.fields(args)
+             if item.init and item.name not in ("output_dir", "logging_dir", "report_to")
+             and getattr(args, item.name) != getattr(reference, item.name)}
+    given["report_to"] = "none" if args.report_to in ([], ["none"], "none", None) else args.report_to
+    return SFTConfig(args.output_dir, **{"learning_rate": args.learning_rate, **given})
 
 
 def _head(dataset: Any, args: SFTConfig) -> Any:
@@ -237,6 +372,8 @@ def _head(dataset: Any, args: SFTConfig) -> Any:
 def _rows(dataset: Any, argument: str = "train_dataset") -> list[dict[str, Any]]:
     if isinstance(dataset, (str, Path)):
         return _file_rows(str(dataset))
+    if type(dataset).__name__ == "IterableDataset":  # datasets' streaming one: read it whole (eval sets)
+        dataset = list(dataset)
     if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
         return dataset.to_list()
     if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset) and dataset:
@@ -252,60 +389,3 @@ def _file_rows(path: str) -> list[dict[str, Any]]:
     if suffix not in FORMATS or not Path(path).is_file():
         raise APIError(f"SFTTrainer: {path} is not a {', '.join(FORMATS)} file")
     return READERS[suffix](Path(path))[0]
-
-
-def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: SFTConfig, log) -> list:
-    """Rows -> rft/batches.py Examples (prompt ids as context, completion ids + EOS as targets)."""
-    from ..rft.batches import Example
-    from ..rollout.prompts import encode_prompt
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    examples, dropped = [], 0
-    for number, row in enumerate(rows, start=1):
-        row = _chatml(row)
-        if "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added, every token after the first
-            if "completion_mask" in row or "assistant_masks" in row:
-                raise APIError(f"SFTTrainer: train_dataset row {number}: a pretokenized completion_mask / "
-                               "assistant_masks column is not supported (give prompt + completion text)")
-            tokens = list(row["input_ids"])
-            example = Example(tokens[:1], tokens[1:])
-        elif "prompt" in row and "completion" in row:
-            prompt = encode_prompt(tokenizer, row["prompt"])
-            completion = row["completion"]
-            text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-            example = Example(prompt, ids(text) + [eos_id])
-        elif args.dataset_text_field in row or "messages" in row:
-            text = row.get(args.dataset_text_field)
-            if text is None:
-                text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
-            tokens = ids(text) + [eos_id]
-            example = Example(tokens[:1], tokens[1:])  # language modelling: every token after the first
-        else:
-            raise APIError(f"SFTTrainer: train_dataset row {number} has none of prompt+completion, "
-                           f"'{args.dataset_text_field}' or 'messages' (columns: {', '.join(row)})")
-        if args.max_length is not None and len(example.prompt_ids) + len(example.completion_ids) > args.max_length:
-            keep = args.max_length - len(example.prompt_ids)
-            example = Example(example.prompt_ids[:args.max_length], example.completion_ids[:max(keep, 0)])
-        if not example.completion_ids or not example.prompt_ids:
-            dropped += 1
-            continue
-        examples.append(example)
-    if dropped:
-        log(f"SFTTrainer: {dropped} examples left no target token within max_length={args.max_length}; dropped")
-    if not examples:
-        raise APIError("SFTTrainer: no example has a target token")
-    return examples
-
-
-_ROLES = {"human": "user", "gpt": "assistant"}
-
-
-def _chatml(row: dict[str, Any]) -> dict[str, Any]:
-    """A ShareGPT-style row ("conversations" of {"from", "value"}) as a "messages" row, as TRL converts it."""
-    if "conversations" not in row or "messages" in row:
-        return row
-    messages = [{"role": _ROLES.get(m.get("from"), m.get("from")), "content": m.get("value")}
-                for m in row["conversations"]]
-    return {**{k: v for k, v in row.items() if k != "conversations"}, "messages": messages}

@@ -20,7 +20,6 @@ MULTI = "hasten runs one process on one device"
 # name -> (TRL 1.16 default, why hasten does not take another value)
 GRPO_ONLY: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, "hasten loads Llama-family models and transformers' own classes only"),
-    "router_aux_loss_coef": (None, "mixture-of-experts aux loss is not implemented"),
     "disable_dropout": (False, "hasten's models run without dropout at generation; training keeps the model's own"),
     "ds3_gather_for_generation": (True, MULTI),
     "cache_implementation": (None, "the engines own their KV caches (rollout/)"),
@@ -48,12 +47,12 @@ PACKING = ("hasten packs whole examples with a block mask (each sees only itself
 # default, why hasten does not take another value)
 SFT_ONLY: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
-    "router_aux_loss_coef": (None, GRPO_ONLY["router_aux_loss_coef"][1]), "chat_template_path": (None, SFT),
+    "chat_template_path": (None, SFT),
     "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
-    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING), "padding_free": (False, PACKING),
-    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT), "assistant_only_loss": (False, SFT),
-    "loss_type": ("nll", SFT), "activation_offloading": (False, SFT),
+    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING),
+    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT),
+    "activation_offloading": (False, SFT),
 }
 
 # TrainingArguments fields whose defaults TRL's GRPOConfig overrides (the rest come from transformers).

@@ -147,12 +147,20 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedSFTBatch:
     return PaddedSFTBatch(input_ids, attention_mask, labels)
 
 
-def _chunk_nll(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, dft: bool) -> torch.Tensor:
+    """Sum over targets of -log p (nll), or of -p.detach() x log p (dft: DFT's reward-rectified SFT, as
+    TRL's dft_loss); ignored targets add 0."""
+    nll = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")  # (n,)
+    return (nll * torch.exp(-nll).detach()).sum() if dft else nll.sum()
+
+
+def _chunk_nll(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = False) -> torch.Tensor:
     logits = head(hidden).float()  # (chunk, V); fp32 for the softmax whatever the autocast dtype
-    return F.cross_entropy(logits, targets, reduction="sum")
+    return _token_loss_sum(logits, targets, dft)
 
 
-def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backbone=None) -> torch.Tensor:
+def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backbone=None,
+                   dft: bool = False) -> torch.Tensor:
     """Sum of -log p(target) over the batch's completion tokens, from a packed pass.
 
     `backbone` replaces the decoder call (a torch.compile'd one); default: the model's own.
@@ -168,19 +176,22 @@ def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backb
     targets = batch.targets.to(device)  # (M,)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
-        args = (head, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+        args = (head, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], dft)
         # Recomputed in backward: a chunk's (chunk x 49k) logits are the largest activation of the pass.
         total = total + (checkpoint(_chunk_nll, *args, use_reentrant=False) if torch.is_grad_enabled()
                          else _chunk_nll(*args))
     return total
 
 
-def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None) -> torch.Tensor:
-    """The plain reference: full logits on every position of a padded batch, prompt and padding ignored."""
+def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool = False, dft: bool = False):
+    """The plain reference: full logits on every position of a padded batch, prompt and padding ignored.
+    router_aux: returns (nll, the mixture-of-experts model's router load-balancing loss over the batch's
+    unpadded tokens) instead, as the model's own forward computes it (output_router_logits=True)."""
     device = next(model.parameters()).device
     forward = backbone or model
-    logits = forward(input_ids=batch.input_ids.to(device),
-                     attention_mask=batch.attention_mask.to(device)).logits  # (B, L, V)
+    outputs = forward(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                      **({"output_router_logits": True} if router_aux else {}))
+    logits = outputs.logits  # (B, L, V)
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(L-1), V): position t predicts t+1
-    return F.cross_entropy(shifted, batch.labels[:, 1:].reshape(-1).to(device), ignore_index=IGNORE,
-                           reduction="sum")
+    nll = _token_loss_sum(shifted, batch.labels[:, 1:].reshape(-1).to(device), dft)
+    return (nll, outputs.aux_loss) if router_aux else nll

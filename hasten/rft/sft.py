@@ -60,6 +60,7 @@ from ..kernels.allocator import check_in_process as check_allocator, loaded as l
 from ..kernels.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
 from ..train import distributed, fsdp, loop
+from ..train.learner import is_mixture_of_experts
 from ..train.optimization import Optimization, OptimizerSettings, sft_precision
 from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
@@ -179,10 +180,14 @@ def _identity(item):
     return item
 
 
-def enable_gradient_checkpointing(model) -> None:
+def enable_gradient_checkpointing(model, reentrant: bool = False) -> None:
+    """reentrant: torch's reentrant checkpoint, which gives parameters inside a checkpointed layer a gradient
+    only when the layer's input requires one, so the embeddings' output is made to (LoRA freezes them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.use_cache = False
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        base.enable_input_require_grads()
 
 
 class SFTJob:
@@ -201,7 +206,7 @@ class SFTJob:
         self.evaluator = evaluate
         self.device = next(model.parameters()).device
         if sft.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, sft.gradient_checkpointing_reentrant)
         model.train()
         self.plan = plan_steps(len(examples), sft)
         # torchrun: each rank takes every world_size-th micro-batch of a step; the loss is still divided
@@ -221,6 +226,12 @@ class SFTJob:
         self.losses: list[float] = []
         self.train_seconds = 0.0
         self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
+        # TRL's MoE auxiliary loss: on a mixture-of-experts model, the padded pass returns the router's
+        # load-balancing loss and coef x it joins each micro-batch's loss (logged as aux_loss)
+        self.router_coef = sft.router_aux_loss_coef if is_mixture_of_experts(getattr(model, "config", None)) else 0.0
+        if self.router_coef and sft.packing:  # the packed pass has no router loss: said, not silently dropped
+            log("sft: mixture-of-experts model with sft.packing on: no router aux loss (sft.packing=false adds it)")
+            self.router_coef = 0.0
 
     def planned(self) -> list[int]:
         """Every example index the whole plan trains on, repeats included."""
@@ -239,13 +250,20 @@ class SFTJob:
             self.batches = self._loader(step - 1)
         step_targets = sum(self.examples[i].num_targets for micro in self.plan[step - 1] for i in micro)
         micro_batches = self.share[step - 1]  # this rank's (all of them in one process)
-        loss_total = 0.0
+        loss_total = aux_total = 0.0
         for _ in micro_batches:
             batch = next(self.batches)
             with self.optimization.autocast():
-                nll = (packed_nll_sum(self.model, batch, backbone=self.forward) if self.sft.packing
-                       else padded_nll_sum(self.model, batch, backbone=self.forward))
+                dft = self.sft.loss == "dft"
+                if self.router_coef:
+                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft)
+                else:
+                    nll = (packed_nll_sum(self.model, batch, backbone=self.forward, dft=dft) if self.sft.packing
+                           else padded_nll_sum(self.model, batch, backbone=self.forward, dft=dft))
             loss = nll / step_targets  # this micro-batch's share of the step's token-mean loss
+            if self.router_coef:
+                loss = loss + self.router_coef * aux / len(micro_batches)
+                aux_total += float(aux.detach()) / len(micro_batches)
             self.optimization.backward(loss)
             loss_total += float(loss.detach())
         lr = self.optimization.lr
@@ -255,8 +273,11 @@ class SFTJob:
         seconds = time.perf_counter() - started
         self.train_seconds += seconds
         tokens = sum(self.examples[i].input_length for micro in self.plan[step - 1] for i in micro)
-        return {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                "target_tokens": step_targets, "time/step": seconds}
+        record = {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                  "target_tokens": step_targets, "time/step": seconds}
+        if self.router_coef:
+            record["aux_loss"] = distributed.mean_over_ranks({"aux_loss": aux_total})["aux_loss"]
+        return record
 
     def evaluate(self, step: int, run: RunDir) -> dict[str, Any] | None:
         return self.evaluator() if self.evaluator is not None else None

@@ -77,17 +77,19 @@ class LogprobPass:
                    resolve_fast_linear(speed.fast_linear) and not plain_kernels)
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool,
-                 entropy_grad: bool = False) -> TokenStats:
-        """entropy_grad: the entropy keeps its gradient (the entropy bonus)."""
+                 entropy_grad: bool = False, router_aux: bool = False) -> TokenStats:
+        """entropy_grad: the entropy keeps its gradient (the entropy bonus). router_aux: a mixture-of-experts
+        model's load-balancing loss too, which the padded pass alone returns (its router sees TRL's batch)."""
         temperature = rollout.sampling.temperature
         with onednn_linears(model, self.fast_linear):
-            if self.packed and pack_ratio(rollout, rows) >= self.min_pack_ratio:
+            if self.packed and not router_aux and pack_ratio(rollout, rows) >= self.min_pack_ratio:
                 return packed_logprobs(model, rollout, rows, temperature, with_entropy, self.logit_chunk_tokens,
                                        self.grouped_attention, self.shared_prefix, entropy_grad)
             group = rows // rollout.num_generations  # prompt index of each sample
             return completion_logprobs(model, rollout.prompt_ids[group], rollout.prompt_mask[group],
                                        rollout.completion_ids[rows], rollout.completion_mask[rows],
-                                       temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                                       temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                       router_aux=router_aux)
 
 
 class OffPolicyStats:
@@ -147,6 +149,7 @@ class LearnerSettings:
     offload_reference: bool  # speed.offload_reference
     top_entropy_quantile: float = 1.0  # algo.top_entropy_quantile: < 1 masks the low-entropy tokens' policy term
     entropy: EntropySettings = EntropySettings()  # algo.entropy_coef and the adaptive control's keys
+    router_aux_loss_coef: float = 0.0  # algo.router_aux_loss_coef on a mixture-of-experts model, else 0 (off)
 
     @classmethod
     def from_config(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearnerSettings:
@@ -167,7 +170,15 @@ class LearnerSettings:
                    cfg.train.gradient_accumulation_steps, token_budget(cfg, sharded, model_config, device),
                    speed.packed_learning,
                    speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile,
-                   entropy)
+                   entropy, algo.router_aux_loss_coef if is_mixture_of_experts(model_config) else 0.0)
+
+
+def is_mixture_of_experts(model_config) -> bool:
+    """TRL's test: the (text) config has an output_router_logits field, whatever its value."""
+    if model_config is None:
+        return False
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text, "output_router_logits", None) is not None
 
 
 def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") -> int:
@@ -328,7 +339,9 @@ class Learner:
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
         # speed.skip_zero_advantage: each chunk's samples that can have a gradient (algo/zero_advantage.py)
         bonus = settings.entropy.enabled  # every token has an entropy gradient: no sample is skipped then
-        passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta, bonus) for rows in chunks]
+        router_coef = settings.router_aux_loss_coef  # > 0: a mixture-of-experts model's load-balancing loss joins
+        passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta, bonus or router_coef > 0)
+                   for rows in chunks]
                   if settings.skip_zero_advantage else chunks)
         learned = sum(rows.numel() for rows in passes)  # samples that go through the pass
         ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
@@ -351,7 +364,7 @@ class Learner:
                 fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
                 with self.optimization.autocast():  # speed.precision: a no-op in fp32
                     stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0 or bonus,
-                                              entropy_grad=bonus)
+                                              entropy_grad=bonus, router_aux=router_coef > 0)
                 if iteration == 0:
                     old, weights = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
                                                           mask[rows], trackers)
@@ -378,6 +391,9 @@ class Learner:
                 if bonus:
                     term = self._entropy_bonus(stats.entropy, inputs.completion_mask, keep, totals[2], sums)
                     loss = loss - coef * term
+                if router_coef > 0:  # TRL's: + coef x the chunk's aux loss / the accumulation steps
+                    loss = loss + router_coef * stats.aux_loss / totals[2]
+                    sums.metrics["aux_loss"] = sums.metrics.get("aux_loss", 0.0) + float(stats.aux_loss.detach()) / len(chunks)
                 self.optimization.backward(loss)
                 sums.loss += float(loss.detach())
                 for key, value in metrics.items():

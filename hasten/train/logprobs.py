@@ -20,6 +20,7 @@ import torch
 class TokenStats:
     logps: torch.Tensor  # (N, T) log-prob of each completion token
     entropy: torch.Tensor | None  # (N, T) only when asked for; detached unless entropy_grad
+    aux_loss: torch.Tensor | None = None  # () a mixture-of-experts model's router load-balancing loss, when asked for
 
 
 def completion_logprobs(
@@ -31,16 +32,19 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    router_aux: bool = False,
 ) -> TokenStats:
-    """entropy_grad: the entropy keeps its gradient (the entropy bonus, algo.entropy_coef)."""
+    """entropy_grad: the entropy keeps its gradient (the entropy bonus, algo.entropy_coef). router_aux: a
+    mixture-of-experts model also returns its load-balancing loss over the whole batch (prompt tokens
+    included), as TRL asks for it (output_router_logits=True)."""
     device = next(model.parameters()).device
     width = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)  # (N, P+T)
     attention = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1
-    ).logits[:, :-1]  # (N, T, V): position t predicts completion token t
+    outputs = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                    logits_to_keep=width + 1, **({"output_router_logits": True} if router_aux else {}))
+    logits = outputs.logits[:, :-1]  # (N, T, V): position t predicts completion token t
     logits = logits.float() / temperature
     targets = completion_ids.to(device)
     # log p(token) = logit(token) - logsumexp(logits): avoids a second (N, T, V) tensor.
@@ -50,4 +54,4 @@ def completion_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             log_probs = torch.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)  # (N, T)
-    return TokenStats(logps=logps, entropy=entropy)
+    return TokenStats(logps=logps, entropy=entropy, aux_loss=outputs.aux_loss if router_aux else None)

@@ -6,8 +6,9 @@ by the `lib` switch (conftest.py).
 
 Differences from TRL's tests, the same on both sides: tiny random local models and small local datasets
 instead of hub ones, and max_steps=2 (GRPO) or one epoch (SFT) so each test is a few seconds. Not
-mirrored: tests of TRL's private helpers (get_high_entropy_mask, get_off_policy_mask, ...; where hasten
-has the feature, tests/test_losses.py checks it against TRL's function), tests that patch TRL internals
+mirrored: tests of TRL's private helpers (where hasten has the feature, tests/test_losses.py checks it
+against TRL's function; get_high_entropy_mask and get_off_policy_mask, which TRL's own test files call
+on the trainer, are in test_trl_contract.py), tests that patch TRL internals
 (training_step, generate), and vLLM, vision, tool-calling, liger and quantization tests (hardware or
 features outside this suite).
 """

@@ -1,0 +1,118 @@
+"""pytest plugin loaded into both runs (TRL's and hasten's) of TRL's test files.
+
+- `load_dataset("trl-internal-testing/zen", config, split=..., streaming=...)`
+  reads the local copies hub.py wrote (split slices like "train[:2]" included);
+  any other dataset id goes to the real `load_dataset`, which fails offline.
+- Tests for what this box cannot run are skipped on both sides: vLLM, liger,
+  vision-language models, kernels, GPU offloading.
+- Each test gets a wall-clock limit (SIGALRM), so one hang cannot eat the run.
+- Each test's outcome and the first line of its error go to
+  $TRL_CONFORMANCE_RESULTS (JSON, nodeid -> [status, line, kind]); the kind is "trainer" when
+  its source (or its class's) names one of the switched public classes, else
+  "internal": those exercise TRL's private helpers, which stay TRL's on both
+  sides, so they say nothing about hasten and are not counted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import datasets
+import pytest
+
+DATA = Path(os.environ["TRL_CONFORMANCE_DATA"])
+TEST_SECONDS = int(os.environ.get("TRL_CONFORMANCE_TEST_SECONDS", "300"))
+SKIP = re.compile(r"vllm|liger|vlm|vision|image|gemma_3n|offloading|kernels|flash|ForConditionalGeneration"
+                  r"|bitsandbytes|qlora|quantiz|RemoteForCausalLM|trust_remote_code", re.IGNORECASE)
+PUBLIC = re.compile(r"\b(GRPOConfig|GRPOTrainer|SFTConfig|SFTTrainer)\b")
+
+_real_load_dataset = datasets.load_dataset
+
+
+def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
+    if path != "trl-internal-testing/zen":
+        return _real_load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
+    splits = datasets.load_from_disk(str(DATA / "zen" / name))
+    if split is None:
+        if streaming:
+            return datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in splits.items()})
+        return splits
+    match = re.fullmatch(r"(\w+)(?:\[:(\d+)(%?)\])?", split)
+    dataset = splits[match.group(1)]
+    if match.group(2):
+        count = int(match.group(2))
+        count = len(dataset) * count // 100 if match.group(3) else count
+        dataset = dataset.select(range(count))
+    return dataset.to_iterable_dataset() if streaming else dataset
+
+
+datasets.load_dataset = load_dataset
+
+
+def _kind(item) -> str:
+    source = ""
+    for owner in (getattr(item, "cls", None), getattr(item, "function", None)):
+        try:
+            source += inspect.getsource(owner) if owner is not None else ""
+        except (OSError, TypeError):
+            pass
+    return "trainer" if PUBLIC.search(source) else "internal"
+
+
+def pytest_collection_modifyitems(config, items):
+    kinds = {}
+    for item in items:
+        kinds[item.nodeid] = _kind(item)
+        if SKIP.search(item.nodeid) or any(SKIP.search(str(v)) for v in getattr(item, "callspec", None)
+                                           and item.callspec.params.values() or []):
+            item.add_marker(pytest.mark.skip(reason="not run by the conformance script (GPU/vLLM/liger/VLM)"))
+    RESULTS.update({nodeid: ["missing", "not run", kind] for nodeid, kind in kinds.items()})
+
+
+RESULTS: dict[str, list] = {}
+
+
+def _first_line(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:200]
+
+
+def pytest_runtest_logreport(report):
+    entry = RESULTS.setdefault(report.nodeid, ["missing", "not run", "trainer"])
+    if report.skipped and entry[0] in ("missing", "passed"):
+        entry[:2] = ["skipped", ""]
+    elif report.failed:
+        entry[:2] = ["failed", _first_line(report)] if entry[0] != "failed" else entry[:2]
+    elif report.when == "call" and report.passed and entry[0] == "missing":
+        entry[:2] = ["passed", ""]
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("TRL_CONFORMANCE_RESULTS")
+    if out:
+        Path(out).write_text(json.dumps(RESULTS, indent=0))
+
+
+class TestTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise TestTimeout(f"test ran past {TEST_SECONDS} s")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(TEST_SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
