@@ -106,8 +106,9 @@ class GRPOTrainer:
                  *args.overrides(len(task.train_rows), sum(map(len, self.eval_sets.values())))]
         self.config: Config = load_config(None, pairs, profile=args.profile)
         self.eval_every = self.config.eval.every if self.config.eval.num_examples else 0
-        if self.eval_sets and None not in self.eval_sets:  # named sets: the trainer evaluates each (bridge)
+        if self.eval_sets:  # the trainer evaluates (bridge): TRL's sampled eval with eval_loss, each named set
             self.config.eval.num_examples, self.config.eval.at_start = 0, False
+        self._evaluations = 0  # evals run so far: each draws from its own seed (eval_loss.py)
         random.seed(args.seed)
         torch.manual_seed(args.seed)  # LoRA's initialization, as TRL seeds before building the model
         policy = build_policy(model, self.config, processing_class, peft_config, log)
@@ -211,10 +212,9 @@ class GRPOTrainer:
         self._trained = True
         resume = self._resume_path(resume_from_checkpoint)
         cfg = self.config
-        named = bool(self.eval_sets) and None not in self.eval_sets
         bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class,
                                 cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
-                                cfg.output.log_every, self._evaluate_sets if named else None, self.eval_every)
+                                cfg.output.log_every, self._evaluate_sets if self.eval_sets else None, self.eval_every)
         if resume is None:
             _say_where(cfg, self.log)
         summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
@@ -226,10 +226,11 @@ class GRPOTrainer:
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """transformers' evaluate(): hasten's held-out eval (greedy, one completion per prompt,
-        train/evaluate.py) on eval_dataset (default: the trainer's), metrics under TRL's names with
-        `metric_key_prefix` ("eval_reward", "eval_rewards/<f>/mean", ...; "eval_<name>_..." per named
-        set); logged to log_history and on_evaluate like TRL's."""
+        """transformers' evaluate(), as TRL's GRPOTrainer: on eval_dataset (default: the trainer's),
+        num_generations sampled completions per prompt, their rewards and the GRPO loss without an update
+        (eval_loss.py), metrics under TRL's names with `metric_key_prefix` ("eval_loss", "eval_reward",
+        "eval_rewards/<f>/mean", ...; "eval_<name>_..." per named set), plus hasten's greedy accuracy and
+        answer rate where the task judges answers; logged to log_history and on_evaluate like TRL's."""
         sets = named_eval_sets(eval_dataset) if eval_dataset is not None else self.eval_sets
         if not sets:
             raise APIError("GRPOTrainer.evaluate: there is no eval_dataset (pass one here or to GRPOTrainer)")
@@ -245,10 +246,17 @@ class GRPOTrainer:
         from ..train.evaluate import evaluate
         from ..rollout.factory import make_engine
         from .callbacks import trl_record
+        from .eval_loss import sampled_eval
 
         session, cfg = self.session, self.config
         engine = make_engine(cfg, session.policy, lambda line: None) if self._finished else session.engine
+        group = self.args.num_generations_eval or cfg.generation.num_generations
+        reference = session.reference if cfg.algo.beta > 0 and self.ref_model is not None else None
         metrics: dict[str, float] = {}
+        self._evaluations += 1
+        # its own seeds, apart from training's (collect in train/trainer.py: seed x 1_000_003 + step, plus
+        # 1_000_000_007 per dynamic-sampling round), so an eval never repeats or shifts a training draw
+        seed = cfg.train.seed * 1_000_003 + 2**40 + self._evaluations * 1_000_003
         for name, rows in (sets if sets is not None else self.eval_sets).items():
             label = prefix if name is None else f"{prefix}_{name}"
             task = dataclasses.replace(session.task, eval_rows=rows)
@@ -257,6 +265,10 @@ class GRPOTrainer:
                                 cfg.eval.max_new_tokens, self.args.per_device_eval_batch_size,
                                 cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(),
                                 cfg.generation.stop_strings)
+            found = {key: value for key, value in found.items()  # greedy rewards: the sampled ones are TRL's
+                     if key != "reward_mean" and not key.startswith("rewards/")}
+            found.update(sampled_eval(session, engine, rows, self.args.per_device_eval_batch_size, group, seed,
+                                      reference))
             runtime = time.perf_counter() - started
             found.update({"seconds": runtime, "samples_per_second": len(rows) / max(runtime, 1e-9)})
             metrics.update({f"{label}_{key}": value for key, value in trl_record(found).items()})
