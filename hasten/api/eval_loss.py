@@ -60,12 +60,16 @@ def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_si
     names: list[str] = []
     for index, start in enumerate(range(0, len(rows), prompts_per_batch)):
         batch = rows[start:start + prompts_per_batch]
-        prompts = [encode_prompt(policy.tokenizer, row["prompt"], **(generation.chat_template_kwargs or {}))
-                   for row in batch]
-        rollout = engine.generate(prompts, num_generations, sampling, seed=seed + index,
-                                          rows=RowRange(0, len(batch) * num_generations))
-        rollout = apply_stop_strings(rollout, policy.tokenizer, generation.stop_strings, policy.pad_token_id)
-        inputs = reward_inputs(policy.tokenizer, batch, rollout)
+        draws = RowRange(0, len(batch) * num_generations)
+        if session.agent is not None:  # tools, environments, rollout_func: their loop generates, as in training
+            agentic = session.agent.generate(engine, batch, num_generations, sampling, seed + index, draws)
+            rollout, inputs = agentic.rollout, agentic.inputs
+        else:
+            prompts = [encode_prompt(policy.tokenizer, row["prompt"], **(generation.chat_template_kwargs or {}))
+                       for row in batch]
+            rollout = engine.generate(prompts, num_generations, sampling, seed=seed + index, rows=draws)
+            rollout = apply_stop_strings(rollout, policy.tokenizer, generation.stop_strings, policy.pad_token_id)
+            inputs = reward_inputs(policy.tokenizer, batch, rollout)
         scores = score_rewards(session.rewards, inputs.prompts, inputs.completions, inputs.columns,
                                inputs.completion_ids, session.reward_logs.kwargs())
         names = scores.names

@@ -106,9 +106,8 @@ class GRPOTrainer:
                  *args.overrides(len(task.train_rows), sum(map(len, self.eval_sets.values())))]
         self.config: Config = load_config(None, pairs, profile=args.profile)
         self.eval_every = self.config.eval.every if self.config.eval.num_examples else 0
-        if self.eval_sets:  # the trainer evaluates (bridge): TRL's sampled eval with eval_loss, each named set
+        if self.eval_sets and None not in self.eval_sets:  # named sets: the trainer evaluates each (bridge)
             self.config.eval.num_examples, self.config.eval.at_start = 0, False
-        self._evaluations = 0  # evals run so far: each draws from its own seed (eval_loss.py)
         random.seed(args.seed)
         torch.manual_seed(args.seed)  # LoRA's initialization, as TRL seeds before building the model
         policy = build_policy(model, self.config, processing_class, peft_config, log)
@@ -124,6 +123,9 @@ class GRPOTrainer:
 
             self.session.agent = RolloutFunction(rollout_func, self, policy.tokenizer, policy.pad_token_id,
                                                  policy.eos_token_ids)
+        # every eval (the loop's, evaluate()'s, each named set's) adds TRL's sampled metrics and eval_loss to
+        # the greedy ones, through the task's evaluate_more hook (train/evaluate.py; eval_loss.py)
+        self.session.task.evaluate_more = self._sampled_eval
         tag_model(self.model, ["trl", "grpo", "hasten"])
         self.run_dir: Path | None = None
         self._trained = False  # train() began (a second call is an error)
@@ -212,9 +214,10 @@ class GRPOTrainer:
         self._trained = True
         resume = self._resume_path(resume_from_checkpoint)
         cfg = self.config
+        named = bool(self.eval_sets) and None not in self.eval_sets
         bridge = CallbackBridge(self.callbacks, self.args, self.state, self.model, self.processing_class,
                                 cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
-                                cfg.output.log_every, self._evaluate_sets if self.eval_sets else None, self.eval_every)
+                                cfg.output.log_every, self._evaluate_sets if named else None, self.eval_every)
         if resume is None:
             _say_where(cfg, self.log)
         summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
@@ -246,17 +249,10 @@ class GRPOTrainer:
         from ..train.evaluate import evaluate
         from ..rollout.factory import make_engine
         from .callbacks import trl_record
-        from .eval_loss import sampled_eval
 
         session, cfg = self.session, self.config
         engine = make_engine(cfg, session.policy, lambda line: None) if self._finished else session.engine
-        group = self.args.num_generations_eval or cfg.generation.num_generations
-        reference = session.reference if cfg.algo.beta > 0 and self.ref_model is not None else None
         metrics: dict[str, float] = {}
-        self._evaluations += 1
-        # its own seeds, apart from training's (collect in train/trainer.py: seed x 1_000_003 + step, plus
-        # 1_000_000_007 per dynamic-sampling round), so an eval never repeats or shifts a training draw
-        seed = cfg.train.seed * 1_000_003 + 2**40 + self._evaluations * 1_000_003
         for name, rows in (sets if sets is not None else self.eval_sets).items():
             label = prefix if name is None else f"{prefix}_{name}"
             task = dataclasses.replace(session.task, eval_rows=rows)
@@ -265,14 +261,24 @@ class GRPOTrainer:
                                 cfg.eval.max_new_tokens, self.args.per_device_eval_batch_size,
                                 cfg.generation.chat_template_kwargs, session.reward_logs.kwargs(),
                                 cfg.generation.stop_strings)
-            found = {key: value for key, value in found.items()  # greedy rewards: the sampled ones are TRL's
-                     if key != "reward_mean" and not key.startswith("rewards/")}
-            found.update(sampled_eval(session, engine, rows, self.args.per_device_eval_batch_size, group, seed,
-                                      reference))
             runtime = time.perf_counter() - started
             found.update({"seconds": runtime, "samples_per_second": len(rows) / max(runtime, 1e-9)})
             metrics.update({f"{label}_{key}": value for key, value in trl_record(found).items()})
         return metrics
+
+    def _sampled_eval(self, engine, tokenizer, rows: list[dict], samples: list, max_new_tokens: int,
+                      batch_size: int) -> dict[str, float]:
+        """The task's evaluate_more: TRL's eval on `rows` (eval_loss.py), whose reward metrics replace the
+        greedy ones. Seeded by the global step, apart from training's seeds (collect in train/trainer.py:
+        seed x 1_000_003 + step, plus 1_000_000_007 per dynamic-sampling round): an eval neither repeats nor
+        shifts a training draw, and a resumed run's evals draw what the uninterrupted run's did."""
+        from .eval_loss import sampled_eval
+
+        cfg, session = self.config, self.session
+        group = self.args.num_generations_eval or cfg.generation.num_generations
+        reference = session.reference if cfg.algo.beta > 0 and self.ref_model is not None else None
+        seed = cfg.train.seed * 1_000_003 + 2**40 + self.state.global_step * 1_000_003
+        return sampled_eval(session, engine, rows, batch_size, group, seed, reference)
 
     def _resume_path(self, resume: str | bool | None) -> Path | None:
         from ..train.loop import find_checkpoint
