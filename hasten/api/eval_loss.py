@@ -36,11 +36,12 @@ from ..rollout.prompts import encode_prompt
 from ..rollout.stops import apply_stop_strings
 
 
-def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_size: int, num_generations: int, seed: int,
-                 reference: Any = None) -> dict[str, float]:
+def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_size: int, num_generations: int,
+                 seed: int, reference: Any = None) -> dict[str, float]:
     """The eval record (hasten's metric names, as a training step's) of `rows`: `num_generations` sampled
-    completions per prompt, drawn by `engine`, in batches of `batch_size` completions; "loss" is the mean of the batches'
-    losses (TRL's eval_loss). reference: the KL reference (models.Reference) when algo.beta > 0."""
+    completions per prompt, drawn by `engine`, in batches of `batch_size` completions; "loss" is the mean
+    of the batches' losses (TRL's eval_loss). reference: the KL reference (models.Reference) when
+    algo.beta > 0."""
     from ..train.learner import LearnerSettings, LogprobPass
 
     cfg, policy = session.cfg, session.policy
@@ -54,22 +55,13 @@ def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_si
     losses: list[float] = []
     totals: list[torch.Tensor] = []  # (B*G,) per batch
     per_function: list[torch.Tensor] = []  # (B*G, F) per batch
-    lengths: list[torch.Tensor] = []
+    lengths: list[torch.Tensor] = []  # (B*G,) per batch
     step_metrics: dict[str, list[float]] = {}  # the loss function's own metrics (kl, clip ratios), per batch
     entropy = entropy_tokens = 0.0
     names: list[str] = []
     for index, start in enumerate(range(0, len(rows), prompts_per_batch)):
         batch = rows[start:start + prompts_per_batch]
-        draws = RowRange(0, len(batch) * num_generations)
-        if session.agent is not None:  # tools, environments, rollout_func: their loop generates, as in training
-            agentic = session.agent.generate(engine, batch, num_generations, sampling, seed + index, draws)
-            rollout, inputs = agentic.rollout, agentic.inputs
-        else:
-            prompts = [encode_prompt(policy.tokenizer, row["prompt"], **(generation.chat_template_kwargs or {}))
-                       for row in batch]
-            rollout = engine.generate(prompts, num_generations, sampling, seed=seed + index, rows=draws)
-            rollout = apply_stop_strings(rollout, policy.tokenizer, generation.stop_strings, policy.pad_token_id)
-            inputs = reward_inputs(policy.tokenizer, batch, rollout)
+        rollout, inputs = _sample(session, engine, batch, num_generations, sampling, seed + index)
         scores = score_rewards(session.rewards, inputs.prompts, inputs.completions, inputs.columns,
                                inputs.completion_ids, session.reward_logs.kwargs())
         names = scores.names
@@ -87,8 +79,9 @@ def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_si
             ref_logps = None
             if reference is not None and settings.loss_settings.beta > 0:
                 with reference.active() as reference_model:
-                    ref_logps = logprob_pass(reference_model, rollout, every, False).logps
+                    ref_logps = logprob_pass(reference_model, rollout, every, False).logps  # (B*G, T)
             mask = mask.to(stats.logps.device)
+            # on-policy: the old log-probs are the current ones (ratio 1), as TRL's eval without an update
             loss, metrics = loss_fn(LossInputs(
                 logps=stats.logps, old_logps=stats.logps, ref_logps=ref_logps, advantages=advantages.to(device),
                 completion_mask=mask, total_tokens=float(mask.sum()), total_sequences=rollout.num_samples,
@@ -101,22 +94,42 @@ def sampled_eval(session: Any, engine: Any, rows: list[dict[str, Any]], batch_si
         totals.append(total)
         per_function.append(scores.per_function)
         lengths.append(rollout.model_lengths.float())
-    total = torch.cat(totals)  # (N*G,)
-    functions = torch.cat(per_function)  # (N*G, F)
-    length = torch.cat(lengths)
+    record = _record(torch.cat(totals), torch.cat(per_function), names, torch.cat(lengths), num_generations)
+    record["loss"] = sum(losses) / len(losses)
+    record.update({key: sum(values) / len(values) for key, values in step_metrics.items()})
+    if entropy_tokens:
+        record["entropy"] = entropy / entropy_tokens
+    return record
+
+
+def _sample(session: Any, engine: Any, batch: list[dict[str, Any]], num_generations: int,
+            sampling: SamplingParams, seed: int):
+    """(rollout, reward inputs) for `batch`: a group per prompt, drawn as a training step draws them."""
+    policy, generation = session.policy, session.cfg.generation
+    draws = RowRange(0, len(batch) * num_generations)
+    if session.agent is not None:  # tools, environments, rollout_func: their loop generates, as in training
+        agentic = session.agent.generate(engine, batch, num_generations, sampling, seed, draws)
+        return agentic.rollout, agentic.inputs
+    prompts = [encode_prompt(policy.tokenizer, row["prompt"], **(generation.chat_template_kwargs or {}))
+               for row in batch]
+    rollout = engine.generate(prompts, num_generations, sampling, seed=seed, rows=draws)
+    rollout = apply_stop_strings(rollout, policy.tokenizer, generation.stop_strings, policy.pad_token_id)
+    return rollout, reward_inputs(policy.tokenizer, batch, rollout)
+
+
+def _record(total: torch.Tensor, per_function: torch.Tensor, names: list[str], lengths: torch.Tensor,
+            num_generations: int) -> dict[str, float]:
+    """The reward and length metrics of every batch together, under a training step's names.
+    total: (N*G,) NaN where unscored; per_function: (N*G, F) NaN where a function did not apply."""
     record = {
-        "loss": sum(losses) / len(losses),
         "reward_mean": float(torch.nanmean(total)),
         "reward_std": float(nanstd(total)),
         "zero_variance_groups": zero_variance_fraction(total, num_generations),
-        "completion_length": float(length.mean()),
-        "completion_length_max": float(length.max()),
-        **{key: sum(values) / len(values) for key, values in step_metrics.items()},
+        "completion_length": float(lengths.mean()),
+        "completion_length_max": float(lengths.max()),
     }
-    if entropy_tokens:
-        record["entropy"] = entropy / entropy_tokens
     for column, name in enumerate(names):
-        values = functions[:, column]  # (N*G,) NaN where the function did not apply
+        values = per_function[:, column]  # (N*G,)
         if bool((~torch.isnan(values)).any()):
             record[f"rewards/{name}"] = float(torch.nanmean(values))
             record[f"rewards/{name}/std"] = float(nanstd(values))
