@@ -272,13 +272,15 @@ class GRPOTrainer:
         greedy ones. Seeded by the global step, apart from training's seeds (collect in train/trainer.py:
         seed x 1_000_003 + step, plus 1_000_000_007 per dynamic-sampling round): an eval neither repeats nor
         shifts a training draw, and a resumed run's evals draw what the uninterrupted run's did."""
+        from ..models import Reference
         from .eval_loss import sampled_eval
 
         cfg, session = self.config, self.session
         group = self.args.num_generations_eval or cfg.generation.num_generations
-        reference = session.reference if cfg.algo.beta > 0 and self.ref_model is not None else None
+        if cfg.algo.beta > 0 and session.reference is None:  # made before any update, the one training uses
+            session.reference = Reference(session.policy)  # (with LoRA: the adapter-disabled policy)
         seed = cfg.train.seed * 1_000_003 + 2**40 + self.state.global_step * 1_000_003
-        return sampled_eval(session, engine, rows, batch_size, group, seed, reference)
+        return sampled_eval(session, engine, rows, batch_size, group, seed, session.reference)
 
     def _resume_path(self, resume: str | bool | None) -> Path | None:
         from ..train.loop import find_checkpoint
