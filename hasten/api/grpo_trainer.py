@@ -123,6 +123,9 @@ class GRPOTrainer:
 
             self.session.agent = RolloutFunction(rollout_func, self, policy.tokenizer, policy.pad_token_id,
                                                  policy.eos_token_ids)
+        # every eval (the loop's, evaluate()'s, each named set's) adds TRL's sampled metrics and eval_loss to
+        # the greedy ones, through the task's evaluate_more hook (train/evaluate.py; eval_loss.py)
+        self.session.task.evaluate_more = self._sampled_eval
         tag_model(self.model, ["trl", "grpo", "hasten"])
         self.run_dir: Path | None = None
         self._trained = False  # train() began (a second call is an error)
@@ -226,10 +229,11 @@ class GRPOTrainer:
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """transformers' evaluate(): hasten's held-out eval (greedy, one completion per prompt,
-        train/evaluate.py) on eval_dataset (default: the trainer's), metrics under TRL's names with
-        `metric_key_prefix` ("eval_reward", "eval_rewards/<f>/mean", ...; "eval_<name>_..." per named
-        set); logged to log_history and on_evaluate like TRL's."""
+        """transformers' evaluate(), as TRL's GRPOTrainer: on eval_dataset (default: the trainer's),
+        num_generations sampled completions per prompt, their rewards and the GRPO loss without an update
+        (eval_loss.py), metrics under TRL's names with `metric_key_prefix` ("eval_loss", "eval_reward",
+        "eval_rewards/<f>/mean", ...; "eval_<name>_..." per named set), plus hasten's greedy accuracy and
+        answer rate where the task judges answers; logged to log_history and on_evaluate like TRL's."""
         sets = named_eval_sets(eval_dataset) if eval_dataset is not None else self.eval_sets
         if not sets:
             raise APIError("GRPOTrainer.evaluate: there is no eval_dataset (pass one here or to GRPOTrainer)")
@@ -261,6 +265,22 @@ class GRPOTrainer:
             found.update({"seconds": runtime, "samples_per_second": len(rows) / max(runtime, 1e-9)})
             metrics.update({f"{label}_{key}": value for key, value in trl_record(found).items()})
         return metrics
+
+    def _sampled_eval(self, engine, tokenizer, rows: list[dict], samples: list, max_new_tokens: int,
+                      batch_size: int) -> dict[str, float]:
+        """The task's evaluate_more: TRL's eval on `rows` (eval_loss.py), whose reward metrics replace the
+        greedy ones. Seeded by the global step, apart from training's seeds (collect in train/trainer.py:
+        seed x 1_000_003 + step, plus 1_000_000_007 per dynamic-sampling round): an eval neither repeats nor
+        shifts a training draw, and a resumed run's evals draw what the uninterrupted run's did."""
+        from ..models import Reference
+        from .eval_loss import sampled_eval
+
+        cfg, session = self.config, self.session
+        group = self.args.num_generations_eval or cfg.generation.num_generations
+        if cfg.algo.beta > 0 and session.reference is None:  # made before any update, the one training uses
+            session.reference = Reference(session.policy)  # (with LoRA: the adapter-disabled policy)
+        seed = cfg.train.seed * 1_000_003 + 2**40 + self.state.global_step * 1_000_003
+        return sampled_eval(session, engine, rows, batch_size, group, seed, session.reference)
 
     def _resume_path(self, resume: str | bool | None) -> Path | None:
         from ..train.loop import find_checkpoint
