@@ -45,8 +45,9 @@ def test_use_vllm_maps_onto_the_vllm_engine():
 def test_options_that_change_nothing_are_accepted():
     keys = mapped(dataloader_num_workers=4, pad_to_multiple_of=64, cast_lm_head_to_fp32=True, num_generations_eval=1)
     assert keys == mapped()
-    with pytest.raises(APIError, match="num_generations_eval=4 is not supported"):
-        mapped(num_generations_eval=4)
+    assert mapped(num_generations_eval=4) == mapped()  # the trainer's sampled eval reads it (api/eval_loss.py)
+    with pytest.raises(APIError, match="num_generations_eval must be None or a positive integer"):
+        mapped(num_generations_eval=0)
     with pytest.raises(APIError, match="cast_lm_head_to_fp32=True with a half-precision"):
         mapped(cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
 

@@ -133,7 +133,7 @@ class _GRPOFields(_TrainingFields):
     # accepted, changing nothing hasten computes: sequences are packed, not padded (speed.packed_learning)
     pad_to_multiple_of: Any = "auto"
     cast_lm_head_to_fp32: bool = False  # hasten's weights and log-probs are fp32 already (bf16 is autocast)
-    num_generations_eval: int | None = None  # None or 1: hasten's eval is one greedy completion per prompt
+    num_generations_eval: int | None = None  # completions sampled per eval prompt (api/eval_loss.py); None: num_generations
     # vLLM: speed.engine=vllm, in this process (colocate) or a server's (server: speed.vllm_server)
     use_vllm: bool = False
     vllm_mode: str = "colocate"
@@ -342,9 +342,10 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
 
     def _accepted(self) -> list[tuple[str, Any]]:
         """Fields accepted because hasten already computes what they ask for; values it cannot are errors."""
-        if self.num_generations_eval not in (None, 1):
-            raise self._error(f"num_generations_eval={self.num_generations_eval} is not supported (hasten's eval "
-                              "is one greedy completion per prompt: None or 1)")
+        if self.num_generations_eval is not None and (not isinstance(self.num_generations_eval, int)
+                                                      or self.num_generations_eval < 1):
+            raise self._error(f"num_generations_eval must be None or a positive integer (got "
+                              f"{self.num_generations_eval!r})")
         dtype = str((self.model_init_kwargs or {}).get("dtype", (self.model_init_kwargs or {}).get("torch_dtype")))
         if self.cast_lm_head_to_fp32 and dtype.removeprefix("torch.") in ("bfloat16", "float16"):
             raise self._error("cast_lm_head_to_fp32=True with a half-precision model_init_kwargs dtype is not "
