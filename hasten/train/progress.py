@@ -44,7 +44,8 @@ TIMINGS = (("time/generate", "gen", "threads/generate"), ("time/reward", "reward
 
 
 class Progress:
-    def __init__(self, total_steps: int, mode: str = "auto", stream: TextIO = sys.stderr):
+    def __init__(self, total_steps: int, mode: str = "auto", stream: TextIO | None = None):
+        stream = stream if stream is not None else sys.stderr  # this call's stderr, not the one at import
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)} (got {mode!r})")
         if mode == "auto":
