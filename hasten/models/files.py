@@ -28,6 +28,7 @@ and `owner_note`, the "(owned by uid N)" of a permission message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -177,3 +178,12 @@ def owner_note(path: Path) -> str:
         except OSError:
             continue
     return ""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks (model cache manifests, checkpoint checksums)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

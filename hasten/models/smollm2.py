@@ -45,7 +45,6 @@ with, the original bf16 checkpoint on the hub.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -59,7 +58,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..ticker import Ticker
-from .files import owner_note, share_like_umask
+from .files import owner_note, sha256_file, share_like_umask
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -101,7 +100,6 @@ WEIGHTS = "model.safetensors"
 STAGING = f".{CACHE_NAME}.staging-"  # + "<pid>-<random>": whose conversion it is
 _LEGACY_STAGING = f".{CACHE_NAME}-"  # mkdtemp's name before pids were in it
 _LEGACY_AGE = 24 * 3600  # seconds: such a directory older than this belongs to no running conversion
-_CHUNK = 1 << 20
 LEGACY = "it has no checksums (converted by an older hasten)"  # cache_damage of a cache without a manifest
 
 
@@ -124,24 +122,17 @@ def cache_damage(directory: Path, full: bool = False) -> str:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} is damaged ({path.stat().st_size} bytes, converted with {size})"
-        if (full or name != WEIGHTS) and _sha256(path) != digest:
+        if (full or name != WEIGHTS) and sha256_file(path) != digest:
             return f"{name} is damaged (its sha256 differs from the converted one)"
     return ""
 
 
 def write_cache_manifest(directory: Path) -> None:
     """manifest.json: {"files": {name: {"sha256", "bytes"}}} of every file the conversion wrote, last."""
-    files = {path.relative_to(directory).as_posix(): {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    files = {path.relative_to(directory).as_posix(): {"sha256": sha256_file(path), "bytes": path.stat().st_size}
              for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def clean_stale_staging(parent: Path) -> list[Path]:

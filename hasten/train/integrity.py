@@ -21,16 +21,15 @@ from other weights. So:
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from ..errors import UserError
+from ..models.files import sha256_file
 
 LOCK_FILE = ".lock"
 MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
 
 
 class RunInUse(UserError):
@@ -81,7 +80,7 @@ def write_manifest(directory: Path) -> None:
     """manifest.json: {"files": {relative path: {"sha256", "bytes"}}} of every file under `directory`."""
     files = {}
     for path in sorted(p for p in Path(directory).rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[path.relative_to(directory).as_posix()] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        files[path.relative_to(directory).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     (Path(directory) / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 
@@ -105,13 +104,6 @@ def verify(directory: Path) -> None:
         if path.stat().st_size != size:
             raise DamagedCheckpoint(f"checkpoint error: {path} is damaged ({path.stat().st_size} bytes, "
                                     f"saved with {size})")
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise DamagedCheckpoint(f"checkpoint error: {path} is damaged (its sha256 differs from the saved one)")
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
