@@ -61,6 +61,8 @@ from .report import Result, Row
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 TARGET_GAIN = 0.20  # +20 points of held-out accuracy over the base model
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # B7: kept per step on both sides
+# where the sampler is not the learner (int8/bf16 sampling, vLLM, async): the mismatch, kept per step (hasten)
+SAMPLER_METRICS = ("logp_abs_diff", "kl", "ratio_mean", "ratio_max", "truncated_fraction")
 # --quick: the tiny model, 2 steps of 2 prompts x 4 generations x 8 tokens, 8 held-out questions.
 QUICK_OVERRIDES = [("model.name", "tiny"), ("train.prompts_per_step", 2), ("generation.num_generations", 4),
                    ("generation.max_new_tokens", 8), ("train.steps", 2), ("train.warmup_steps", 1),
@@ -156,7 +158,8 @@ def hasten_worker(spec: dict[str, Any]) -> None:
             began = time.perf_counter()
             record = job.step(step)
             seconds = time.perf_counter() - began
-            tools = {key: record[key] for key in TOOL_METRICS if key in record}
+            tools = {key: value for key, value in record.items()
+                     if key in TOOL_METRICS or key.rpartition("/")[2] in SAMPLER_METRICS}
             if clock.after_step(step, {"seconds": seconds, "reward_mean": record["reward_mean"], **tools},
                                 job.save_model, last=step == cfg.train.steps):
                 break
