@@ -99,8 +99,18 @@ def test_learner_gradients_are_the_same_with_and_without_packing(short_model, to
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture(params=["masked", "causal"])
+def completion_form(request, monkeypatch):
+    """Both forms of the completions' grouped attention: the (T, P + T) mask, and the causal sequences
+    [prompt keys, own tokens] that long completions take (CAUSAL_FROM)."""
+    from hasten.kernels import grouped_attention
+
+    monkeypatch.setattr(grouped_attention, "CAUSAL_FROM", 0 if request.param == "causal" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_grouped_attention_equals_plain(short_model, tokenizer, temperature):
+def test_grouped_attention_equals_plain(short_model, tokenizer, temperature, completion_form):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     rows = torch.tensor([0, 1, 2, 3, 5, 6, 9, 10, 11])  # partial groups too
     mask = rollout.completion_mask[rows].bool()
@@ -112,7 +122,7 @@ def test_grouped_attention_equals_plain(short_model, tokenizer, temperature):
     assert short_model.config._attn_implementation != "hasten_grouped"  # restored after the pass
 
 
-def test_grouped_attention_gradients_equal_dense(short_model, tokenizer):
+def test_grouped_attention_gradients_equal_dense(short_model, tokenizer, completion_form):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     rows = torch.arange(rollout.num_samples)
     weights = torch.randn(rollout.completion_ids.shape)
@@ -141,6 +151,59 @@ def test_grouped_layout_blocks():
     assert layout.completion_mask[1, 0, 0].tolist() == [True, True, True, False]
     # the completion of row 1 sees only the one real prompt key
     assert layout.completion_mask[2, 0, 0].tolist() == [True, False, True, False]
+
+
+def test_causal_form_groups_completions_by_prompt_keys():
+    from hasten.kernels.grouped_attention import build_layout
+
+    # row 0: prompt of 3, completions of 2 and 1 inputs; row 1: prompt of 1, a completion of 3; row 2: prompt of 3
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, -1, -1], [0, 0, 0, 1, -1, -1]])
+    masked, causal = build_layout(segments, causal_from=10**9), build_layout(segments, causal_from=0)
+    assert masked.causal_groups == () and masked.completion_mask.shape == (4, 1, 3, 6)
+    assert causal.completion_mask.numel() == 0  # no (C, T, P + T) mask is built for the causal form
+    # the row that sees 1 prompt key first, then both rows that see 3: one causal call per count
+    assert causal.completion_row.tolist() == [1, 0, 0, 2]
+    assert causal.causal_groups == ((0, 1, 1), (1, 4, 3))
+    assert causal.completion_index.tolist() == [[7, 8, 9], [3, 4, 0], [5, 0, 0], [15, 0, 0]]
+    # every real position still reads its own output: prompts first, then completions in the new order
+    prompt_slots = causal.prompt_index.numel()
+    assert causal.output_source[[7, 8, 9]].tolist() == [prompt_slots + i for i in range(3)]
+    assert causal.output_source[[3, 4, 5, 15]].tolist() == [prompt_slots + i for i in (3, 4, 6, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_causal_form_equals_masked_attention_with_gradients(dtype):
+    """The two forms on one layout with random q/k/v (GQA, ragged prompts and completions): outputs and the
+    gradients of q, k and v equal, at a length where the causal form is the one taken."""
+    from hasten.kernels.grouped_attention import build_layout, grouped_attention_forward
+
+    torch.manual_seed(0)
+    segments = torch.full((3, 40), -1)
+    for row, (prompt, lengths) in enumerate([(5, [12, 7, 1]), (2, [20]), (9, [3, 15, 4])]):
+        segments[row, :prompt] = 0
+        at = prompt
+        for j, n in enumerate(lengths, start=1):
+            segments[row, at:at + n] = j
+            at += n
+    heads, kv_heads, dim = 6, 2, 8
+    query = torch.randn(3, heads, 40, dim, dtype=dtype, requires_grad=True)
+    key = torch.randn(3, kv_heads, 40, dim, dtype=dtype, requires_grad=True)
+    value = torch.randn(3, kv_heads, 40, dim, dtype=dtype, requires_grad=True)
+    real = (segments >= 0).flatten()
+    weights = torch.randn(3 * 40, heads, dim, dtype=dtype)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    results = []
+    for causal_from in (10**9, 0):
+        layout = build_layout(segments, causal_from=causal_from)
+        assert bool(layout.causal_groups) == (causal_from == 0)
+        out, _ = grouped_attention_forward(None, query, key, value, None, scaling=dim**-0.5, hasten_layout=layout)
+        out = out.reshape(3 * 40, heads, dim)[real]
+        grads = torch.autograd.grad((out * weights[real]).sum(), (query, key, value))
+        results.append((out, grads))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.allclose(out_a, out_b, atol=tolerance)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.allclose(a, b, atol=tolerance)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -49,6 +49,7 @@ NAME = "hasten_grouped"
 
 
 SHARED_SEGMENT = -2  # the prompts' common prefix (speed.shared_prefix): in the first row only, seen by every row
+CAUSAL_FROM = 512  # completions padded to this many tokens or more take the causal form (_causal_completions)
 
 
 @dataclass
@@ -63,19 +64,26 @@ class GroupedLayout:
     completion_index: torch.Tensor  # (C, T) flat positions of each completion's input tokens, padded
     completion_valid: torch.Tensor  # (C, T) bool
     completion_row: torch.Tensor  # (C,) the packed row (group) of each completion
-    completion_mask: torch.Tensor  # (C, 1, T, Pk + T) bool: its row's prompt keys, then own tokens causally
+    completion_mask: torch.Tensor  # (C, 1, T, Pk + T) bool: its row's prompt keys, then own tokens causally; causal form: empty
     output_source: torch.Tensor  # (R*L,) row of [prompt outputs (R*Pq), completion outputs (C*T), zero] per position
+    # The causal form (long completions, CAUSAL_FROM): completions [start, end) whose rows see `keys` prompt
+    # keys, each run as one causal sequence [prompt keys, own tokens]; () = the masked form.
+    causal_groups: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device) -> GroupedLayout:
-        return GroupedLayout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return GroupedLayout(*(getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
+                               else getattr(self, f) for f in self.__dataclass_fields__))
 
 
-def build_layout(segments: torch.Tensor) -> GroupedLayout:
+def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> GroupedLayout:
     """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding, and
     SHARED_SEGMENT (-2) = the prompts' common prefix, at the start of row 0 (kernels/shared_prefix.py).
 
     A row's prompt keys are the shared prefix's (row 0's) and then its own prompt's; its prompt queries
-    are its own prompt tokens (row 0: the prefix's too), so the prefix is computed once."""
+    are its own prompt tokens (row 0: the prefix's too), so the prefix is computed once.
+
+    causal_from: completions padded to at least this many tokens take the causal form (see
+    grouped_attention_forward); None = CAUSAL_FROM, 0 = always, a huge number = never."""
     rows, width = segments.shape
     shared = (segments[0] == SHARED_SEGMENT).nonzero().flatten()  # flat positions of the prefix (row 0)
     queries, keys, offsets, completions, completion_rows = [], [], [], [], []
@@ -91,6 +99,22 @@ def build_layout(segments: torch.Tensor) -> GroupedLayout:
                 completion_rows.append(row)
     prompt_index, prompt_valid = _pad(queries)  # (R, Pq)
     key_index, key_valid = _pad(keys)  # (R, Pk)
+    key_counts = [int(k.numel()) for k in keys]
+    causal_groups: tuple[tuple[int, int, int], ...] = ()
+    longest = max((c.numel() for c in completions), default=0)
+    if completions and longest >= (CAUSAL_FROM if causal_from is None else causal_from):
+        # Completions ordered by how many prompt keys their row sees (stable: a group's stay together), so
+        # each count is one contiguous slice of the completion batch: one causal call per count.
+        order = sorted(range(len(completions)), key=lambda i: key_counts[completion_rows[i]])
+        completions = [completions[i] for i in order]
+        completion_rows = [completion_rows[i] for i in order]
+        groups: list[tuple[int, int, int]] = []
+        for position, row in enumerate(completion_rows):
+            if groups and groups[-1][2] == key_counts[row]:
+                groups[-1] = (groups[-1][0], position + 1, key_counts[row])
+            else:
+                groups.append((position, position + 1, key_counts[row]))
+        causal_groups = tuple(groups)
     completion_index, completion_valid = _pad(completions)  # (C, T)
     completion_row = torch.tensor(completion_rows, dtype=torch.long)  # (C,)
 
@@ -100,17 +124,20 @@ def build_layout(segments: torch.Tensor) -> GroupedLayout:
     key_slot = torch.arange(key_length)[None, None, :]  # (1, 1, Pk)
     prompt_mask = (key_slot <= query_slot) & key_valid[:, None, :]  # (R, Pq, Pk)
     prompt_mask |= ~prompt_valid[:, :, None] & (key_slot == 0)  # padded queries see one real key: never NaN
-    causal_own = torch.ones(completion_length, completion_length, dtype=torch.bool).tril()
-    own = causal_own & completion_valid[:, None, :]  # (C, T, T)
-    sees_prompt = key_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, Pk)
-    completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, Pk + T)
+    if causal_groups:  # no mask: _causal_completions runs each slice under is_causal
+        completion_mask = torch.ones(0, 0, 0, dtype=torch.bool)
+    else:
+        causal_own = torch.ones(completion_length, completion_length, dtype=torch.bool).tril()
+        own = causal_own & completion_valid[:, None, :]  # (C, T, T)
+        sees_prompt = key_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, Pk)
+        completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, Pk + T)
     num_prompt_slots, num_completion_slots = prompt_index.numel(), completion_index.numel()
     output_source = torch.full((rows * width,), num_prompt_slots + num_completion_slots, dtype=torch.long)
     output_source[prompt_index[prompt_valid]] = torch.arange(num_prompt_slots)[prompt_valid.flatten()]
     output_source[completion_index[completion_valid]] = (
         num_prompt_slots + torch.arange(num_completion_slots)[completion_valid.flatten()])
     return GroupedLayout(prompt_index, prompt_valid, key_index, key_valid, prompt_mask[:, None], completion_index,
-                         completion_valid, completion_row, completion_mask[:, None], output_source)
+                         completion_valid, completion_row, completion_mask[:, None], output_source, causal_groups)
 
 
 def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,19 +206,43 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs
         pieces.append(pieces[0].new_zeros(layout.completion_index.numel(), heads, dim))  # keeps the slots' rows
     else:
+        own_q = gather(flat_q, layout.completion_index)  # (C, H, T, D)
         own_k = gather(flat_k, layout.completion_index)  # (C, Hkv, T, D)
         own_v = gather(flat_v, layout.completion_index)
-        completion_out = attention(
-            gather(flat_q, layout.completion_index),
-            torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, Pk + T, D)
-            torch.cat([take_rows(prompt_v, layout.completion_row), own_v], dim=2),
-            attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
-        )  # (C, H, T, D)
+        if layout.causal_groups:
+            completion_out = _causal_completions(layout, own_q, own_k, own_v, prompt_k, prompt_v, scaling, gqa)
+        else:
+            completion_out = attention(
+                own_q,
+                torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, Pk + T, D)
+                torch.cat([take_rows(prompt_v, layout.completion_row), own_v], dim=2),
+                attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
+            )  # (C, H, T, D)
         pieces.append(completion_out.transpose(1, 2).reshape(-1, heads, dim).to(pieces[0].dtype))  # (C*T, H, D)
     pieces.append(pieces[0].new_zeros(1, heads, dim))  # what padding positions read (never used downstream)
     # Every packed position reads its row of [prompt outputs, completion outputs, zeros]: one gather.
     out = take_rows(torch.cat(pieces), layout.output_source)  # (B*L, H, D)
     return out.view(batch, length, heads, dim), None  # (B, L, H, D), as transformers' sdpa returns
+
+
+def _causal_completions(layout: GroupedLayout, own_q, own_k, own_v, prompt_k, prompt_v, scaling, gqa):
+    """The completions' attention as causal sequences: per slice [start, end) whose rows see p prompt keys,
+    keys [p prompt keys, own T] and queries [p zeros, own T] under is_causal, outputs of the last T kept.
+
+    Own query t (slot p + t) then sees exactly what the masked form allows: the p prompt keys and own keys
+    up to t; a padded own slot sits after every real one, so no real query sees it. With no mask the CPU
+    kernel runs flash-style: key blocks past the diagonal are skipped and no (T, P + T) score or mask
+    tensor is made, where the masked form scores every pair and reads a float mask of that size. The p
+    zero queries cost p of the sequence's P + T rows; their outputs are dropped (no gradient)."""
+    pieces = []
+    for start, end, keys in layout.causal_groups:
+        rows = layout.completion_row[start:end]
+        q = own_q[start:end]
+        q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], keys, q.shape[3]), q], dim=2)  # (c, H, p + T, D)
+        k = torch.cat([take_rows(prompt_k, rows)[:, :, :keys], own_k[start:end]], dim=2)  # (c, Hkv, p + T, D)
+        v = torch.cat([take_rows(prompt_v, rows)[:, :, :keys], own_v[start:end]], dim=2)
+        pieces.append(attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)[:, :, keys:])
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (C, H, T, D)
 
 
 def supported(model) -> bool:
