@@ -8,7 +8,9 @@ what is allowed; the CLI turns that into exit code 2 before anything is
 written. The resolved config is saved in the run directory as config.yaml.
 
 Choices for string fields live in `CHOICES` next to the dataclasses so the
-error message and the validation read the same list.
+error message and the validation read the same list. Reading the text (the
+YAML file, the command line's overrides) is hasten/config_yaml.py's; the job
+sections beside GRPO are hasten/config_jobs.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 from .config_jobs import CHOICES as _JOB_CHOICES, RANGES as _JOB_RANGES
 from .config_jobs import CodeConfig, GameConfig, RFTConfig, SFTConfig  # noqa: F401 (hasten.config's names)
+from .config_yaml import Raw, read_file
+from .config_yaml import parse_override, parse_overrides  # noqa: F401 (hasten.config's names)
 from .device import DEVICE_SETTING, world_size_from_env
 from .errors import ConfigError, UserError  # noqa: F401 (ConfigError: hasten.config's name too)
 
@@ -523,101 +527,14 @@ def _validate_sharding(cfg: Config) -> None:
 # ------------------------------------------------------------- build a config
 
 
-class Raw(str):
-    """Override text from the command line, read according to the field it sets.
-
-    A str field takes the text as it is (so `--output.progress=off` stays "off"
-    rather than YAML's boolean), except `null` for an optional field; any other
-    field reads it as a YAML scalar or list.
-    """
-
-    def parse(self, tp: Any) -> Any:
-        import yaml
-
-        text = str(self)
-        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-        if text in ("null", "~", "None") and type(None) in args:
-            return None
-        if str in args:
-            return text
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            return text
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string; plain float syntax is fine here
-            try:
-                return float(value)
-            except ValueError:
-                return value
-        return value
-
-
-def parse_override(text: str) -> tuple[str, Raw]:
-    """'train.lr=1e-6' -> ('train.lr', Raw('1e-6')); the value is typed when it is set."""
-    if "=" not in text:
-        raise ConfigError(f"config error: override '{text}' must look like section.key=value")
-    key, raw = text.split("=", 1)
-    return key.strip().removeprefix("--"), Raw(raw)
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str, line: int, first: int):
-        super().__init__(key)
-        self.key, self.line, self.first = key, line, first
-
-
-def _unique_key_loader() -> type:
-    """yaml's SafeLoader, except that a key given twice in one mapping raises _DuplicateKey.
-
-    Plain YAML keeps the later value silently, so a config edited in two places would train
-    on whichever came last.
-    """
-    import yaml
-
-    def construct_mapping(loader, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise _DuplicateKey(str(key), line, seen[key])
-            seen[key] = line
-        return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-    loader = type("UniqueKeyLoader", (yaml.SafeLoader,), {})
-    loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return loader
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None, profile: str | None = None
 ) -> Config:
     """Defaults <- YAML file <- speed profile (hasten/profiles.py) <- overrides, validated."""
-    import yaml
-
     cfg = Config()
     pairs: list[tuple[str, Any]] = []  # YAML's, then the overrides: later ones win
     if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"config error: config file '{path}' is a directory")
-        if not path.is_file():
-            raise ConfigError(f"config error: config file '{path}' does not exist")
-        try:
-            data = yaml.load(path.read_text(), Loader=_unique_key_loader()) or {}
-        except _DuplicateKey as duplicate:
-            raise ConfigError(f"config error: {path} line {duplicate.line}: key '{duplicate.key}' is given twice "
-                              f"(first on line {duplicate.first}); keep one") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config error: {path}{where} is not valid YAML") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config error: {path} must hold a mapping of sections")
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"config error: '{section}' in {path} must be a mapping of keys")
-            pairs += [(f"{section}.{key}", value) for key, value in values.items()]
+        pairs += read_file(path)
     pairs += list(overrides or [])
     for key, value in pairs:
         _set(cfg, key, value)
@@ -648,20 +565,3 @@ def save_config(cfg: Config, path: Path) -> None:
     import yaml
 
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def parse_overrides(extra: list[str]) -> list[tuple[str, object]]:
-    """Command-line leftovers -> (key, value) pairs; accepts --section.key=value and --section.key value."""
-    pairs, index = [], 0
-    while index < len(extra):
-        item = extra[index]
-        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"config error: unrecognized argument '{item}' (overrides look like --train.lr=1e-6)")
-        if "=" not in item:
-            if index + 1 >= len(extra):
-                raise ConfigError(f"config error: {item[2:]} needs a value")
-            item = f"{item}={extra[index + 1]}"
-            index += 1
-        pairs.append(parse_override(item[2:]))
-        index += 1
-    return pairs

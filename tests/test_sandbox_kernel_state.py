@@ -5,7 +5,7 @@ pipe buffers) are the execution's own; the allowlist checks the arguments of
 the calls that reach host I/O or other processes; the candidate leads its own
 session and is not dumpable; every package dir under the root is emptied,
 found by a walk; and an entry point named like a builtin is the candidate's.
-Run as root and as nobody, like tests/test_sandbox_hostile.py.
+Run as root and as nobody, like tests/test_sandbox_hostile_*.py.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _probe(sandbox, code: str) -> dict:
 
 def test_the_syscall_filter_checks_the_arguments_that_matter():
     from hasten.sandbox import seccomp
-    from tests.test_sandbox_hostile import _run_filter
+    from tests.test_sandbox_hostile_host import _run_filter
 
     program = seccomp.program()
     assert len(program) < 4096 and all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in program)

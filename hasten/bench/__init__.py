@@ -40,7 +40,8 @@ B2 rows for the lean engine with speed.speculative (`lean+ngram`,
 `lean+draft(layers:8)`); `--batch-sizes` adds B2-batch: decode tokens/s per
 batch size, sampled and greedy, lean with and without those drafters.
 
-B1-B3 live in workloads.py, peers in peers.py, rows and output in report.py.
+B1 and B3 (and the setup B1-B3 share) live in workloads.py, B2 in b2.py, peers in peers.py, rows and
+output in report.py.
 B4 is here: it measures the command line itself, in fresh processes.
 """
 
@@ -320,7 +321,8 @@ def run(opts) -> tuple[list, dict[str, Any], Any]:
                           record_probes)
     from .report import matmul_peak
     from ..ticker import Ticker
-    from .workloads import HastenSide, no_progress, run_b1, run_b2, run_b2_batches, run_b3
+    from .b2 import run_b2, run_b2_batches
+    from .workloads import HastenSide, no_progress, run_b1, run_b3
 
     peers_missing = [peer for peer in opts.peers if importlib.util.find_spec(PEER_MODULES[peer]) is None]
     opts.peers = [peer for peer in opts.peers if peer not in peers_missing]
