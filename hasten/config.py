@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -374,6 +375,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Return `value` as type `tp`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -401,6 +405,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads `lr: 1e-5` (no dot) as a string; every user means the number
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:

@@ -23,6 +23,20 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.train.lr == 1e-6 and cfg.train.steps == 7 and cfg.algo.loss == "grpo" and cfg.model.lora
 
 
+def test_yaml_exponents_without_a_dot_are_numbers(tmp_path):
+    """YAML 1.1 (PyYAML) reads `1e-5` as a string; a float key takes it as the number, other keys don't."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1e-5\n  weight_decay: 5E-2\nalgo:\n  epsilon_high: 2e-1\n")
+    cfg = load_config(path)
+    assert cfg.train.lr == 1e-5 and cfg.train.weight_decay == 0.05 and cfg.algo.epsilon_high == 0.2
+    path.write_text("train:\n  steps: 1e2\n")  # an int key still wants an int
+    with pytest.raises(ConfigError, match="train.steps must be"):
+        load_config(path)
+    path.write_text("train:\n  lr: 1e-5x\n")
+    with pytest.raises(ConfigError, match="train.lr must be"):
+        load_config(path)
+
+
 def test_override_values_are_read_by_field_type():
     texts = ["train.lr=1e-6", "train.steps=5", "rewards.extra=[a.py:f, b.py:g]", "algo.epsilon_high=null",
              "output.progress=off", "model.name=123", "model.lora=true", "task.system_prompt=null"]
