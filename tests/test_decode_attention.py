@@ -5,6 +5,7 @@ row's own K/V from a preallocated cache. The reference gives every row its own c
 real K/V followed by its own tokens' K/V, and runs plain softmax attention per query head in float64.
 They must agree within 1e-5 at short and long own lengths, after finished rows are dropped (`keep()`,
 the `rows` grid mapping), and when the prompts' K/V come from speed.shared_prefix's prefill.
+The prefill and decode steps run in inference mode; the Rollout they fill must still be ordinary tensors.
 """
 
 from __future__ import annotations
@@ -113,3 +114,19 @@ def test_attend_step_equals_dense_attention_after_rows_are_dropped(shared):
     cache, mask = _cache(generator, shared)
     _steps(cache, mask, generator, 30, drop_at=(3, 17, 25))  # 12 -> 6 -> 3 -> 2 rows through the grid
 
+
+def test_generate_hands_back_normal_tensors_the_learner_can_use(short_model, tokenizer):
+    """The prefill and decode steps run in inference mode; the Rollout must not carry inference tensors,
+    which autograd cannot save for backward and which cannot be updated in place outside that mode."""
+    from conftest import encode
+    from hasten.rollout import SamplingParams
+    from hasten.rollout.lean import LeanEngine
+
+    engine = LeanEngine(short_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    rollout = engine.generate(encode(tokenizer), 3, SamplingParams(max_new_tokens=10, temperature=1.0), seed=0)
+    fields = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logprobs", "ended_with_eos")
+    assert not any(getattr(rollout, name).is_inference() for name in fields)
+    weight = torch.ones_like(rollout.sampling_logprobs, requires_grad=True)
+    (weight * rollout.sampling_logprobs).sum().backward()  # saves the log-probs for backward
+    assert torch.equal(weight.grad, rollout.sampling_logprobs)
+    rollout.completion_mask[:, 0] = 1  # in place, as a learner may mask
