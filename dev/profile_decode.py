@@ -93,8 +93,9 @@ def attention_table() -> None:
         key, value = torch.randn(ROWS, KV_HEADS, 1, HEAD_DIM), torch.randn(ROWS, KV_HEADS, 1, HEAD_DIM)
         size = ROWS * KV_HEADS * length * HEAD_DIM * 4 * 2 + PROMPTS * KV_HEADS * WIDTH * HEAD_DIM * 4 * 2
         stream = torch.randn(size // 4)
-        variants = {"x.sum()": stream.sum, "attend_step": lambda: cache.attend_step(0, query, key, value),
-                    "flash + merge": lambda: flash_merged(cache, 0, query, key, value)}
+        arguments = (cache, 0, query, key, value)
+        variants = {"x.sum()": stream.sum, "attend_step": lambda a=arguments: GroupCache.attend_step(*a),
+                    "flash + merge": lambda a=arguments: flash_merged(*a)}
         error = (variants["flash + merge"]() - variants["attend_step"]()).abs().max().item()
         assert error < 1e-5, error
         reps = max(5, int(2e8 / size))

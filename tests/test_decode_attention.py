@@ -14,8 +14,10 @@ import types
 
 import pytest
 import torch
+from conftest import encode
 
-from hasten.rollout.lean import GroupCache
+from hasten.rollout import SamplingParams
+from hasten.rollout.lean import GroupCache, LeanEngine
 
 PROMPTS, GENERATIONS, KV_HEADS, HEADS, HEAD_DIM, WIDTH, STEPS = 3, 4, 2, 6, 16, 9, 40
 
@@ -40,7 +42,7 @@ def _cache(generator, shared=0):
     if shared:
         mask[:, :shared] = 1
     cache = GroupCache(_engine(), mask, GENERATIONS, STEPS)
-    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
     for layer in range(2):
         if shared:
             if layer == 0:
@@ -118,10 +120,6 @@ def test_attend_step_equals_dense_attention_after_rows_are_dropped(shared):
 def test_generate_hands_back_normal_tensors_the_learner_can_use(short_model, tokenizer):
     """The prefill and decode steps run in inference mode; the Rollout must not carry inference tensors,
     which autograd cannot save for backward and which cannot be updated in place outside that mode."""
-    from conftest import encode
-    from hasten.rollout import SamplingParams
-    from hasten.rollout.lean import LeanEngine
-
     engine = LeanEngine(short_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     rollout = engine.generate(encode(tokenizer), 3, SamplingParams(max_new_tokens=10, temperature=1.0), seed=0)
     fields = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logprobs", "ended_with_eos")
