@@ -33,10 +33,23 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   decode step attends to them through a (prompt, sample) grid (`GroupCache`),
   so the prompt part is read once per group: attention is memory-bound. Each
   row's own K/V is preallocated and written in place (no cat per step); plain
-  matmuls beat SDPA's CPU kernel at one query.
+  matmuls beat SDPA's CPU kernel at one query. The decode step stays two
+  batched matmuls per part, a cat of the scores and a softmax: torch's fused CPU flash
+  kernel on the own part (merged with the prompt part by log-sum-exp
+  weights), a K cache stored transposed and a two-part softmax without the
+  cat were each measured no faster at SmolLM2's decode shapes, from 64 to
+  1024 own tokens (docs/speedups.md; dev/profile_decode.py measures it).
+  What bounds it is the batched matmul's rate at 3 query rows per KV head,
+  not the number of ops; tests/test_decode_attention.py holds it to dense
+  attention.
 - A row that samples EOS leaves the batch at once: with the prompt K/V shared,
   compaction copies only the rows' own K/V, which beat compacting later or never.
 - One host sync per step: "did any row finish?".
+- The prefill and the decode steps run under torch.inference_mode(): no
+  version counter or view tracking per op, the same kernels and results. A
+  decode step is some 60 small ops per layer, and at a few rows their
+  per-op cost shows. DecodeState's buffers, which become the Rollout, are
+  made outside it, so the learner gets ordinary tensors.
 - LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
@@ -470,8 +483,21 @@ class LeanEngine:
             raise ValueError("every prompt needs at least one token")
         self.ready_for(sampling)
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # (B, P)
+        device = self.base.model.embed_tokens.weight.device
+        # Made outside inference mode: its buffers become the Rollout, which the learner reads under autograd.
+        state = DecodeState(len(prompts) * num_generations, sampling.max_new_tokens, self.pad_token_id,
+                            self.eos_token_ids.to(device), seed, rows, sampling, prompt_ids, prompt_mask)
+        # The prefill and the decode steps run in inference mode: no version counter or view tracking per op,
+        # the same kernels and results (dev/profile_decode.py measures the per-op overhead it removes).
+        with torch.inference_mode():
+            self._prefill_and_decode(prompts, prompt_ids, prompt_mask, num_generations, state, sampling)
+        return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
+
+    def _prefill_and_decode(self, prompts, prompt_ids, prompt_mask, num_generations, state: DecodeState,
+                            sampling: SamplingParams) -> None:
+        """Prefill each prompt once (its common prefix once, under speed.shared_prefix), then decode into state."""
         num_prompts, prompt_width = prompt_ids.shape
-        num_rows, steps = num_prompts * num_generations, sampling.max_new_tokens
+        steps = sampling.max_new_tokens
         embedding = self.base.model.embed_tokens.weight
         device = embedding.device
         cos, signed_sin = self._rope_table(prompt_width + steps, device)  # (positions, head_dim)
@@ -500,9 +526,6 @@ class LeanEngine:
         logits = self._logits(hidden[:, -1]).repeat_interleave(num_generations, dim=0)  # (B*G, V)
         position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
-        state = DecodeState(num_rows, steps, self.pad_token_id, self.eos_token_ids.to(device), seed, rows,
-                            sampling, prompt_ids, prompt_mask)
-
         def keep_rows(keep: torch.Tensor) -> None:
             nonlocal position
             cache.keep(keep)
@@ -518,7 +541,6 @@ class LeanEngine:
             return self._logits(hidden[:, -1])  # (live, V)
 
         decode(state, logits, sampling, keep_rows, forward)
-        return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
     def _layers(self, hidden, cos, signed_sin, attend):
         """The decoder layers on hidden (N, S, H); attend(layer, query, key, value) owns the cache.
