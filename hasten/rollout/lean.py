@@ -69,6 +69,7 @@ from ..kernels.shared_prefix import common_prefix
 from ..models.llama import rms_norm, rope_table, rotate
 from .decode import DecodeState, decode
 from .engine import left_pad
+from .shared_weights import Projections, SharedMatmul
 from .types import Rollout, RowRange, SamplingParams
 
 
@@ -357,11 +358,15 @@ class LeanEngine:
     kind = "lean"
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32",
-                 shared_prefix: bool = False):
+                 shared_prefix: bool = False, weights: str = "copy"):
         check_supported(model)
         self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
         if sample_precision not in ("fp32", "bf16", "int8"):
             raise ValueError(f"sample_precision must be fp32, bf16 or int8, got {sample_precision!r}")
+        if weights not in ("copy", "shared") or (weights == "shared" and sample_precision != "fp32"):
+            raise ValueError(f"weights must be copy, or shared with fp32 sampling, got {weights!r} with "
+                             f"{sample_precision!r}")
+        self.weights = weights  # speed.engine_weights (rollout/shared_weights.py): own packed copy, or live tensors
         self.model = model  # the policy: its parameters' versions say when to re-merge and repack
         self.base = model.get_base_model() if hasattr(model, "peft_config") else model  # under LoRA adapters
         self.pad_token_id = pad_token_id
@@ -376,7 +381,8 @@ class LeanEngine:
         # speed.generation_precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
         # with truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
         self.sample_precision = sample_precision
-        self.matmuls = {"fp32": Matmul(weight.dtype, weight.device)}
+        fp32 = SharedMatmul(weight.device) if weights == "shared" else Matmul(weight.dtype, weight.device)
+        self.matmuls = {"fp32": fp32}
         if sample_precision != "fp32":
             self.matmuls[sample_precision] = Matmul(weight.dtype, weight.device, sample_precision)
         self.linear = self.matmuls["fp32"]
@@ -425,6 +431,11 @@ class LeanEngine:
         versions = [(parameter._version, parameter.data_ptr()) for parameter in self.model.parameters()]
         if versions == self.weight_versions and not force:
             return
+        if self.weights == "shared":  # views of the live tensors, rebuilt only to follow a replaced parameter
+            self.layers = [self._shared_layer(layer) for layer in self.base.model.layers]
+            self.head = self.base.lm_head.weight
+            self.weight_versions = versions
+            return
         prepare = self.linear.prepare
         # The previous sync's matrices, reused in place where the form allows (Matmul.prepare: bf16 only);
         # otherwise dropped before the new ones are made, so two sampling copies never coexist.
@@ -460,6 +471,20 @@ class LeanEngine:
             ))
         self.head = prepare(self.base.lm_head.weight, old_head, name="head")
         self.weight_versions = versions
+
+    @staticmethod
+    def _shared_layer(layer) -> LayerWeights:
+        """speed.engine_weights=shared: the layer's projections as modules (SharedMatmul reads them at each
+        call, LoRA adapters included; biases too), its norms as the parameters themselves."""
+        attention, mlp = layer.self_attn, layer.mlp
+        qk_norm = hasattr(attention, "q_norm")
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(), qkv_bias=None, out_bias=None, gate_up_bias=None,
+            qkv=Projections(attention.q_proj, attention.k_proj, attention.v_proj), down_bias=None,
+            q_norm=attention.q_norm.weight.detach() if qk_norm else None,
+            k_norm=attention.k_norm.weight.detach() if qk_norm else None,
+            out=Projections(attention.o_proj), post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=Projections(mlp.gate_proj, mlp.up_proj), down=Projections(mlp.down_proj))
 
     @torch.no_grad()
     def generate(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import machine_bytes  # the machine's (or GPU's) memory, in device.py for the engine too
 from ..rollout import Rollout
 
 AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
@@ -83,24 +84,6 @@ def static_bytes(model_config, lora: bool, logit_chunk: int) -> int:
     chunk = effective_logit_chunk(logit_chunk, vocab)
     logits = 3 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
     return parameters * (2 if lora else 5) + logits + RUNTIME_BYTES
-
-
-def machine_bytes(device: str = "cpu") -> int:
-    """The memory the learning pass runs in: a GPU's own, else the machine's (a cgroup v2 limit, where
-    lower). Fixed for a machine, so a resumed run resolves the same budget."""
-    import os
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as limit:
-            text = limit.read().strip()
-        if text.isdigit():
-            total = min(total, int(text))
-    except OSError:
-        pass
-    return total
 
 
 def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
