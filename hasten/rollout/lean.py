@@ -20,7 +20,8 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
 - q/k/v and gate/up are fused into one matrix each. Packed copies must follow
   the optimizer, so `sync_weights()` runs at the start of every generate and
   rebuilds them when a parameter's version counter moved (cheap when nothing
-  changed). They cost one more copy of the weights.
+  changed). They cost one more copy of the weights; speed.engine_weights=shared
+  (shared_weights.py) reads the live parameters instead, unfused and unpacked.
 - The forward is plain torch ops over the model's tensors, no module calls
   (lm_head runs as its module only when hooks are on it): F.rms_norm in
   fp32, RoPE from a cos/sin table made from the model's inv_freq with
@@ -37,7 +38,7 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
 - A row that samples EOS leaves the batch at once: with the prompt K/V shared,
   compaction copies only the rows' own K/V, which beat compacting later or never.
 - One host sync per step: "did any row finish?".
-- LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
+- LoRA (a peft policy): with the copy, each projection is merged, W + scale * B @ A, when
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
   it costs without LoRA; the merge runs once per update.
