@@ -183,3 +183,21 @@ def test_memory_estimate_counts_no_copy_under_shared():
     assert estimates["copy"]["runtime"] - estimates["shared"]["runtime"] == 4 * shape.parameters(tied=True)
     trl = scaling.memory_estimate(shape, load_config(overrides=[("speed.engine_weights", "copy")]), "trl")
     assert trl["runtime"] == estimates["shared"]["runtime"]  # TRL samples from its training weights
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_training_with_shared_weights_learns_what_the_copy_learns(letters_task, lora):
+    """Three GRPO steps through the trainer (weights_changed after each update, a fused AdamW): the same
+    rewards and losses whether the engine samples from its copy or from the training weights."""
+    from conftest import letters_config, run_metrics
+
+    from hasten.train.trainer import train
+
+    extra = {"train.steps": 3, "model.lora": lora, "model.lora_r": 4}
+    records = {setting: run_metrics(train(letters_config(letters_task, f"{setting}-{lora}",
+                                                         **{"speed.engine_weights": setting}, **extra),
+                                          log=lambda _: None)) for setting in ("copy", "shared")}
+    assert len(records["copy"]) == len(records["shared"]) == 3
+    for copied, shared in zip(records["copy"], records["shared"]):
+        for key in ("reward_mean", "loss", "grad_norm", "completion_length", "entropy"):
+            assert shared[key] == pytest.approx(copied[key], abs=1e-5), key
