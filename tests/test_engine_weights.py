@@ -201,3 +201,18 @@ def test_training_with_shared_weights_learns_what_the_copy_learns(letters_task, 
     for copied, shared in zip(records["copy"], records["shared"]):
         for key in ("reward_mean", "loss", "grad_norm", "completion_length", "entropy"):
             assert shared[key] == pytest.approx(copied[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layers"])
+def test_speculative_decoding_over_shared_weights_equals_over_the_copy(model, tokenizer, drafter):
+    from hasten.rollout.drafters import ModelDrafter, NgramDrafter
+    from hasten.rollout.speculative import SpeculativeEngine
+
+    def speculative(engine):  # layers: the policy's first layer drafts, through the same shared projections
+        return SpeculativeEngine(engine, NgramDrafter(3) if drafter == "ngram" else ModelDrafter(layers=1), 3)
+
+    copy_engine, shared_engine = engines(model, tokenizer)
+    prompts = encode(tokenizer, PROMPTS)
+    for sampling in (SamplingParams(max_new_tokens=12, temperature=0.0), SamplingParams(max_new_tokens=12)):
+        assert_same_rollout(speculative(copy_engine).generate(prompts, 2, sampling, seed=0),
+                            speculative(shared_engine).generate(prompts, 2, sampling, seed=0))

@@ -78,7 +78,8 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
             engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
-                                cfg.speed.generation_precision, cfg.speed.shared_prefix, engine_weights(cfg, policy, log))
+                                cfg.speed.generation_precision, cfg.speed.shared_prefix,
+                                weights=engine_weights(cfg, policy, log))
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
@@ -101,7 +102,8 @@ def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = pri
         return setting
     parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
     device = next(policy.model.parameters()).device
-    choice, why = resolve(setting, sum(parameters.values()), cfg.speed.generation_precision, machine_bytes(str(device)))
+    choice, why = resolve(setting, sum(parameters.values()), cfg.speed.generation_precision,
+                          machine_bytes(str(device)))
     log(f"speed.engine_weights=auto: {choice} ({why})")
     return choice
 
