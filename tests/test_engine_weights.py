@@ -216,3 +216,22 @@ def test_speculative_decoding_over_shared_weights_equals_over_the_copy(model, to
     for sampling in (SamplingParams(max_new_tokens=12, temperature=0.0), SamplingParams(max_new_tokens=12)):
         assert_same_rollout(speculative(copy_engine).generate(prompts, 2, sampling, seed=0),
                             speculative(shared_engine).generate(prompts, 2, sampling, seed=0))
+
+
+def test_token_budget_counts_no_engine_copy_under_shared(monkeypatch):
+    """speed.token_budget=auto leaves the copy's bytes to the activations where the engine shares weights."""
+    from hasten.config import load_config
+    from hasten.train import learner, microbatch
+
+    large = family_model("qwen2-tied", 300).config
+    large.hidden_size, large.intermediate_size, large.num_hidden_layers = 1536, 8960, 28  # Qwen2.5-1.5B's body
+    large.vocab_size, large.num_attention_heads, large.num_key_value_heads = 151936, 12, 2
+    memory = 24 * GIB  # 4 x 1.5B bytes > 3 GiB: auto shares
+    monkeypatch.setattr(learner, "machine_bytes", lambda device="cpu": memory)
+    monkeypatch.setattr(microbatch, "machine_bytes", lambda device="cpu": memory)
+    budgets = {setting: learner.token_budget(load_config(overrides=[("speed.engine_weights", setting),
+                                                                    ("model.lora", True)]), False, large)
+               for setting in ("copy", "shared", "auto")}
+    assert budgets["shared"] > budgets["copy"] and budgets["auto"] == budgets["shared"]
+    copy_bytes = 4 * microbatch.parameter_count(large)
+    assert microbatch.static_bytes(large, True, 2048) - microbatch.static_bytes(large, True, 2048, False) == copy_bytes
