@@ -226,6 +226,7 @@ class SpeedConfig:
     adaptive_threads: bool = True  # before each phase use max(1, cores - busy other threads) intra-op threads (train.num_threads=0 only)
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
     generation_precision: str = "fp32"  # fp32 | bf16 | int8: lean engine's sampled rollouts in bf16 or int8 matmuls, TIS-corrected; changes learning
+    engine_weights: str = "auto"  # copy | shared | auto: lean engine samples from its own fused fp32 copy or the training weights; auto = shared when the copy exceeds 1/8 of memory (rollout/shared_weights.py)
     async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
 
 
@@ -266,6 +267,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.precision": ("fp32", "bf16", "fp16"),
     "speed.allocator": ("auto", "tcmalloc", "mimalloc", "glibc"),
     "speed.generation_precision": ("fp32", "bf16", "int8"),
+    "speed.engine_weights": ("auto", "copy", "shared"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
     "speed.optimizer_moments": ("fp32", "bf16"),
@@ -464,6 +466,13 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
+    if cfg.speed.engine_weights == "shared" and cfg.speed.generation_precision != "fp32":
+        raise ConfigError(f"config error: speed.engine_weights=shared samples from the fp32 training weights; "
+                          f"speed.generation_precision={cfg.speed.generation_precision} needs the engine's own "
+                          "low-precision copy (set one of them: engine_weights=copy|auto or generation_precision=fp32)")
+    if cfg.speed.engine_weights == "shared" and cfg.speed.engine == "vllm":
+        raise ConfigError("config error: speed.engine_weights=shared is the lean engine's; vLLM keeps its own copy of "
+                          "the weights (use speed.engine=auto|lean, or engine_weights=auto)")
     if cfg.speed.generation_precision == "int8" and cfg.speed.async_steps:
         raise ConfigError("config error: speed.generation_precision=int8 with speed.async_steps=1 is not supported "
                           "(the background sampler's int8 statistics are not checkpointed, so a resume would sample "

@@ -138,3 +138,21 @@ def peak_memory_mib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def machine_bytes(device: str = "cpu") -> int:
+    """The memory a run has: a GPU's own, else the machine's (a cgroup v2 limit, where lower). Fixed for a
+    machine, so a resumed run resolves the same token budget (train/microbatch.py) and engine weights."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            text = limit.read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total

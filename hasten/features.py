@@ -13,6 +13,7 @@ FEATURES: dict[str, str] = {
     "engine": "hasten.rollout.factory",  # auto | lean | hf | vllm, resolved against the model
     "model_impl": "hasten.models.llama",  # the native Llama forward (no transformers import)
     "generation_precision": "hasten.rollout.lean",  # bf16 sampling matmuls (importance-weighted)
+    "engine_weights": "hasten.rollout.shared_weights",  # sample from the training weights, no fp32 copy
     "shared_prefix": "hasten.kernels.shared_prefix",  # the prompts' common prefix once (prefill and learning)
     "speculative": "hasten.rollout.speculative",
     "speculative_tokens": "hasten.rollout.speculative",

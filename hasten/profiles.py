@@ -99,6 +99,7 @@ BASELINE: dict[str, Value] = {
     "speed.dynamic_sampling": False,
     "speed.precision": "fp32",
     "speed.generation_precision": "fp32",
+    "speed.engine_weights": "copy",  # the lean engine's fused copy (baseline's engine is hf: nothing read)
     "speed.tf32": False,
     "speed.compile": False,
     "speed.optimizer": "for_loop",
@@ -120,6 +121,7 @@ CONSERVATIVE: dict[str, Value] = {
     "speed.shared_prefix": True,
     "speed.skip_zero_advantage": True,
     "speed.fast_linear": "auto",
+    "speed.engine_weights": "auto",
     "speed.token_budget": "auto",
     "speed.reward_workers": 2,
     "speed.reward_cache": True,

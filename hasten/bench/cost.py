@@ -228,7 +228,8 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
       time where the pass chunks them (hasten's speed.logit_chunk_tokens);
     - KV cache of the decode: every row's positions;
     - runtime: the interpreter, torch and its libraries (~0.5 GiB), and with weight_copy a second copy of
-      the weights (hasten's lean engine samples from its own packed weights).
+      the weights (hasten's lean engine under speed.engine_weights=copy samples from its own packed weights;
+      under shared it reads the training weights: no copy).
     prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
     token_budget: the learning pass runs micro-batches of at most this many tokens (hasten's
     speed.token_budget; 0 = one pass), so activations are kept for that many at a time (one sample's at

@@ -179,7 +179,19 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
         shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl",
         logits_chunk=effective_logit_chunk(cfg.speed.logit_chunk_tokens, shape.vocab) if side == "hasten" else 0,
-        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten", token_budget=budget)
+        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten" and engine_copy(shape, cfg),
+        token_budget=budget)
+
+
+def engine_copy(shape: cost.Shape, cfg) -> bool:
+    """Whether hasten's lean engine keeps its own copy of the weights: speed.engine_weights resolved by the
+    engine's rule (rollout/shared_weights.py) on this machine; shared reads the training weights."""
+    from ..device import machine_bytes
+    from ..rollout.shared_weights import resolve
+
+    choice, _ = resolve(cfg.speed.engine_weights, shape.parameters(tied=True), cfg.speed.generation_precision,
+                        machine_bytes())
+    return choice == "copy"
 
 
 def with_checkpointing(cfg):

@@ -1,4 +1,4 @@
-"""The engine factory: speed.engine, speed.model_impl and speed.speculative resolved against the model.
+"""The engine factory: speed.engine, model_impl, engine_weights and speculative resolved against the model.
 
 config.validate holds every rule that reads the config alone; what is left here needs the model or the
 machine: whether the lean engine (rollout/lean.py) or the native Llama (models/llama.py) can run this
@@ -78,7 +78,8 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
             engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
-                                cfg.speed.generation_precision, cfg.speed.shared_prefix)
+                                cfg.speed.generation_precision, cfg.speed.shared_prefix,
+                                weights=engine_weights(cfg, policy, log))
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
@@ -88,6 +89,23 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
                           "which cannot run this model (see above)")
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+
+
+def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = print) -> str:
+    """speed.engine_weights for the lean engine: copy or shared; auto by the fp32 copy's size against this
+    machine's memory (rollout/shared_weights.py's rule), logged in one line."""
+    from ..device import machine_bytes
+    from .shared_weights import resolve
+
+    setting = cfg.speed.engine_weights
+    if setting != "auto":
+        return setting
+    parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
+    device = next(policy.model.parameters()).device
+    choice, why = resolve(setting, sum(parameters.values()), cfg.speed.generation_precision,
+                          machine_bytes(str(device)))
+    log(f"speed.engine_weights=auto: {choice} ({why})")
+    return choice
 
 
 def speculative(cfg: Config, policy: Policy, engine, log: Callable[[str], None] = print):

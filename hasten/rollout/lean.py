@@ -20,7 +20,8 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
 - q/k/v and gate/up are fused into one matrix each. Packed copies must follow
   the optimizer, so `sync_weights()` runs at the start of every generate and
   rebuilds them when a parameter's version counter moved (cheap when nothing
-  changed). They cost one more copy of the weights.
+  changed). They cost one more copy of the weights; speed.engine_weights=shared
+  (shared_weights.py) reads the live parameters instead, unfused and unpacked.
 - The forward is plain torch ops over the model's tensors, no module calls
   (lm_head runs as its module only when hooks are on it): F.rms_norm in
   fp32, RoPE from a cos/sin table made from the model's inv_freq with
@@ -50,7 +51,7 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   decode step is some 60 small ops per layer, and at a few rows their
   per-op cost shows. DecodeState's buffers, which become the Rollout, are
   made outside it, so the learner gets ordinary tensors.
-- LoRA (a peft policy): each projection is merged, W + scale * B @ A, when
+- LoRA (a peft policy): with the copy, each projection is merged, W + scale * B @ A, when
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
   it costs without LoRA; the merge runs once per update.
@@ -82,6 +83,8 @@ from ..kernels.shared_prefix import common_prefix
 from ..models.llama import rms_norm, rope_table, rotate
 from .decode import DecodeState, decode
 from .engine import left_pad
+from .group_cache import GroupCache  # re-exported: tests and callers name it from here
+from .shared_weights import Projections, SharedMatmul
 from .types import Rollout, RowRange, SamplingParams
 
 
@@ -265,104 +268,6 @@ def _fused(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
                               for bias, w in zip(biases, weights)])
 
 
-class GroupCache:
-    """K/V of each prompt, stored once per group, and of each row's own tokens, preallocated.
-
-    A decode step attends to the prompt's K/V through a (prompt, group) grid, so
-    the prompt part is read once per prompt rather than once per row, and attention
-    is memory-bound. After compaction, `rows` maps batch rows into the grid.
-    """
-
-    def __init__(self, engine, prompt_mask, num_generations, steps):
-        self.engine, self.num_generations = engine, num_generations
-        self.num_prompts, self.prompt_width = prompt_mask.shape
-        num_rows = self.num_prompts * num_generations
-        shape = (num_rows, engine.num_kv_heads, max(steps - 1, 1), engine.head_dim)  # the last token is never fed
-        weight = engine.base.model.embed_tokens.weight
-        self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, kv, P, head_dim) each
-        self.own = [(weight.new_empty(shape), weight.new_empty(shape)) for _ in engine.layers]
-        self.length = 0  # own tokens written so far
-        self.rows: torch.Tensor | None = None  # grid index of each batch row; None = all, in order
-        real = prompt_mask.bool()
-        causal = torch.ones((self.prompt_width,) * 2, dtype=torch.bool, device=real.device).tril()
-        eye = torch.eye(self.prompt_width, dtype=torch.bool, device=real.device)
-        # A padding query may attend to itself only, so its row is never empty (no NaN in its K/V).
-        self.prompt_attend = ((causal & real[:, None, :]) | eye)[:, None]  # (B, 1, P, P)
-        self.prompt_bias = torch.zeros(real.shape, dtype=weight.dtype, device=real.device)
-        self.prompt_bias = self.prompt_bias.masked_fill(~real, float("-inf"))[:, None, None]  # (B, 1, 1, P)
-
-    def attend_prompt(self, layer, query, key, value):
-        """Prefill: query (B, heads, P, head_dim), key/value (B, kv, P, head_dim) -> (B, P, heads * head_dim)."""
-        self.prompt.append((key.contiguous(), value.contiguous()))  # read every step: keep it dense
-        attended = F.scaled_dot_product_attention(query, key, value, self.prompt_attend, enable_gqa=True)
-        return attended.transpose(1, 2).flatten(2)
-
-    def share_prefix(self, length: int) -> None:
-        """speed.shared_prefix: the first `length` columns of every prompt are one common prefix, prefilled
-        once (attend_prefix) before each prompt's rest (attend_rest); the decode steps are unchanged."""
-        self.shared = []  # per layer, the prefix's (1, kv, length, head_dim) key and value
-        rest = self.prompt_attend[:, :, length:]  # (B, 1, P - length, P): the rest's queries, every key
-        self.rest_attend = rest.clone()
-        self.rest_attend[..., :length] = True  # the prefix is all real, and before every query of the rest
-
-    def attend_prefix(self, layer, query, key, value):
-        """Prefill of the shared prefix, one sequence: query (1, heads, C, head_dim) -> (1, C, heads * head_dim)."""
-        self.shared.append((key, value))
-        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
-        return attended.transpose(1, 2).flatten(2)
-
-    def attend_rest(self, layer, query, key, value):
-        """Prefill of each prompt after the prefix: query (B, heads, P - C, head_dim) against the prefix's
-        keys and its own -> (B, P - C, heads * head_dim); the cache keeps [prefix, own] per prompt."""
-        shared_key, shared_value = self.shared[layer]
-        prompts = key.shape[0]
-        key = torch.cat([shared_key.expand(prompts, -1, -1, -1), key], dim=2)  # (B, kv, P, head_dim)
-        value = torch.cat([shared_value.expand(prompts, -1, -1, -1), value], dim=2)
-        self.prompt.append((key, value))  # fresh from cat: dense
-        attended = F.scaled_dot_product_attention(query, key, value, self.rest_attend, enable_gqa=True)
-        return attended.transpose(1, 2).flatten(2)
-
-    def attend_step(self, layer, query, key, value):
-        """Decode: query (N, heads, 1, head_dim), key/value (N, kv, 1, head_dim) -> (N, 1, heads * head_dim)."""
-        own_keys, own_values = self.own[layer]
-        own_keys[:, :, self.length] = key[:, :, 0]
-        own_values[:, :, self.length] = value[:, :, 0]
-        own_keys, own_values = own_keys[:, :, : self.length + 1], own_values[:, :, : self.length + 1]
-        prompt_keys, prompt_values = self.prompt[layer]
-        rows, kv_heads, _, head_dim = key.shape
-        prompts, generations, width = self.num_prompts, self.num_generations, self.prompt_width
-        # The heads sharing a KV head become that head's queries, so K/V are never repeated.
-        query = query.reshape(rows, kv_heads, -1, head_dim) * self.engine.scale  # (N, kv, group, head_dim)
-        group = query.shape[2]
-        grid = self._to_grid(query).view(prompts, generations, kv_heads, group, head_dim)
-        grid = grid.transpose(1, 2).reshape(prompts, kv_heads, generations * group, head_dim)
-        prompt_scores = torch.matmul(grid, prompt_keys.transpose(-1, -2)) + self.prompt_bias  # (B, kv, G*group, P)
-        prompt_scores = prompt_scores.view(prompts, kv_heads, generations, group, width).transpose(1, 2)
-        prompt_scores = self._from_grid(prompt_scores.reshape(-1, kv_heads, group, width))  # (N, kv, group, P)
-        own_scores = torch.matmul(query, own_keys.transpose(-1, -2))  # (N, kv, group, length)
-        probs = torch.softmax(torch.cat([prompt_scores, own_scores], dim=-1), dim=-1)
-        prompt_probs = self._to_grid(probs[..., :width]).view(prompts, generations, kv_heads, group, width)
-        prompt_probs = prompt_probs.transpose(1, 2).reshape(prompts, kv_heads, generations * group, width)
-        from_prompt = torch.matmul(prompt_probs, prompt_values).view(prompts, kv_heads, generations, group, head_dim)
-        from_prompt = self._from_grid(from_prompt.transpose(1, 2).reshape(-1, kv_heads, group, head_dim))
-        attended = from_prompt + torch.matmul(probs[..., width:], own_values)  # (N, kv, group, head_dim)
-        return attended.reshape(rows, 1, -1)
-
-    def keep(self, keep: torch.Tensor) -> None:
-        """Drop finished rows: keep (live_after,) batch indices, ascending."""
-        self.own = [(_take_rows(keys, keep, self.length), _take_rows(values, keep, self.length))
-                    for keys, values in self.own]
-        self.rows = keep if self.rows is None else self.rows[keep]
-
-    def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return x
-        return x.new_zeros((self.num_prompts * self.num_generations,) + x.shape[1:]).index_copy_(0, self.rows, x)
-
-    def _from_grid(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.rows is None else x.index_select(0, self.rows)
-
-
 class LeanEngine:
     """Batched sampling from a Llama-family model (or a LoRA policy on one) through a lean forward
     and a preallocated cache."""
@@ -370,11 +275,15 @@ class LeanEngine:
     kind = "lean"
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32",
-                 shared_prefix: bool = False):
+                 shared_prefix: bool = False, weights: str = "copy"):
         check_supported(model)
         self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
         if sample_precision not in ("fp32", "bf16", "int8"):
             raise ValueError(f"sample_precision must be fp32, bf16 or int8, got {sample_precision!r}")
+        if weights not in ("copy", "shared") or (weights == "shared" and sample_precision != "fp32"):
+            raise ValueError(f"weights must be copy, or shared with fp32 sampling, got {weights!r} with "
+                             f"{sample_precision!r}")
+        self.weights = weights  # speed.engine_weights (rollout/shared_weights.py): own packed copy, or live tensors
         self.model = model  # the policy: its parameters' versions say when to re-merge and repack
         self.base = model.get_base_model() if hasattr(model, "peft_config") else model  # under LoRA adapters
         self.pad_token_id = pad_token_id
@@ -389,7 +298,8 @@ class LeanEngine:
         # speed.generation_precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
         # with truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
         self.sample_precision = sample_precision
-        self.matmuls = {"fp32": Matmul(weight.dtype, weight.device)}
+        fp32 = SharedMatmul(weight.device) if weights == "shared" else Matmul(weight.dtype, weight.device)
+        self.matmuls = {"fp32": fp32}
         if sample_precision != "fp32":
             self.matmuls[sample_precision] = Matmul(weight.dtype, weight.device, sample_precision)
         self.linear = self.matmuls["fp32"]
@@ -438,6 +348,11 @@ class LeanEngine:
         versions = [(parameter._version, parameter.data_ptr()) for parameter in self.model.parameters()]
         if versions == self.weight_versions and not force:
             return
+        if self.weights == "shared":  # views of the live tensors, rebuilt only to follow a replaced parameter
+            self.layers = [self._shared_layer(layer) for layer in self.base.model.layers]
+            self.head = self.base.lm_head.weight
+            self.weight_versions = versions
+            return
         prepare = self.linear.prepare
         # The previous sync's matrices, reused in place where the form allows (Matmul.prepare: bf16 only);
         # otherwise dropped before the new ones are made, so two sampling copies never coexist.
@@ -473,6 +388,20 @@ class LeanEngine:
             ))
         self.head = prepare(self.base.lm_head.weight, old_head, name="head")
         self.weight_versions = versions
+
+    @staticmethod
+    def _shared_layer(layer) -> LayerWeights:
+        """speed.engine_weights=shared: the layer's projections as modules (SharedMatmul reads them at each
+        call, LoRA adapters included; biases too), its norms as the parameters themselves."""
+        attention, mlp = layer.self_attn, layer.mlp
+        qk_norm = hasattr(attention, "q_norm")
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(), qkv_bias=None, out_bias=None, gate_up_bias=None,
+            qkv=Projections(attention.q_proj, attention.k_proj, attention.v_proj), down_bias=None,
+            q_norm=attention.q_norm.weight.detach() if qk_norm else None,
+            k_norm=attention.k_norm.weight.detach() if qk_norm else None,
+            out=Projections(attention.o_proj), post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=Projections(mlp.gate_proj, mlp.up_proj), down=Projections(mlp.down_proj))
 
     @torch.no_grad()
     def generate(
@@ -583,10 +512,3 @@ class LeanEngine:
         inv_freq = self.base.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float)
         positions = torch.arange(num_positions, device=device, dtype=torch.long)
         return rope_table(inv_freq, positions, self.base.model.embed_tokens.weight.dtype)
-
-
-def _take_rows(cache: torch.Tensor, keep: torch.Tensor, stop: int) -> torch.Tensor:
-    """cache[keep], copying only the slots written so far (..stop)."""
-    taken = cache.new_empty((len(keep),) + cache.shape[1:])
-    taken[:, :, :stop] = cache[:, :, :stop].index_select(0, keep)
-    return taken

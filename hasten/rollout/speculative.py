@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from .decode import DecodeState
 from .engine import left_pad
-from .lean import GroupCache
+from .group_cache import GroupCache, take_rows
 from .sampling import filter_logits, sample_tokens
 from .types import Rollout, RowRange, SamplingParams
 
@@ -122,17 +122,12 @@ class RaggedCache(GroupCache):
 
     def keep(self, keep: torch.Tensor) -> None:
         """Drop finished rows: keep (live_after,) batch indices, ascending."""
-        self.own = [(_take_rows(keys, keep, self.written), _take_rows(values, keep, self.written))
+        self.own = [(take_rows(keys, keep, self.written, zero=True), take_rows(values, keep, self.written, zero=True))
                     for keys, values in self.own]
         self.lengths = self.lengths[keep]
         self.rows = keep if self.rows is None else self.rows[keep]
 
 
-def _take_rows(cache: torch.Tensor, keep: torch.Tensor, stop: int) -> torch.Tensor:
-    """cache[keep], copying the slots written so far (..stop) and zeroing the rest (see RaggedCache)."""
-    taken = cache.new_zeros((len(keep),) + cache.shape[1:])
-    taken[:, :, :stop] = cache[:, :, :stop].index_select(0, keep)
-    return taken
 
 
 @dataclass

@@ -41,14 +41,16 @@ from ..algo.entropy import EntropyControl, EntropySettings
 from ..algo.losses import entropy_term, high_entropy_mask
 from ..algo.zero_advantage import learning_rows
 from ..config import Config
+from ..device import machine_bytes
 from ..kernels.fast_linear import onednn_linears
 from ..kernels.fast_linear import resolve as resolve_fast_linear
 from ..kernels.memory import on_device, set_gradient_checkpointing
 from ..models import Policy, Reference
 from ..rollout import Rollout
+from ..rollout.shared_weights import resolve as resolve_engine_weights
 from . import distributed, fsdp
 from .logprobs import TokenStats, completion_logprobs
-from .microbatch import micro_batches, resolve_budget
+from .microbatch import micro_batches, parameter_count, resolve_budget
 from .optimization import Optimization, OptimizerSettings
 from .packing import pack_ratio, packed_logprobs
 
@@ -193,8 +195,11 @@ def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") 
         return 0
     if model_config is None:
         raise ValueError("speed.token_budget=auto needs the policy's model config")
+    # the lean engine's copy counts where speed.engine_weights resolves to copy (the factory's rule)
+    engine_copy = resolve_engine_weights(cfg.speed.engine_weights, parameter_count(model_config),
+                                         cfg.speed.generation_precision, machine_bytes(device))[0] == "copy"
     return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device,
-                          lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens)
+                          lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens, weight_copy=engine_copy)
 
 
 @dataclass(frozen=True)

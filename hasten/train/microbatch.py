@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import machine_bytes  # the machine's (or GPU's) memory, in device.py for the engine too
 from ..rollout import Rollout
 
 AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
@@ -73,38 +74,21 @@ def parameter_count(model_config) -> int:
     return vocab * hidden + head + layers * per_layer + hidden
 
 
-def static_bytes(model_config, lora: bool, logit_chunk: int) -> int:
-    """fp32 bytes a GRPO step holds whatever its micro-batches: the weights and the lean engine's copy of
-    them; for a full fine-tune their gradient and AdamW's two moments (LoRA's adapters: a few MB); a logit
-    chunk's backward: its softmax, its gradient and that gradient transposed for the head's weight gradient
-    (kernels/fast_linear.py), plus the head's transposed weight and its weight gradient; the runtime."""
+def static_bytes(model_config, lora: bool, logit_chunk: int, weight_copy: bool = True) -> int:
+    """fp32 bytes a GRPO step holds whatever its micro-batches: the weights and (weight_copy: speed.
+    engine_weights resolved to copy) the lean engine's copy of them; for a full fine-tune their gradient and
+    AdamW's two moments (LoRA's adapters: a few MB); a logit chunk's backward: its softmax, its gradient and
+    that gradient transposed for the head's weight gradient (kernels/fast_linear.py), plus the head's
+    transposed weight and its weight gradient; the runtime."""
     parameters = 4 * parameter_count(model_config)
     vocab = model_config.vocab_size
     chunk = effective_logit_chunk(logit_chunk, vocab)
     logits = 3 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
-    return parameters * (2 if lora else 5) + logits + RUNTIME_BYTES
-
-
-def machine_bytes(device: str = "cpu") -> int:
-    """The memory the learning pass runs in: a GPU's own, else the machine's (a cgroup v2 limit, where
-    lower). Fixed for a machine, so a resumed run resolves the same budget."""
-    import os
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as limit:
-            text = limit.read().strip()
-        if text.isdigit():
-            total = min(total, int(text))
-    except OSError:
-        pass
-    return total
+    return parameters * ((1 if lora else 4) + (1 if weight_copy else 0)) + logits + RUNTIME_BYTES
 
 
 def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
-                   device: str = "cpu", lora: bool = False, logit_chunk: int = 0) -> int:
+                   device: str = "cpu", lora: bool = False, logit_chunk: int = 0, weight_copy: bool = True) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
     `device` (total_bytes: instead of it): activations under a quarter of it (at least AUTO_FLOOR tokens),
     and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
@@ -113,7 +97,7 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
         return int(setting)
     total = machine_bytes(device) if total_bytes is None else total_bytes
     per_token = activation_bytes_per_token(model_config, checkpointing)
-    room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk), 0)) // per_token
+    room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk, weight_copy), 0)) // per_token
     share = int(AUTO_SHARE * total) // per_token
     return max(1, min(room, max(AUTO_FLOOR, share)))  # the floor never overrides what memory allows
 
