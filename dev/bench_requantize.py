@@ -1,6 +1,7 @@
-"""Run: PYTHONPATH=. python dev/bench_requantize.py THREADS.
-Re-quantization of SmolLM2-135M's int8 projections (qkv, o, gate_up fused; head), old per-channel
-pack vs the new per-tensor levels + output scales; and fp32 oneDNN packing, A/B/A/B in one process."""
+"""Re-quantization of SmolLM2-135M's int8 projections (qkv, o, gate_up fused; head), old per-channel
+pack vs the new per-tensor levels + output scales; and fp32 oneDNN packing, A/B/A/B in one process.
+
+Run: PYTHONPATH=. python dev/bench_requantize.py THREADS"""
 import time, statistics, warnings, sys, torch
 warnings.simplefilter("ignore")
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
