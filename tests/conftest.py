@@ -44,6 +44,15 @@ def make_engine(model, tokenizer) -> KVCacheEngine:
 PROMPTS = ["hello there", "hi", "a much longer prompt, with punctuation!"]
 
 
+def fp32_and_low_precision(model, tokenizer, precision: str):
+    """Two lean engines on one model: fp32 sampling, and sampling in `precision` (bf16 | int8)."""
+    from hasten.rollout.lean import LeanEngine
+
+    eos = [tokenizer.eos_token_id]
+    return (LeanEngine(model, tokenizer.pad_token_id, eos),
+            LeanEngine(model, tokenizer.pad_token_id, eos, sample_precision=precision))
+
+
 def encode(tokenizer, texts=PROMPTS) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] for text in texts]
 

@@ -10,16 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import encode, letters_config, run_metrics
+from conftest import encode, fp32_and_low_precision, letters_config, run_metrics
 from hasten.errors import UserError
 from hasten.rollout import SamplingParams
-from hasten.rollout.lean import LeanEngine, Matmul
+from hasten.rollout.lean import Matmul
 from hasten.train.logprobs import completion_logprobs
 
 def engines(model, tokenizer):
-    eos = [tokenizer.eos_token_id]
-    return (LeanEngine(model, tokenizer.pad_token_id, eos),
-            LeanEngine(model, tokenizer.pad_token_id, eos, sample_precision="bf16"))
+    return fp32_and_low_precision(model, tokenizer, "bf16")
 
 
 def test_bf16_matmul_is_f_linear_in_bf16_with_fp32_output():

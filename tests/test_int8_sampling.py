@@ -9,13 +9,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import encode, letters_config, run_metrics
+from conftest import encode, fp32_and_low_precision, letters_config, run_metrics
 
 from hasten.algo import LOSSES, LossInputs, LossSettings
 from hasten.errors import UserError
 from hasten.kernels import int8
 from hasten.rollout import SamplingParams
-from hasten.rollout.lean import LeanEngine, Matmul
+from hasten.rollout.lean import Matmul
 from hasten.train.learner import Correction, OffPolicyStats
 from hasten.train.logprobs import completion_logprobs
 
@@ -29,9 +29,7 @@ TINY_MAX_GAP = 0.05
 
 
 def engines(model, tokenizer):
-    eos = [tokenizer.eos_token_id]
-    return (LeanEngine(model, tokenizer.pad_token_id, eos),
-            LeanEngine(model, tokenizer.pad_token_id, eos, sample_precision="int8"))
+    return fp32_and_low_precision(model, tokenizer, "int8")
 
 
 def test_int8_linear_is_the_dequantized_weight_within_activation_rounding():
