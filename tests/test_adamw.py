@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hasten.kernels import adamw
 from hasten.kernels.adamw import FusedAdamW, available, make_adamw
 from hasten.train.optimization import Schedule, lr_factor
 
@@ -120,7 +121,16 @@ def test_speed_optimizer_picks_the_implementation(choice, precision, expected):
     assert optimizer.param_groups[0]["lr"] == 1e-3
 
 
-def test_bf16_moments_follow_fp32_moments_and_halve_the_state():
+@pytest.fixture(params=["one slice", "many slices"])
+def slices(request, monkeypatch):
+    """bf16 moments update a parameter ROUNDING_CHUNK elements at a time: run each test with every tensor in
+    one slice, and with slices of 8 elements (several per parameter, the last one short)."""
+    if request.param == "many slices":
+        monkeypatch.setattr(adamw, "ROUNDING_CHUNK", 8)
+    return request.param
+
+
+def test_bf16_moments_follow_fp32_moments_and_halve_the_state(slices):
     # speed.optimizer_moments=bf16: the same fused update on fp32 copies of bf16 moments. Over many steps
     # the parameters stay within bf16's rounding of the fp32-moment run, and exp_avg_sq keeps growing
     # under tiny updates (stochastic rounding; round-to-nearest would freeze it at beta2 = 0.999).
@@ -142,7 +152,7 @@ def test_bf16_moments_follow_fp32_moments_and_halve_the_state():
         assert (a - b).abs().max() > 0  # a different (rounded) path, not the fp32 one renamed
 
 
-def test_stochastic_rounding_is_unbiased_and_resumes_exactly():
+def test_stochastic_rounding_is_unbiased_and_resumes_exactly(slices):
     optimizer = FusedAdamW(parameters(), lr=1e-3, moments="bf16", seed=0)
     value = torch.full((20000,), 1.0 + 2**-10)  # between two bf16 neighbours, a quarter of the way up
     rounded = optimizer._round(value).float()
@@ -166,6 +176,37 @@ def test_stochastic_rounding_is_unbiased_and_resumes_exactly():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="optimizer_moments"):
         FusedAdamW(parameters(), lr=1e-2).load_state_dict(saved)  # bf16 state into an fp32-moment run
+
+
+def test_rounding_noise_is_uniform_over_the_bits_bf16_drops():
+    # The pool holds every 16-bit value equally often, so a window at a random offset is uniform noise; the
+    # noise of a step comes from windows at offsets the optimizer's generator draws.
+    pool = adamw._noise_pool(torch.device("cpu"))
+    assert pool.dtype == torch.int32 and pool.numel() == adamw.NOISE_POOL
+    counts = torch.bincount(pool.long(), minlength=1 << 16)
+    assert counts.numel() == 1 << 16 and bool((counts == adamw.NOISE_POOL >> 16).all())
+    window = pool[12345:12345 + adamw.ROUNDING_CHUNK].double()
+    assert window.mean().item() == pytest.approx((1 << 16) / 2 - 0.5, rel=0.01)
+    first, second = FusedAdamW(parameters(), lr=1e-3, moments="bf16", seed=4), None
+    offsets = first._offsets(64)
+    second = FusedAdamW(parameters(), lr=1e-3, moments="bf16", seed=4)
+    assert offsets == second._offsets(64) and len(set(offsets)) > 60  # seeded, and not one window
+    assert max(offsets) <= adamw.NOISE_POOL - adamw.ROUNDING_CHUNK
+
+
+def test_bf16_moments_update_a_non_contiguous_parameter_in_place():
+    # A transposed parameter (non-contiguous) gets the update its contiguous twin gets, in its own storage.
+    generator = torch.Generator().manual_seed(6)
+    base = torch.randn(6, 4, generator=generator)
+    strided, plain = torch.nn.Parameter(base.clone().t()), torch.nn.Parameter(base.clone().t().contiguous())
+    assert not strided.is_contiguous()
+    optimizers = [FusedAdamW([p], lr=1e-2, moments="bf16", seed=2) for p in (strided, plain)]
+    for _ in range(3):
+        grad = torch.randn(4, 6, generator=generator)
+        strided.grad, plain.grad = grad.clone(), grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert torch.equal(strided, plain) and not torch.equal(plain, base.t())
 
 
 @pytest.mark.parametrize("extra", [{"speed.optimizer": "for_loop"}, {"speed.precision": "fp16"},

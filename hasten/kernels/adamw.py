@@ -18,12 +18,15 @@ torch.optim.AdamW.
 
 speed.optimizer_moments=bf16 keeps `exp_avg` and `exp_avg_sq` in bf16 (half of AdamW's state, a quarter
 of what a full fine-tune holds per parameter besides activations). Each parameter's step runs the same
-fused kernel on fp32 copies of its two moments, made one parameter at a time (the largest tensor's copy is
-the only extra memory), and stores them back with stochastic rounding: round-to-nearest would freeze
-exp_avg_sq, whose per-step change (1 - beta2 = 0.1% of itself) is below bf16's resolution (0.4%). The
-rounding noise comes from the optimizer's own generator, saved with its state, so a resumed run rounds as
-the uninterrupted one would. It changes numerics (the moments are approximations), so no profile turns it
-on before its effect on learning is measured (docs/speedups.md).
+fused kernel on fp32 copies of its two moments, made one slice of ROUNDING_CHUNK elements at a time (a few
+MB of extra memory, and the slice stays in cache between the update and the rounding), and stores them back
+with stochastic rounding: round-to-nearest would freeze exp_avg_sq, whose per-step change (1 - beta2 = 0.1%
+of itself) is below bf16's resolution (0.4%). The rounding noise is a window of a fixed pool holding each
+16-bit value equally often (`_noise_pool`), at an offset drawn per slice from the optimizer's own generator,
+saved with its state, so a resumed run rounds as the uninterrupted one would. (Drawing every element's noise
+from the generator, as an earlier version did, runs on one thread, two numbers per parameter a step: the
+update then took most of a second on SmolLM2; docs/speedups.md has the figures.) It changes numerics (the
+moments are approximations); its effect on learning on B5 is in docs/speedups.md.
 
 `make_adamw` picks the kernel for speed.optimizer: for_loop and foreach are
 torch.optim.AdamW's; fused is FusedAdamW here (torch.optim's under the fp16
@@ -61,6 +64,31 @@ def available(device_type: str = "cpu") -> bool:
     except (RuntimeError, TypeError):
         return False
     return torch.allclose(optimizer.param_groups[0]["params"][0].detach(), expected, atol=1e-5)
+
+
+ROUNDING_CHUNK = 1 << 18  # elements per slice of a bf16-moment update: 1 MB of fp32, cache-sized
+NOISE_POOL = 1 << 22  # the rounding noise pool's length: each 16-bit value 64 times
+
+
+@functools.cache
+def _noise_pool(device: torch.device) -> torch.Tensor:
+    """NOISE_POOL int32 values in [0, 65536), each exactly NOISE_POOL / 65536 times, in a fixed shuffled order.
+
+    A window of it at a random offset gives each element noise that is uniform over the 16 bits bf16 drops
+    (a window's values are the pool's, nearly balanced); the randomness of a step is the offsets, drawn
+    from the optimizer's generator. Fixed (seed 0) so that a resumed optimizer needs only its generator."""
+    order = torch.randperm(NOISE_POOL, generator=torch.Generator().manual_seed(0))
+    return order.bitwise_and_(0xFFFF).to(device=device, dtype=torch.int32)  # one copy per device
+
+
+def _stochastic_round(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """Round fp32 `values` (contiguous, at most ROUNDING_CHUNK) in place to bf16-representable values,
+    stochastically: add noise below bf16's last bit to the bit pattern, then clear the 16 low bits, so the
+    stored value is unbiased (E[rounded] = value) and small updates accumulate in expectation. A later
+    .to(bfloat16) of the result is exact. Returns values."""
+    noise = _noise_pool(values.device)[offset:offset + values.numel()]
+    values.view(torch.int32).add_(noise).bitwise_and_(-65536)  # 0xFFFF0000: bf16's bits
+    return values
 
 
 class FusedAdamW:
@@ -130,18 +158,38 @@ class FusedAdamW:
                     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **settings)
                     continue
                 for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-                    wide_avg, wide_sq = exp_avg.to(param.dtype), exp_avg_sq.to(param.dtype)  # one parameter's copies
-                    torch._fused_adamw_([param], [grad], [wide_avg], [wide_sq], [], [step], **settings)
-                    exp_avg.copy_(self._round(wide_avg))
-                    exp_avg_sq.copy_(self._round(wide_sq))
+                    self._bf16_moments_step(param, grad, exp_avg, exp_avg_sq, step, settings)
+
+    def _bf16_moments_step(self, param, grad, exp_avg, exp_avg_sq, step, settings) -> None:
+        """One parameter's fused update on fp32 copies of its bf16 moments, a ROUNDING_CHUNK slice at a time
+        (the update is elementwise, so slicing changes no number), each moment rounded back stochastically."""
+        given = (param, grad, exp_avg, exp_avg_sq)
+        used = [tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in given]  # same index order
+        flat = [tensor.view(-1) for tensor in used]
+        size = flat[0].numel()
+        starts = range(0, size, ROUNDING_CHUNK)
+        offsets = self._offsets(2 * len(starts))
+        for index, start in enumerate(starts):
+            part, part_grad, avg, avg_sq = (tensor[start:start + ROUNDING_CHUNK] for tensor in flat)
+            wide_avg, wide_sq = avg.float(), avg_sq.float()
+            torch._fused_adamw_([part], [part_grad], [wide_avg], [wide_sq], [], [step], **settings)
+            avg.copy_(_stochastic_round(wide_avg, offsets[2 * index]))
+            avg_sq.copy_(_stochastic_round(wide_sq, offsets[2 * index + 1]))
+        for original, copy in zip(given, used):  # a non-contiguous tensor was updated in its contiguous copy
+            if copy is not original and original is not grad:
+                original.copy_(copy)
+
+    def _offsets(self, count: int) -> list[int]:
+        """`count` window starts into the noise pool, from this optimizer's seeded generator."""
+        return torch.randint(0, NOISE_POOL - ROUNDING_CHUNK + 1, (count,), generator=self.rounding).tolist()
 
     def _round(self, values: torch.Tensor) -> torch.Tensor:
-        """fp32 -> bf16 with stochastic rounding: add uniform noise below bf16's last bit, then truncate,
-        so the stored value is unbiased (E[rounded] = value) and small updates accumulate in expectation."""
-        noise = torch.randint(0, 1 << 16, values.shape, generator=self.rounding, dtype=torch.int32)
-        bits = values.float().contiguous().view(torch.int32)
-        rounded = (bits + noise.to(values.device)) & -65536  # 0xFFFF0000: bf16's bits, exactly representable
-        return rounded.view(torch.float32).to(torch.bfloat16)
+        """fp32 -> bf16 with stochastic rounding (a copy; values is left alone), a slice at a time."""
+        flat = values.detach().float().reshape(-1).clone()
+        starts = range(0, flat.numel(), ROUNDING_CHUNK)
+        for start, offset in zip(starts, self._offsets(len(starts))):
+            _stochastic_round(flat[start:start + ROUNDING_CHUNK], offset)
+        return flat.view(values.shape).to(torch.bfloat16)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout: per-parameter state by position, and the group's hyperparameters."""
