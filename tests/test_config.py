@@ -143,3 +143,27 @@ def test_weights_must_match_reward_count(tmp_path, capsys):
     assert code == 2
     assert "rewards.weights has 1 values for 2 reward functions (format, correct)" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("variant, differences", [
+    ("b1-int8.yaml", {"speed.generation_precision": "int8"}),
+    ("b1-bf16.yaml", {"speed.precision": "bf16", "speed.generation_precision": "bf16"}),
+    ("b1-moments.yaml", {"speed.optimizer_moments": "bf16"}),
+])
+def test_b1_variant_configs_differ_from_b1_only_in_their_switches(variant, differences):
+    # `hasten bench --config configs/b1-*.yaml` compares against B1's own settings: a variant that drifted
+    # from configs/b1.yaml in anything but its named switches would measure something else.
+    import dataclasses
+    from pathlib import Path
+
+    def flat(section, prefix=""):
+        values = {}
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            values.update(flat(value, f"{prefix}{field.name}.") if dataclasses.is_dataclass(value)
+                          else {f"{prefix}{field.name}": value})
+        return values
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    base, other = flat(load_config(root / "b1.yaml")), flat(load_config(root / variant))
+    assert {key: value for key, value in other.items() if value != base[key]} == differences
