@@ -128,8 +128,6 @@ class RaggedCache(GroupCache):
         self.rows = keep if self.rows is None else self.rows[keep]
 
 
-
-
 @dataclass
 class Sequences:
     """What the drafters read about the live rows: prompt + committed tokens, left-aligned.
