@@ -132,6 +132,9 @@ def test_auto_budget_leaves_room_for_what_a_large_model_holds_anyway():
         AUTO_FLOOR,
         AUTO_ROOM,
         AUTO_SHARE,
+        COPY_BYTES,
+        MOMENT_BYTES,
+        RUNTIME_BYTES,
         activation_bytes_per_token,
         effective_logit_chunk,
         parameter_count,
@@ -160,8 +163,17 @@ def test_auto_budget_leaves_room_for_what_a_large_model_holds_anyway():
     # the bench's memory model counts the same static memory (full fine-tune: model + copy + logits + runtime)
     shape = cost.Shape.from_config(qwen)
     chunk = effective_logit_chunk(2048, qwen.vocab_size)
-    parts = cost.training_memory_bytes(shape, 32, 8, 48, 256, lora=False, logits_chunk=chunk, weight_copy=True)
-    assert parts["model"] + parts["logits"] + parts["runtime"] == static_bytes(qwen, False, 2048)
+    for copy_bytes, moment_bytes in ((4, 8), (0, 8), (2, 4), (COPY_BYTES["int8"], MOMENT_BYTES["bf16"])):
+        parts = cost.training_memory_bytes(shape, 32, 8, 48, 256, lora=False, logits_chunk=chunk,
+                                           copy_bytes=copy_bytes, moment_bytes=moment_bytes)
+        assert parts["model"] + parts["logits"] + parts["runtime"] == static_bytes(qwen, False, 2048, copy_bytes,
+                                                                                   moment_bytes)
+    # a full fine-tune's state is 16 bytes a parameter in fp32 (weight, gradient, two moments), 12 with bf16
+    # moments; the engine's copy 4 in fp32 and 2 in bf16; LoRA keeps no gradient or moments
+    count = parameter_count(qwen)
+    assert static_bytes(qwen, False, 0, 4, 8) - static_bytes(qwen, False, 0, 4, 4) == 4 * count
+    assert static_bytes(qwen, False, 0, 4, 8) - static_bytes(qwen, False, 0, 2, 8) == 2 * count
+    assert static_bytes(qwen, True, 0, 0, 8) == static_bytes(qwen, True, 0, 0, 4) == 4 * count + RUNTIME_BYTES
 
 
 def test_logit_chunks_are_bounded_in_bytes():
@@ -171,3 +183,32 @@ def test_logit_chunks_are_bounded_in_bytes():
     assert effective_logit_chunk(2048, 151936) == LOGIT_CHUNK_BYTES // (4 * 151936) == 883  # Qwen2.5
     assert effective_logit_chunk(0, 151936) == 0 and effective_logit_chunk(16, 151936) == 16
     assert effective_logit_chunk(2048, 10 ** 9) == 1
+
+
+@pytest.mark.parametrize("overrides, copy_bytes, moment_bytes", [
+    ([], 4, 8),
+    ([("speed.optimizer_moments", "bf16")], 4, 4),
+    ([("speed.generation_precision", "bf16")], 2, 8),
+    ([("speed.generation_precision", "int8"), ("speed.optimizer_moments", "bf16")], 2, 4),
+    ([("speed.engine_weights", "shared")], 0, 8),
+])
+def test_auto_budget_counts_the_copy_and_moments_at_their_precision(monkeypatch, overrides, copy_bytes, moment_bytes):
+    """token_budget=auto leaves room for what the run holds: bf16 moments and a bf16 or int8 sampling copy
+    take less than fp32's, so at 0.5B (where the static memory binds) the budget grows with them."""
+    from transformers import Qwen2Config
+
+    from hasten.bench.scaling import SHAPES
+    from hasten.train import learner, microbatch
+
+    gib = 1024 ** 3
+    monkeypatch.setattr(learner, "machine_bytes", lambda device="cpu": 24 * gib)
+    monkeypatch.setattr(microbatch, "machine_bytes", lambda device="cpu": 24 * gib)
+    qwen = Qwen2Config(**SHAPES["qwen2.5-0.5b"])
+    cfg = load_config(None, [("speed.token_budget", "auto"), *overrides])
+    expected = microbatch.resolve_budget("auto", qwen, False, total_bytes=24 * gib,
+                                         logit_chunk=cfg.speed.logit_chunk_tokens, copy_bytes=copy_bytes,
+                                         moment_bytes=moment_bytes)
+    assert learner.token_budget(cfg, False, qwen) == expected
+    plain = microbatch.resolve_budget("auto", qwen, False, total_bytes=24 * gib,
+                                      logit_chunk=cfg.speed.logit_chunk_tokens)
+    assert (expected > plain) == ((copy_bytes, moment_bytes) != (4, 8))

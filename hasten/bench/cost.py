@@ -213,12 +213,12 @@ RUNTIME_BYTES = 512 * 1024**2  # a Python process with torch and transformers im
 
 def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens: int, completion_tokens: int,
                           lora: bool, prompt_per_sample: bool = False, logits_chunk: int = 0,
-                          checkpointing: bool = False, weight_copy: bool = False,
+                          checkpointing: bool = False, copy_bytes: int = 0, moment_bytes: int = 8,
                           token_budget: int = 0) -> dict[str, float]:
     """An estimate (fp32) of a GRPO step's resident memory, by part.
 
-    - model: every parameter once (tied head: one matrix); full fine-tune adds its gradient and AdamW's
-      two moments (4 x the parameters in all); LoRA adds nothing that counts (< 1%);
+    - model: every parameter once in fp32 (tied head: one matrix); full fine-tune adds its fp32 gradient and
+      AdamW's two moments (moment_bytes per parameter: 8 in fp32, 4 in bf16); LoRA adds nothing that counts (< 1%);
     - activations kept for the backward, per token and layer: ~10 hidden-wide tensors (norm inputs and
       outputs, q, attention output, o projection, residuals) + 4 intermediate-wide (gate, up, their
       product, the activation) + k and v; with activation checkpointing, each layer's input alone
@@ -227,16 +227,17 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
       (logits, log-probs, their gradient) for every completion token, or for `logits_chunk` tokens at a
       time where the pass chunks them (hasten's speed.logit_chunk_tokens);
     - KV cache of the decode: every row's positions;
-    - runtime: the interpreter, torch and its libraries (~0.5 GiB), and with weight_copy a second copy of
-      the weights (hasten's lean engine under speed.engine_weights=copy samples from its own packed weights;
-      under shared it reads the training weights: no copy).
+    - runtime: the interpreter, torch and its libraries (~0.5 GiB), and copy_bytes per parameter of a second
+      copy of the weights (hasten's lean engine under speed.engine_weights=copy samples from its own packed
+      weights, in the precision it samples in: train/microbatch.py's COPY_BYTES; under shared it reads the
+      training weights: 0).
     prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
     token_budget: the learning pass runs micro-batches of at most this many tokens (hasten's
     speed.token_budget; 0 = one pass), so activations are kept for that many at a time (one sample's at
     least: a sample is never split).
     """
-    parameters = shape.parameters(tied=True) * 4
-    model = parameters * (1 if lora else 4)
+    count = shape.parameters(tied=True)
+    model = count * (4 if lora else 8 + moment_bytes)
     prompts = samples if prompt_per_sample else samples // max(group, 1)
     tokens = prompts * prompt_tokens + samples * completion_tokens
     per_layer = (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
@@ -249,6 +250,6 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     parts = {"model": float(model), "activations": float(tokens * per_token),
              "logits": float(3 * logit_tokens * shape.vocab * 4 + head_transients),
              "kv_cache": float(samples * (prompt_tokens + completion_tokens) * kv_bytes_per_position(shape)),
-             "runtime": float(RUNTIME_BYTES + (parameters if weight_copy else 0))}
+             "runtime": float(RUNTIME_BYTES + count * copy_bytes)}
     parts["total"] = sum(parts.values())
     return parts

@@ -170,7 +170,7 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
     longer). With the model's config, hasten's side counts its learning pass's micro-batches
     (speed.token_budget, resolved as the learner resolves it)."""
     from ..train.learner import token_budget
-    from ..train.microbatch import effective_logit_chunk
+    from ..train.microbatch import COPY_BYTES, MOMENT_BYTES, effective_logit_chunk
 
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
     prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
@@ -179,7 +179,9 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
         shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl",
         logits_chunk=effective_logit_chunk(cfg.speed.logit_chunk_tokens, shape.vocab) if side == "hasten" else 0,
-        checkpointing=cfg.speed.gradient_checkpointing, weight_copy=side == "hasten" and engine_copy(shape, cfg),
+        checkpointing=cfg.speed.gradient_checkpointing,
+        copy_bytes=COPY_BYTES[cfg.speed.generation_precision] if side == "hasten" and engine_copy(shape, cfg) else 0,
+        moment_bytes=MOMENT_BYTES[cfg.speed.optimizer_moments] if side == "hasten" else MOMENT_BYTES["fp32"],
         token_budget=budget)
 
 

@@ -50,7 +50,7 @@ from ..rollout import Rollout
 from ..rollout.shared_weights import resolve as resolve_engine_weights
 from . import distributed, fsdp
 from .logprobs import TokenStats, completion_logprobs
-from .microbatch import micro_batches, parameter_count, resolve_budget
+from .microbatch import COPY_BYTES, MOMENT_BYTES, micro_batches, parameter_count, resolve_budget
 from .optimization import Optimization, OptimizerSettings
 from .packing import pack_ratio, packed_logprobs
 
@@ -195,11 +195,14 @@ def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") 
         return 0
     if model_config is None:
         raise ValueError("speed.token_budget=auto needs the policy's model config")
-    # the lean engine's copy counts where speed.engine_weights resolves to copy (the factory's rule)
+    # the lean engine's copy counts where speed.engine_weights resolves to copy (the factory's rule), at the
+    # bytes of the precision it samples in; AdamW's moments at theirs
     engine_copy = resolve_engine_weights(cfg.speed.engine_weights, parameter_count(model_config),
                                          cfg.speed.generation_precision, machine_bytes(device))[0] == "copy"
     return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device,
-                          lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens, weight_copy=engine_copy)
+                          lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens,
+                          copy_bytes=COPY_BYTES[cfg.speed.generation_precision] if engine_copy else 0,
+                          moment_bytes=MOMENT_BYTES[cfg.speed.optimizer_moments])
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ AUTO_ROOM = 0.3  # ... and at most this share of what the step's static memory l
 AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too small to be fast)
 RUNTIME_BYTES = 1 << 29  # the interpreter, torch and its libraries (bench/cost.py's RUNTIME_BYTES)
 LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the packed pass's logits at most
+# Bytes per parameter of the lean engine's sampling copy (speed.engine_weights=copy) by speed.generation_precision.
+# int8: one byte for the projections and the head, down_proj in bf16 (fp32 without native bf16): under 2 at
+# every supported shape (down_proj is ~20% of the parameters), so 2 bounds it.
+COPY_BYTES = {"fp32": 4, "bf16": 2, "int8": 2}
+MOMENT_BYTES = {"fp32": 8, "bf16": 4}  # AdamW's exp_avg + exp_avg_sq per trained parameter (speed.optimizer_moments)
 
 
 def effective_logit_chunk(setting: int, vocab: int) -> int:
@@ -74,21 +79,25 @@ def parameter_count(model_config) -> int:
     return vocab * hidden + head + layers * per_layer + hidden
 
 
-def static_bytes(model_config, lora: bool, logit_chunk: int, weight_copy: bool = True) -> int:
-    """fp32 bytes a GRPO step holds whatever its micro-batches: the weights and (weight_copy: speed.
-    engine_weights resolved to copy) the lean engine's copy of them; for a full fine-tune their gradient and
-    AdamW's two moments (LoRA's adapters: a few MB); a logit chunk's backward: its softmax, its gradient and
-    that gradient transposed for the head's weight gradient (kernels/fast_linear.py), plus the head's
-    transposed weight and its weight gradient; the runtime."""
-    parameters = 4 * parameter_count(model_config)
+def static_bytes(model_config, lora: bool, logit_chunk: int, copy_bytes: int = COPY_BYTES["fp32"],
+                 moment_bytes: int = MOMENT_BYTES["fp32"]) -> int:
+    """Bytes a GRPO step holds whatever its micro-batches: the fp32 weights and the lean engine's copy of
+    them (copy_bytes per parameter: COPY_BYTES by sampling precision where speed.engine_weights resolves to
+    copy, 0 under shared); for a full fine-tune their fp32 gradient and AdamW's two moments (moment_bytes
+    per parameter: MOMENT_BYTES; LoRA's adapters: a few MB); a logit chunk's backward: its softmax, its
+    gradient and that gradient transposed for the head's weight gradient (kernels/fast_linear.py), plus
+    the head's transposed weight and its weight gradient; the runtime."""
+    count = parameter_count(model_config)
     vocab = model_config.vocab_size
     chunk = effective_logit_chunk(logit_chunk, vocab)
     logits = 3 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
-    return parameters * ((1 if lora else 4) + (1 if weight_copy else 0)) + logits + RUNTIME_BYTES
+    per_parameter = 4 + copy_bytes + (0 if lora else 4 + moment_bytes)
+    return count * per_parameter + logits + RUNTIME_BYTES
 
 
 def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_bytes: int | None = None,
-                   device: str = "cpu", lora: bool = False, logit_chunk: int = 0, weight_copy: bool = True) -> int:
+                   device: str = "cpu", lora: bool = False, logit_chunk: int = 0,
+                   copy_bytes: int = COPY_BYTES["fp32"], moment_bytes: int = MOMENT_BYTES["fp32"]) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
     `device` (total_bytes: instead of it): activations under a quarter of it (at least AUTO_FLOOR tokens),
     and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
@@ -97,7 +106,8 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
         return int(setting)
     total = machine_bytes(device) if total_bytes is None else total_bytes
     per_token = activation_bytes_per_token(model_config, checkpointing)
-    room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk, weight_copy), 0)) // per_token
+    room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk, copy_bytes,
+                                                            moment_bytes), 0)) // per_token
     share = int(AUTO_SHARE * total) // per_token
     return max(1, min(room, max(AUTO_FLOOR, share)))  # the floor never overrides what memory allows
 
