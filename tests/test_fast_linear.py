@@ -47,6 +47,31 @@ def test_onednn_linear_matches_f_linear_forward_and_backward(with_bias):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens, out_features", [(37, 80), (300, 1000)])
+def test_backward_on_transposed_views_equals_the_copies(monkeypatch, tokens, out_features):
+    """The backward hands oneDNN g.T, x.T and W.T as views (reads_transposed); the gradients equal those of
+    contiguous copies (the path where the probe says no) and F.linear's."""
+    assert fast_linear.reads_transposed()  # the probe holds on the CPUs this runs on (x86 with oneDNN)
+    torch.manual_seed(1)
+    x = torch.randn(tokens, 96, requires_grad=True)
+    weight = torch.randn(out_features, 96, requires_grad=True)
+    upstream = torch.randn(tokens, out_features)
+
+    def grads():
+        x.grad = weight.grad = None
+        (OneDNNLinear.apply(x, weight, None) * upstream).sum().backward()
+        return x.grad.clone(), weight.grad.clone()
+
+    views = grads()
+    monkeypatch.setattr(fast_linear, "reads_transposed", lambda: False)
+    copies = grads()
+    x.grad = weight.grad = None
+    (F.linear(x, weight) * upstream).sum().backward()
+    for view, copy, reference in zip(views, copies, (x.grad, weight.grad)):
+        assert torch.allclose(view, copy, atol=1e-5, rtol=1e-6)
+        assert torch.allclose(view, reference, atol=1e-3, rtol=1e-5)
+
+
 def test_frozen_weight_gets_no_gradient():
     x = torch.randn(4, 32, requires_grad=True)
     weight = torch.randn(16, 32)  # frozen, as LoRA's base weights are

@@ -39,8 +39,27 @@ MIN_FEATURES = 128  # smaller layers stay on F.linear (see above)
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T through oneDNN; x (M, K), weight (N, K), both contiguous fp32."""
+    """x @ weight.T through oneDNN; x (M, K), weight (N, K), fp32, contiguous or transposed views."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@functools.cache
+def reads_transposed() -> bool:
+    """oneDNN takes transposed views as they are (its memory descriptors carry the strides) and gives what it
+    gives on contiguous copies. The backward then hands it g.T, x.T and W.T as views: oneDNN reorders them
+    itself, faster than torch's transposing copies (the peak memory is the same; docs/speedups.md,
+    fast_linear). Probed once on small products; where it does not hold, the backward makes the copies."""
+    g, x, weight = torch.randn(7, 24), torch.randn(7, 16), torch.randn(24, 16)
+    try:
+        return (torch.allclose(_onednn(g.t(), x.t()), _onednn(g.t().contiguous(), x.t().contiguous()), atol=1e-5)
+                and torch.allclose(_onednn(g, weight.t()), _onednn(g, weight.t().contiguous()), atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _transposed(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor.T as oneDNN will read it: the view itself where it reads strides, else a contiguous copy."""
+    return tensor.t() if reads_transposed() else tensor.t().contiguous()
 
 
 def intel_cpu() -> bool:
@@ -93,11 +112,11 @@ class OneDNNLinear(torch.autograd.Function):
         grad_flat = grad.reshape(-1, grad.shape[-1]).contiguous()  # (M, N)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # dx = g @ W: a linear with weight W.T (K, N); the transposed copy is small.
-            grad_x = _onednn(grad_flat, weight.t().contiguous()).view(*grad.shape[:-1], weight.shape[1])
+            # dx = g @ W: a linear with weight W.T (K, N).
+            grad_x = _onednn(grad_flat, _transposed(weight)).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             # dW = g.T @ x (N, K): a linear of g.T (N, M) with "weight" x.T (K, M).
-            grad_weight = _onednn(grad_flat.t().contiguous(), flat.t().contiguous())
+            grad_weight = _onednn(_transposed(grad_flat), _transposed(flat))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_flat.sum(0)
         return grad_x, grad_weight, grad_bias
