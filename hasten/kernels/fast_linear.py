@@ -45,10 +45,11 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def reads_transposed() -> bool:
-    """oneDNN takes transposed views as they are (its memory descriptors carry the strides) and gives what it
-    gives on contiguous copies. The backward then hands it g.T, x.T and W.T as views: oneDNN reorders them
-    itself, faster than torch's transposing copies (the peak memory is the same; docs/speedups.md,
-    fast_linear). Probed once on small products; where it does not hold, the backward makes the copies."""
+    """oneDNN takes transposed views as they are and gives what it gives on contiguous copies. The backward
+    then hands it g.T, x.T and W.T as views: a transposed weight operand (x.T, W.T) is read through its
+    strides, no copy; the input operand (g.T) torch's op still makes contiguous itself. Peak memory is the
+    same (docs/speedups.md, fast_linear). Probed once on small products; where it does not hold, the
+    backward makes every copy itself."""
     g, x, weight = torch.randn(7, 24), torch.randn(7, 16), torch.randn(24, 16)
     try:
         return (torch.allclose(_onednn(g.t(), x.t()), _onednn(g.t().contiguous(), x.t().contiguous()), atol=1e-5)
