@@ -245,7 +245,7 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     if token_budget > 0:
         tokens = min(tokens, max(token_budget, prompt_tokens + completion_tokens))
     logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
-    # a chunked backward also holds the head's transposed weight and its weight gradient (train/microbatch.py)
+    # a chunked backward also holds the head's weight gradient and a head-sized transient (train/microbatch.py)
     head_transients = 2 * shape.vocab * shape.hidden * 4 if logits_chunk > 0 else 0
     parts = {"model": float(model), "activations": float(tokens * per_token),
              "logits": float(3 * logit_tokens * shape.vocab * 4 + head_transients),

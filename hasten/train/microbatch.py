@@ -86,7 +86,8 @@ def static_bytes(model_config, lora: bool, logit_chunk: int, copy_bytes: int = C
     copy, 0 under shared); for a full fine-tune their fp32 gradient and AdamW's two moments (moment_bytes
     per parameter: MOMENT_BYTES; LoRA's adapters: a few MB); a logit chunk's backward: its softmax, its
     gradient and that gradient transposed for the head's weight gradient (kernels/fast_linear.py), plus
-    the head's transposed weight and its weight gradient; the runtime."""
+    the head's weight gradient and a head-sized transient (its transposed copy where oneDNN cannot read the
+    view: fast_linear.reads_transposed; kept as a margin where it can); the runtime."""
     count = parameter_count(model_config)
     vocab = model_config.vocab_size
     chunk = effective_logit_chunk(logit_chunk, vocab)
