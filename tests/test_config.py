@@ -156,14 +156,7 @@ def test_b1_variant_configs_differ_from_b1_only_in_their_switches(variant, diffe
     import dataclasses
     from pathlib import Path
 
-    def flat(section, prefix=""):
-        values = {}
-        for field in dataclasses.fields(section):
-            value = getattr(section, field.name)
-            values.update(flat(value, f"{prefix}{field.name}.") if dataclasses.is_dataclass(value)
-                          else {f"{prefix}{field.name}": value})
-        return values
-
     root = Path(__file__).resolve().parent.parent / "configs"
-    base, other = flat(load_config(root / "b1.yaml")), flat(load_config(root / variant))
-    assert {key: value for key, value in other.items() if value != base[key]} == differences
+    base, other = (dataclasses.asdict(load_config(root / name)) for name in ("b1.yaml", variant))
+    assert {f"{section}.{key}": value for section, values in other.items() for key, value in values.items()
+            if value != base[section][key]} == differences
