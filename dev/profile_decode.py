@@ -10,8 +10,8 @@ Two measurements, each printed as a table:
    read (own K+V, the prompts' K/V once per group), the rate it reads them at, and the rate of a
    plain `x.sum()` over as many bytes in the same process (what the machine streams), beside torch's
    fused CPU flash kernel on the own part merged with the prompt part by log-sum-exp weights (the
-   alternative issue 38 named; measured no faster, so it is not in the engine). Timings alternate
-   between the variants round by round; medians.
+   alternative issue 38 named; measured no faster, so it is not in the engine) and speed.decode_attention's
+   fused kernel (kernels/decode_attention.py). Timings alternate between the variants round by round; medians.
 2. Per-token Python and dispatch overhead of a whole LeanEngine.generate: decode wall time per token
    (a generate minus a one-token generate) against the time inside top-level torch ops under
    torch.profiler, per token and per layer, and the number of ops per token.
@@ -26,6 +26,7 @@ import types
 
 import torch
 
+from hasten.kernels import decode_attention
 from hasten.rollout import SamplingParams
 from hasten.rollout.lean import GroupCache, LeanEngine
 
@@ -48,6 +49,7 @@ def cache_at(length: int) -> GroupCache:
     engine = types.SimpleNamespace(num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, layers=[0],
                                    base=types.SimpleNamespace(model=types.SimpleNamespace(embed_tokens=embedding)))
     cache = GroupCache(engine, torch.ones(PROMPTS, WIDTH, dtype=torch.long), GENERATIONS, max(args.lengths_max, 2) + 1)
+    cache.fused = False  # attend_step is torch's path; the fused kernel is its own column
     cache.prompt = [(torch.randn(PROMPTS, KV_HEADS, WIDTH, HEAD_DIM), torch.randn(PROMPTS, KV_HEADS, WIDTH, HEAD_DIM))]
     for keys, values in cache.own:
         keys.normal_(), values.normal_()
@@ -76,6 +78,15 @@ def flash_merged(cache, layer, query, key, value):
     return out.reshape(ROWS, 1, -1)
 
 
+def fused(cache, layer, query, key, value):
+    """speed.decode_attention's kernel, as GroupCache.attend_step calls it."""
+    own_keys, own_values = cache.own[layer]
+    own_keys[:, :, cache.length], own_values[:, :, cache.length] = key[:, :, 0], value[:, :, 0]
+    prompt_keys, prompt_values = cache.prompt[layer]
+    return decode_attention.attend(query, cache.engine.scale, prompt_keys, prompt_values, cache.bias_rows,
+                                   cache.prompt_of_row, own_keys, own_values, cache.length + 1)
+
+
 def per_call(function, reps: int) -> float:
     function()
     start = time.perf_counter()
@@ -86,7 +97,9 @@ def per_call(function, reps: int) -> float:
 
 def attention_table() -> None:
     print(f"attend_step, {ROWS} rows, {args.threads} thread(s): read rate in GB/s (time per call)")
-    print(f"{'own length':>10} {'MB read':>8} {'x.sum()':>9} {'attend_step':>20} {'flash + merge':>20}")
+    print(f"{'own length':>10} {'MB read':>8} {'x.sum()':>9} {'attend_step':>20} {'flash + merge':>20} "
+          f"{'fused kernel':>20}")
+    assert decode_attention.unavailable_reason() is None, decode_attention.unavailable_reason()
     for length in [int(item) for item in args.lengths.split(",")]:
         cache = cache_at(length)
         query = torch.randn(ROWS, HEADS, 1, HEAD_DIM)
@@ -95,9 +108,11 @@ def attention_table() -> None:
         stream = torch.randn(size // 4)
         arguments = (cache, 0, query, key, value)
         variants = {"x.sum()": stream.sum, "attend_step": lambda a=arguments: GroupCache.attend_step(*a),
-                    "flash + merge": lambda a=arguments: flash_merged(*a)}
-        error = (variants["flash + merge"]() - variants["attend_step"]()).abs().max().item()
-        assert error < 1e-5, error
+                    "flash + merge": lambda a=arguments: flash_merged(*a),
+                    "fused kernel": lambda a=arguments: fused(*a)}
+        for name in ("flash + merge", "fused kernel"):
+            error = (variants[name]() - variants["attend_step"]()).abs().max().item()
+            assert error < 1e-5, (name, error)
         reps = max(5, int(2e8 / size))
         times = {name: [] for name in variants}
         for _ in range(args.rounds):
@@ -105,7 +120,8 @@ def attention_table() -> None:
                 times[name].append(per_call(function, reps))
         median = {name: statistics.median(values) for name, values in times.items()}
         cells = [f"{size / median[name] / 1e9:6.1f} ({median[name] * 1e6:6.0f} us)" for name in variants]
-        print(f"{length:>10} {size / 1e6:>8.1f} {cells[0].split('(')[0]:>9} {cells[1]:>20} {cells[2]:>20}")
+        print(f"{length:>10} {size / 1e6:>8.1f} {cells[0].split('(')[0]:>9} {cells[1]:>20} {cells[2]:>20} "
+              f"{cells[3]:>20}")
 
 
 def overhead_table() -> None:

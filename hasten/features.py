@@ -14,6 +14,7 @@ FEATURES: dict[str, str] = {
     "model_impl": "hasten.models.llama",  # the native Llama forward (no transformers import)
     "generation_precision": "hasten.rollout.lean",  # bf16 sampling matmuls (importance-weighted)
     "engine_weights": "hasten.rollout.shared_weights",  # sample from the training weights, no fp32 copy
+    "decode_attention": "hasten.kernels.decode_attention",  # the decode step's attention as one fused kernel
     "shared_prefix": "hasten.kernels.shared_prefix",  # the prompts' common prefix once (prefill and learning)
     "speculative": "hasten.rollout.speculative",
     "speculative_tokens": "hasten.rollout.speculative",

@@ -4,28 +4,47 @@ attend_step reads each prompt's K/V once per group through the (prompt, generati
 row's own K/V from a preallocated cache. The reference gives every row its own copy of its prompt's
 real K/V followed by its own tokens' K/V, and runs plain softmax attention per query head in float64.
 They must agree within 1e-5 at short and long own lengths, after finished rows are dropped (`keep()`,
-the `rows` grid mapping), and when the prompts' K/V come from speed.shared_prefix's prefill.
+the `rows` grid mapping), and when the prompts' K/V come from speed.shared_prefix's prefill; with
+speed.decode_attention's fused kernel (kernels/decode_attention.py) too, at the head shapes it takes
+(head_dim 64 and 128; 1, 3, 6 and 7 query heads per KV head), and the engine samples the same tokens with
+it as without.
 The prefill and decode steps run in inference mode; the Rollout they fill must still be ordinary tensors.
 """
 
 from __future__ import annotations
 
 import types
+from typing import NamedTuple
 
 import pytest
 import torch
 from conftest import encode
 
+from hasten.kernels import decode_attention
 from hasten.rollout import SamplingParams
 from hasten.rollout.lean import GroupCache, LeanEngine
 
-PROMPTS, GENERATIONS, KV_HEADS, HEADS, HEAD_DIM, WIDTH, STEPS = 3, 4, 2, 6, 16, 9, 40
+PROMPTS, GENERATIONS, WIDTH, STEPS = 3, 4, 9, 40
 
 
-def _engine():
+class Heads(NamedTuple):
+    kv: int
+    heads: int
+    dim: int
+
+
+SMALL = Heads(2, 6, 16)
+FUSED = [Heads(3, 9, 64), Heads(2, 14, 64), Heads(2, 12, 128), Heads(2, 2, 64)]  # SmolLM2, Qwen2.5 0.5B/1.5B, MHA
+FUSED_IDS = ["3x3 d64", "2x7 d64", "2x6 d128", "2x1 d64"]
+needs_kernel = pytest.mark.skipif(decode_attention.unavailable_reason() is not None,
+                                  reason=f"fused decode attention: {decode_attention.unavailable_reason()}")
+
+
+def _engine(shape=SMALL, fused=False):
     """What GroupCache reads of a LeanEngine: head counts, the scale, the layers, the embedding's dtype."""
     embedding = types.SimpleNamespace(weight=torch.zeros(1))
-    return types.SimpleNamespace(num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, layers=[0, 1],
+    return types.SimpleNamespace(num_kv_heads=shape.kv, head_dim=shape.dim, scale=shape.dim**-0.5, layers=[0, 1],
+                                 decode_attention=fused,
                                  base=types.SimpleNamespace(model=types.SimpleNamespace(embed_tokens=embedding)))
 
 
@@ -36,12 +55,13 @@ def _mask():
     return mask
 
 
-def _cache(generator, shared=0):
+def _cache(generator, shared=0, shape=SMALL, fused=False):
     """A GroupCache whose prompts' K/V come from a prefill (plain, or a shared prefix then each rest)."""
     mask = _mask()
     if shared:
         mask[:, :shared] = 1
-    cache = GroupCache(_engine(), mask, GENERATIONS, STEPS)
+    KV_HEADS, HEADS, HEAD_DIM = shape
+    cache = GroupCache(_engine(shape, fused), mask, GENERATIONS, STEPS)
     randn = lambda *shape: torch.randn(*shape, generator=generator)
     for layer in range(2):
         if shared:
@@ -61,6 +81,8 @@ def _cache(generator, shared=0):
 def _reference(cache, mask, layer, query, own_keys, own_values, grid_rows):
     """Dense attention per row: [its prompt's real K/V, its own K/V], float64, head h on KV head h // group."""
     prompt_keys, prompt_values = cache.prompt[layer]
+    HEADS, HEAD_DIM = query.shape[1], query.shape[3]
+    KV_HEADS = own_keys.shape[1]
     group = HEADS // KV_HEADS
     out = []
     for row, grid_row in enumerate(grid_rows.tolist()):
@@ -76,8 +98,9 @@ def _reference(cache, mask, layer, query, own_keys, own_values, grid_rows):
     return torch.stack(out)[:, None]  # (N, 1, heads * D)
 
 
-def _steps(cache, mask, generator, count, drop_at=()):
+def _steps(cache, mask, generator, count, drop_at=(), shape=SMALL):
     """Run `count` decode steps on both layers, dropping rows at the steps in drop_at; compare every step."""
+    KV_HEADS, HEADS, HEAD_DIM = shape
     rows = PROMPTS * GENERATIONS
     grid_rows = torch.arange(rows)
     own = [([], []) for _ in range(2)]  # per layer, each row's own keys and values so far
@@ -94,6 +117,15 @@ def _steps(cache, mask, generator, count, drop_at=()):
             value = torch.randn(rows, KV_HEADS, 1, HEAD_DIM, generator=generator)
             own[layer][0].append(key[:, :, 0])
             own[layer][1].append(value[:, :, 0])
+            if cache.fused:  # the kernel itself answers where it takes the shape, not torch's path behind it
+                own_keys, own_values = cache.own[layer]
+                own_keys[:, :, cache.length], own_values[:, :, cache.length] = key[:, :, 0], value[:, :, 0]
+                prompt_keys, prompt_values = cache.prompt[layer]
+                answer = decode_attention.attend(query, cache.engine.scale, prompt_keys, prompt_values,
+                                                 cache.bias_rows, cache.prompt_of_row, own_keys, own_values,
+                                                 cache.length + 1)
+                takes = decode_attention.supports(HEAD_DIM, HEADS // KV_HEADS, query.dtype, query.device)
+                assert (answer is not None) == takes
             got = cache.attend_step(layer, query, key, value)
             expected = _reference(cache, mask, layer, query, torch.stack(own[layer][0], dim=2),
                                   torch.stack(own[layer][1], dim=2), grid_rows)
@@ -117,6 +149,50 @@ def test_attend_step_equals_dense_attention_after_rows_are_dropped(shared):
     _steps(cache, mask, generator, 30, drop_at=(3, 17, 25))  # 12 -> 6 -> 3 -> 2 rows through the grid
 
 
+@needs_kernel
+@pytest.mark.parametrize("shape", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("shared", [0, 5], ids=["prefill", "shared prefix"])
+def test_fused_decode_attention_equals_dense_attention(shape, shared):
+    """speed.decode_attention's kernel: the same contract, as the own part grows and as rows are dropped."""
+    generator = torch.Generator().manual_seed(2)
+    cache, mask = _cache(generator, shared, shape, fused=True)
+    _steps(cache, mask, generator, 30, drop_at=(9, 21), shape=shape)
+
+
+@needs_kernel
+def test_fused_decode_attention_equals_torchs_path_at_a_long_own_part():
+    """At 600 own tokens (past any small-length special case), the kernel and torch's path agree."""
+    generator = torch.Generator().manual_seed(3)
+    shape = FUSED[0]
+    caches = []
+    for fused in (False, True):
+        mask = _mask()
+        cache = GroupCache(_engine(shape, fused), mask, GENERATIONS, 602)
+        generator.manual_seed(3)
+        for layer in range(2):
+            cache.attend_prompt(layer, *(torch.randn(PROMPTS, n, WIDTH, shape.dim, generator=generator)
+                                         for n in (shape.heads, shape.kv, shape.kv)))
+        for keys, values in cache.own:
+            keys.normal_(generator=generator), values.normal_(generator=generator)
+        cache.length = 600
+        caches.append(cache)
+    query = torch.randn(PROMPTS * GENERATIONS, shape.heads, 1, shape.dim, generator=generator) * 3
+    key, value = (torch.randn(PROMPTS * GENERATIONS, shape.kv, 1, shape.dim, generator=generator) for _ in range(2))
+    plain, fused = (cache.attend_step(1, query, key, value) for cache in caches)
+    assert (plain - fused).abs().max().item() < 1e-5
+
+
+def test_the_fused_kernel_declines_what_it_does_not_take():
+    """head_dim 16, a bf16 cache or 9 query heads per KV head: attend returns None and the cache runs torch."""
+    assert not decode_attention.supports(16, 3, torch.float32, torch.device("cpu"))
+    assert not decode_attention.supports(64, 3, torch.bfloat16, torch.device("cpu"))
+    assert not decode_attention.supports(64, 9, torch.float32, torch.device("cpu"))
+    assert decode_attention.supports(128, 6, torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    cache, mask = _cache(generator, 0, SMALL, fused=True)  # head_dim 16: torch's path, the same contract
+    _steps(cache, mask, generator, 5)
+
+
 def test_generate_hands_back_normal_tensors_the_learner_can_use(short_model, tokenizer):
     """The prefill and decode steps run in inference mode; the Rollout must not carry inference tensors,
     which autograd cannot save for backward and which cannot be updated in place outside that mode."""
@@ -128,3 +204,71 @@ def test_generate_hands_back_normal_tensors_the_learner_can_use(short_model, tok
     (weight * rollout.sampling_logprobs).sum().backward()  # saves the log-probs for backward
     assert torch.equal(weight.grad, rollout.sampling_logprobs)
     rollout.completion_mask[:, 0] = 1  # in place, as a learner may mask
+
+
+def _llama_d64(vocab_size: int):
+    """A 2-layer Llama with head_dim 64 (3 query heads on one KV head): a shape the kernel takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        return LlamaForCausalLM(config).eval()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+@needs_kernel
+def test_the_engine_samples_the_same_with_the_fused_kernel(tokenizer, monkeypatch):
+    """LeanEngine with speed.decode_attention on and off: the same tokens for a seed, log-probs within 1e-5,
+    and the kernel (not torch's path) answered every decode step's attention."""
+    model = _llama_d64(len(tokenizer))
+    answered = []
+    attend = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *a: answered.append(attend(*a)) or answered[-1])
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    rollouts = [LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], decode_attention=fused)
+                .generate(encode(tokenizer), 4, sampling, seed=7) for fused in (False, True)]
+    assert answered and all(out is not None for out in answered)
+    assert len(answered) == 2 * (rollouts[1].completion_mask.sum(-1).max().item() - 1)  # 2 layers a step
+    assert torch.equal(rollouts[0].completion_ids, rollouts[1].completion_ids)
+    assert torch.equal(rollouts[0].completion_mask, rollouts[1].completion_mask)
+    assert torch.allclose(rollouts[0].sampling_logprobs, rollouts[1].sampling_logprobs, atol=1e-5)
+
+
+def test_decode_attention_auto_falls_back_with_a_log_line_and_true_is_a_config_error(monkeypatch):
+    from hasten.config import ConfigError
+
+    monkeypatch.setattr(decode_attention, "unavailable_reason", lambda: "the CPU has no AVX-512")
+    lines = []
+    assert decode_attention.resolve("auto", lines.append) is False
+    assert lines == ["speed.decode_attention=auto: torch's decode attention (the CPU has no AVX-512)"]
+    assert decode_attention.resolve(False, lines.append) is False
+    with pytest.raises(ConfigError, match=r"speed.decode_attention=true.*no AVX-512"):
+        decode_attention.resolve(True)
+
+
+def test_the_kernel_builds_into_the_cache_once_and_refuses_a_library_others_can_write(tmp_path, monkeypatch):
+    """The first-run path: an empty $HASTEN_CACHE gets kernels/decode_attention-<key>.so, mode 0700; a
+    second build reuses it; a library writable by others is not loaded; a failing compiler is one line."""
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    if decode_attention._compiler() is None:
+        pytest.skip("no C compiler")
+    lib, reason = decode_attention._build()
+    built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob(".decode_attention-*"))  # no scratch left
+    assert (lib is None) == (reason is not None)
+    assert built[0].stat().st_mode & 0o777 == 0o700
+    stamp = built[0].stat().st_mtime_ns
+    decode_attention._build()
+    assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    built[0].chmod(0o766)
+    lib, reason = decode_attention._build()
+    assert lib is None and "writable by others" in reason
+    built[0].unlink()
+    monkeypatch.setenv("CC", "false")
+    lib, reason = decode_attention._build()
+    assert lib is None and "\n" not in reason and ("failed to build" in reason or "does not run" in reason)

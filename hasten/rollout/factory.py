@@ -12,6 +12,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config, ConfigError
+from ..kernels.decode_attention import resolve as resolve_decode_attention
 from ..models import Policy, load_policy
 from .engine import KVCacheEngine
 
@@ -79,7 +80,8 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
         else:
             engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
                                 cfg.speed.generation_precision, cfg.speed.shared_prefix,
-                                weights=engine_weights(cfg, policy, log))
+                                weights=engine_weights(cfg, policy, log),
+                                decode_attention=resolve_decode_attention(cfg.speed.decode_attention, log))
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
@@ -147,7 +149,8 @@ def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print
         check_supported(model)
     except ValueError as reason:
         raise ConfigError(f"config error: speed.draft_model={name} cannot run in the lean engine ({reason})") from None
-    return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids)
+    return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids,
+                      decode_attention=resolve_decode_attention(cfg.speed.decode_attention, log))
 
 
 def check_engine_installed(cfg: Config) -> None:

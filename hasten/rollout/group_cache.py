@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import decode_attention
+
 
 class GroupCache:
     """K/V of each prompt, stored once per group, and of each row's own tokens, preallocated.
@@ -29,6 +31,10 @@ class GroupCache:
         self.own = [(weight.new_empty(shape), weight.new_empty(shape)) for _ in engine.layers]
         self.length = 0  # own tokens written so far
         self.rows: torch.Tensor | None = None  # grid index of each batch row; None = all, in order
+        # speed.decode_attention (kernels/decode_attention.py): the decode step as one fused kernel, which
+        # reads each row's prompt through prompt_of_row instead of the grid.
+        self.fused = bool(getattr(engine, "decode_attention", False))
+        self.prompt_of_row = torch.arange(num_rows, device=prompt_mask.device) // num_generations
         real = prompt_mask.bool()
         causal = torch.ones((self.prompt_width,) * 2, dtype=torch.bool, device=real.device).tril()
         eye = torch.eye(self.prompt_width, dtype=torch.bool, device=real.device)
@@ -36,6 +42,7 @@ class GroupCache:
         self.prompt_attend = ((causal & real[:, None, :]) | eye)[:, None]  # (B, 1, P, P)
         self.prompt_bias = torch.zeros(real.shape, dtype=weight.dtype, device=real.device)
         self.prompt_bias = self.prompt_bias.masked_fill(~real, float("-inf"))[:, None, None]  # (B, 1, 1, P)
+        self.bias_rows = self.prompt_bias.view(self.num_prompts, self.prompt_width)  # (B, P), the kernel's
 
     def attend_prompt(self, layer, query, key, value):
         """Prefill: query (B, heads, P, head_dim), key/value (B, kv, P, head_dim) -> (B, P, heads * head_dim)."""
@@ -73,8 +80,13 @@ class GroupCache:
         own_keys, own_values = self.own[layer]
         own_keys[:, :, self.length] = key[:, :, 0]
         own_values[:, :, self.length] = value[:, :, 0]
-        own_keys, own_values = own_keys[:, :, : self.length + 1], own_values[:, :, : self.length + 1]
         prompt_keys, prompt_values = self.prompt[layer]
+        if self.fused:
+            attended = decode_attention.attend(query, self.engine.scale, prompt_keys, prompt_values, self.bias_rows,
+                                               self.prompt_of_row, own_keys, own_values, self.length + 1)
+            if attended is not None:
+                return attended
+        own_keys, own_values = own_keys[:, :, : self.length + 1], own_values[:, :, : self.length + 1]
         rows, kv_heads, _, head_dim = key.shape
         prompts, generations, width = self.num_prompts, self.num_generations, self.prompt_width
         # The heads sharing a KV head become that head's queries, so K/V are never repeated.
@@ -99,6 +111,7 @@ class GroupCache:
         self.own = [(take_rows(keys, keep, self.length), take_rows(values, keep, self.length))
                     for keys, values in self.own]
         self.rows = keep if self.rows is None else self.rows[keep]
+        self.prompt_of_row = self.prompt_of_row[keep]
 
     def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is None:

@@ -275,9 +275,10 @@ class LeanEngine:
     kind = "lean"
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: list[int], sample_precision: str = "fp32",
-                 shared_prefix: bool = False, weights: str = "copy"):
+                 shared_prefix: bool = False, weights: str = "copy", decode_attention: bool = False):
         check_supported(model)
         self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
+        self.decode_attention = decode_attention  # speed.decode_attention, resolved: GroupCache's fused kernel
         if sample_precision not in ("fp32", "bf16", "int8"):
             raise ValueError(f"sample_precision must be fp32, bf16 or int8, got {sample_precision!r}")
         if weights not in ("copy", "shared") or (weights == "shared" and sample_precision != "fp32"):

@@ -1,0 +1,177 @@
+"""speed.decode_attention: the lean engine's decode-step attention as one fused CPU kernel.
+
+A decode step attends each row's query heads to its prompt's K/V (one copy per group,
+rollout/group_cache.py) and to its own tokens' K/V. In torch that is two batched matmuls per part, a
+cat, a softmax and the grid's index ops: at SmolLM2's shapes (32 rows, 3 query heads per KV head,
+head_dim 64) the batched matmuls read K/V at 12-17 GB/s where the machine streams 45-55, so at long
+completions attention bounds the decode step. decode_attention.c does it in one pass per (row, KV
+head): the scores of the KV head's query heads against every key row (each row read once for all of
+them), one softmax over prompt and own keys, and the weighted sum of the value rows, in AVX-512
+registers, the (row, KV head) pairs split over torch's OpenMP threads.
+
+What is the same: the math (scaled dot products, the prompt's 0/-inf mask, one softmax, fp32
+throughout); the results differ from torch's by summation order only (tests/test_decode_attention.py
+holds the two within 1e-5 of a float64 reference and each other). What it needs: a C compiler (`cc`, or
+$CC) with OpenMP, an AVX-512 CPU, fp32 K/V on the CPU, head_dim 64 or 128 and up to 8 query heads per KV
+head. speed.decode_attention=auto uses it where all of that holds and torch otherwise (logged once);
+true makes a missing compiler or CPU feature a config error; false is torch.
+
+The library is built once per source, compiler and CPU into $HASTEN_CACHE/kernels (cc -O3 -march=native,
+about a second) and loaded with ctypes after torch, so its OpenMP runtime is torch's (one libgomp: no
+second thread pool spinning against torch's on a 2-core box). A library that is not the user's own, or is
+writable by others, is not loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+HEAD_DIMS, MAX_GROUP = (64, 128), 8
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib" (the loaded library) or "reason" (why it is not), once per process
+
+
+def cache_dir() -> Path:
+    """$HASTEN_CACHE/kernels (default ~/.cache/hasten/kernels), as models/smollm2.cache_root reads it."""
+    return Path(os.environ.get("HASTEN_CACHE") or Path.home() / ".cache" / "hasten") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why not): build into the cache unless a library for this source,
+    compiler and CPU is already there."""
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or $CC) on PATH"
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"the C compiler {compiler} does not run ({error})"
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    folder = cache_dir()
+    path = folder / f"decode_attention-{key}.so"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not path.exists():
+            handle, scratch = tempfile.mkstemp(dir=folder, prefix=".decode_attention-", suffix=".so")
+            os.close(handle)
+            try:
+                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
+                                      text=True, timeout=300)
+                if done.returncode != 0:
+                    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                    return None, f"{compiler} failed to build {SOURCE.name}: {last}"
+                os.chmod(scratch, 0o700)
+                os.replace(scratch, path)  # atomic: a concurrent process (another rank) sees all or nothing
+            finally:
+                if os.path.exists(scratch):
+                    os.unlink(scratch)
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"cannot build into {folder} ({error})"
+    status = path.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        return None, f"{path} is not this user's own or is writable by others; not loaded"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        return None, f"cannot load {path} ({error})"
+    if lib.decode_attention_isa() != 512:
+        return None, "the CPU has no AVX-512"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64, i64, i64, ptr, ptr,
+                                     ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    return lib, None
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if not _state:
+            lib, reason = _build()
+            _state.update(lib=lib, reason=reason)
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built and loaded here; else why not (one line). Builds on first call."""
+    _library()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def resolve(setting: bool | str, log=print) -> bool:
+    """speed.decode_attention -> whether the lean engine uses the kernel. auto: where it builds and loads
+    (else one log line, torch's path); true: it must (a ConfigError naming the key otherwise); false: never."""
+    if setting is False:
+        return False
+    reason = unavailable_reason()
+    if reason is None:
+        return True
+    if setting is True:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"config error: speed.decode_attention=true, but the fused kernel is unavailable: {reason} "
+                          f"(use auto or false)")
+    log(f"speed.decode_attention=auto: torch's decode attention ({reason})")
+    return False
+
+
+def supports(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel takes a cache of this shape, dtype and device (else the caller runs torch)."""
+    return head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP and dtype == torch.float32 and device.type == "cpu"
+
+
+def attend(query: torch.Tensor, scale: float, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
+           prompt_bias: torch.Tensor, prompt_of_row: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor,
+           length: int) -> torch.Tensor | None:
+    """One decode step: query (N, heads, 1, D); prompt K/V (B, kv, P, D); prompt_bias (B, P), 0 or -inf;
+    prompt_of_row (N,) int64; own K/V (N, kv, >= length, D) with the first `length` written.
+    -> (N, 1, heads * D), or None where the kernel does not take these tensors (the caller runs torch)."""
+    lib = _library()
+    rows, heads, _, dim = query.shape
+    kv_heads = own_keys.shape[1]
+    if lib is None or not supports(dim, heads // kv_heads, query.dtype, query.device):
+        return None
+    if query.stride(3) != 1 or query.stride(1) != dim:
+        query = query.contiguous()
+    for tensor in (prompt_keys, prompt_values, own_keys, own_values):
+        if tensor.dtype != torch.float32 or tensor.stride(3) != 1 or tensor.stride(2) != dim:
+            return None
+    if prompt_keys.stride() != prompt_values.stride() or own_keys.stride() != own_values.stride():
+        return None
+    prompt_bias, prompt_of_row = prompt_bias.contiguous(), prompt_of_row.contiguous()
+    out = query.new_empty(rows, 1, heads * dim)
+    code = lib.decode_attention(
+        query.data_ptr(), query.stride(0), rows, kv_heads, heads // kv_heads, dim, scale,
+        prompt_keys.data_ptr(), prompt_values.data_ptr(), prompt_keys.stride(0), prompt_keys.stride(1),
+        prompt_keys.shape[2], prompt_bias.data_ptr(), prompt_of_row.data_ptr(), own_keys.data_ptr(),
+        own_values.data_ptr(), own_keys.stride(0), own_keys.stride(1), length, out.data_ptr(),
+        torch.get_num_threads())
+    if code == 2:
+        raise MemoryError("speed.decode_attention: the kernel could not allocate its scores")
+    return out if code == 0 else None
