@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import head_dim_64_model
 
+from hasten.kernels import decode_attention
 from hasten.agent import make_tool
 from hasten.agent.loop import Agent, AgentSettings
 from hasten.agent.template import HERMES_TEMPLATE, ToolTemplate
@@ -69,6 +71,32 @@ def test_later_turn_equals_generate_on_the_whole_conversation(engine, cut):
     third = [contexts[1] + later.completion_ids[1, :int(later.completion_mask[1].sum())].tolist() + tool]
     kept_third = [len(third[0]) - len(tool)]
     same(cache.extend([3], third, kept_third, SAMPLING, seed=13), lean.generate(third, 1, SAMPLING, seed=13))
+
+
+@pytest.mark.skipif(decode_attention.unavailable_reason() is not None, reason="no fused decode attention here")
+def test_turns_with_the_fused_decode_attention_equal_plain_generate(monkeypatch):
+    """speed.decode_attention in the conversation cache: rows of different own lengths (a later turn for
+    some rows only), each answered by the kernel, draw what plain re-prefilling draws without it."""
+    tokenizer = tiny_tokenizer()
+    model = head_dim_64_model(len(tokenizer))
+    plain = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    fused = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], decode_attention=True)
+    answered = []
+    attend = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *a: answered.append(attend(*a)) or answered[-1])
+    prompts = [tokenizer("question one is longer", add_special_tokens=False)["input_ids"],
+               tokenizer("q2", add_special_tokens=False)["input_ids"]]
+    cache = ConversationCache(fused, 256)
+    first = cache.start(prompts, 3, SAMPLING, seed=5)
+    same(first, plain.generate(prompts, 3, SAMPLING, seed=5))
+    tool = tokenizer("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
+    rows, contexts, kept = [1, 2, 4], [], []
+    for row in rows:
+        written = prompts[row // 3] + first.completion_ids[row, :int(first.completion_mask[row].sum())].tolist()
+        contexts.append(written + tool)
+        kept.append(len(written))
+    same(cache.extend(rows, contexts, kept, SAMPLING, seed=9), plain.generate(contexts, 1, SAMPLING, seed=9))
+    assert answered and all(out is not None for out in answered)
 
 
 def multiply(a: int, b: int) -> int:

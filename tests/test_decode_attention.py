@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import encode
+from conftest import encode, head_dim_64_model
 
 from hasten.kernels import decode_attention
 from hasten.rollout import SamplingParams
@@ -206,26 +206,11 @@ def test_generate_hands_back_normal_tensors_the_learner_can_use(short_model, tok
     rollout.completion_mask[:, 0] = 1  # in place, as a learner may mask
 
 
-def _llama_d64(vocab_size: int):
-    """A 2-layer Llama with head_dim 64 (3 query heads on one KV head): a shape the kernel takes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        return LlamaForCausalLM(config).eval()
-    finally:
-        torch.random.set_rng_state(state)
-
-
 @needs_kernel
 def test_the_engine_samples_the_same_with_the_fused_kernel(tokenizer, monkeypatch):
     """LeanEngine with speed.decode_attention on and off: the same tokens for a seed, log-probs within 1e-5,
     and the kernel (not torch's path) answered every decode step's attention."""
-    model = _llama_d64(len(tokenizer))
+    model = head_dim_64_model(len(tokenizer))
     answered = []
     attend = decode_attention.attend
     monkeypatch.setattr(decode_attention, "attend", lambda *a: answered.append(attend(*a)) or answered[-1])

@@ -87,30 +87,32 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span, int6
             for (int c = 0; c < (NV); c++)                                                                   \
                 qv[g * (NV) + c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * dim + c * 16), _mm512_set1_ps(scale)); \
         score_rows(qv, (G), pk, width, bias, scores, padded, (NV));                                          \
-        score_rows(qv, (G), ok, length, 0, scores + width, padded, (NV));                                    \
+        score_rows(qv, (G), ok, own, 0, scores + width, padded, (NV));                                    \
         softmax_rows(scores, (G), span, padded, inv);                                                        \
         for (int64_t i = 0; i < (G) * (NV); i++) acc[i] = _mm512_setzero_ps();                               \
         value_rows(acc, (G), pv, width, scores, padded, (NV));                                               \
-        value_rows(acc, (G), ov, length, scores + width, padded, (NV));                                      \
+        value_rows(acc, (G), ov, own, scores + width, padded, (NV));                                      \
         for (int64_t g = 0; g < (G); g++)                                                                    \
             for (int c = 0; c < (NV); c++)                                                                   \
                 _mm512_storeu_ps(o + g * dim + c * 16, _mm512_mul_ps(acc[g * (NV) + c], _mm512_set1_ps(inv[g]))); \
     }
 
 /* q: (rows, kv_heads * group, dim) with row stride q_row; prompt K/V: (prompts, kv_heads, width, dim) with
-   strides p_row, p_head; prompt_bias: (prompts, width); prompt_of_row: (rows,); own K/V: (rows, kv_heads,
-   >= length, dim) with strides o_row, o_head; out: (rows, kv_heads * group * dim). Returns 0, or 1 for a
-   shape it does not take, 2 when out of memory. */
+   strides p_row, p_head; prompt_bias: (prompts, width); prompt_of_row: (rows,); own K/V: (slab rows, kv_heads,
+   >= length, dim) with strides o_row, o_head, row n's at slab row own_rows[n] (NULL: n), its first
+   own_lengths[n] positions attended (NULL: length, which is the largest); out: (rows, kv_heads * group * dim).
+   Returns 0, or 1 for a shape it does not take, 2 when out of memory. */
 int decode_attention(const float *q, int64_t q_row, int64_t rows, int64_t kv_heads, int64_t group, int64_t dim,
                      float scale, const float *prompt_k, const float *prompt_v, int64_t p_row, int64_t p_head,
                      int64_t width, const float *prompt_bias, const int64_t *prompt_of_row, const float *own_k,
-                     const float *own_v, int64_t o_row, int64_t o_head, int64_t length, float *out, int threads) {
+                     const float *own_v, int64_t o_row, int64_t o_head, const int64_t *own_rows,
+                     const int64_t *own_lengths, int64_t length, float *out, int threads) {
     if (!((dim == 64 || dim == 128) && group >= 1 && group <= MAXG && length >= 1 && width >= 0)) return 1;
-    int64_t span = width + length, padded = (span + 15) / 16 * 16;
+    int64_t most = (width + length + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = aligned_alloc(64, sizeof(float) * group * padded);
+        float *scores = aligned_alloc(64, sizeof(float) * group * most);
         float inv[MAXG];
         if (!scores) {
 #pragma omp atomic write
@@ -120,8 +122,10 @@ int decode_attention(const float *q, int64_t q_row, int64_t rows, int64_t kv_hea
         for (int64_t item = 0; item < rows * kv_heads; item++) {
             if (!scores) continue;
             int64_t n = item / kv_heads, h = item % kv_heads, b = prompt_of_row[n];
+            int64_t slab = own_rows ? own_rows[n] : n, own = own_lengths ? own_lengths[n] : length;
+            int64_t span = width + own, padded = (span + 15) / 16 * 16;
             const float *pk = prompt_k + b * p_row + h * p_head, *pv = prompt_v + b * p_row + h * p_head;
-            const float *ok = own_k + n * o_row + h * o_head, *ov = own_v + n * o_row + h * o_head;
+            const float *ok = own_k + slab * o_row + h * o_head, *ov = own_v + slab * o_row + h * o_head;
             const float *bias = prompt_bias + b * width, *qs = q + n * q_row + h * group * dim;
             float *o = out + item * group * dim;
             if (dim == 64 && group == 3) ITEM(4, 3)       /* SmolLM2 */
@@ -142,7 +146,8 @@ int decode_attention_isa(void) { return 0; }
 int decode_attention(const float *q, int64_t q_row, int64_t rows, int64_t kv_heads, int64_t group, int64_t dim,
                      float scale, const float *prompt_k, const float *prompt_v, int64_t p_row, int64_t p_head,
                      int64_t width, const float *prompt_bias, const int64_t *prompt_of_row, const float *own_k,
-                     const float *own_v, int64_t o_row, int64_t o_head, int64_t length, float *out, int threads) {
+                     const float *own_v, int64_t o_row, int64_t o_head, const int64_t *own_rows,
+                     const int64_t *own_lengths, int64_t length, float *out, int threads) {
     return 1;
 }
 

@@ -106,7 +106,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64, i64, i64, ptr, ptr,
-                                     ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+                                     ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     return lib, None
 
 
@@ -148,9 +148,11 @@ def supports(head_dim: int, group: int, dtype: torch.dtype, device: torch.device
 
 def attend(query: torch.Tensor, scale: float, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
            prompt_bias: torch.Tensor, prompt_of_row: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor,
-           length: int) -> torch.Tensor | None:
+           length: int, own_rows: torch.Tensor | None = None,
+           own_lengths: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decode step: query (N, heads, 1, D); prompt K/V (B, kv, P, D); prompt_bias (B, P), 0 or -inf;
-    prompt_of_row (N,) int64; own K/V (N, kv, >= length, D) with the first `length` written.
+    prompt_of_row (N,) int64; own K/V (S, kv, >= length, D): row n's at own_rows[n] (None: n), its first
+    own_lengths[n] <= length positions attended (None: `length` each; the conversation cache's rows differ).
     -> (N, 1, heads * D), or None where the kernel does not take these tensors (the caller runs torch)."""
     lib = _library()
     rows, heads, _, dim = query.shape
@@ -164,14 +166,19 @@ def attend(query: torch.Tensor, scale: float, prompt_keys: torch.Tensor, prompt_
             return None
     if prompt_keys.stride() != prompt_values.stride() or own_keys.stride() != own_values.stride():
         return None
-    prompt_bias, prompt_of_row = prompt_bias.contiguous(), prompt_of_row.contiguous()
+    indices = [prompt_of_row, own_rows, own_lengths]
+    if prompt_bias.dtype != torch.float32 or any(index is not None and (index.dtype != torch.int64 or len(index) != rows) for index in indices):
+        return None
+    prompt_bias = prompt_bias.contiguous()
+    prompt_of_row, own_rows, own_lengths = (None if index is None else index.contiguous() for index in indices)
     out = query.new_empty(rows, 1, heads * dim)
     code = lib.decode_attention(
         query.data_ptr(), query.stride(0), rows, kv_heads, heads // kv_heads, dim, scale,
         prompt_keys.data_ptr(), prompt_values.data_ptr(), prompt_keys.stride(0), prompt_keys.stride(1),
         prompt_keys.shape[2], prompt_bias.data_ptr(), prompt_of_row.data_ptr(), own_keys.data_ptr(),
-        own_values.data_ptr(), own_keys.stride(0), own_keys.stride(1), length, out.data_ptr(),
-        torch.get_num_threads())
+        own_values.data_ptr(), own_keys.stride(0), own_keys.stride(1),
+        None if own_rows is None else own_rows.data_ptr(), None if own_lengths is None else own_lengths.data_ptr(),
+        length, out.data_ptr(), torch.get_num_threads())
     if code == 2:
         raise MemoryError("speed.decode_attention: the kernel could not allocate its scores")
     return out if code == 0 else None

@@ -21,6 +21,9 @@ precision), the decode loop and the draws are rollout/decode.py's, seeded as
 re-prefilling (tests/test_agent_cache.py and test_agent_learning.py check
 tokens and log-probs against it).
 
+A decode step's attention runs speed.decode_attention's fused kernel where the engine has it on
+(kernels/decode_attention.py: each row's own length and slab row passed to it), else `_attend`.
+
 What it does not do, on purpose: rows that finished a turn stay in the batch
 (their writes are masked), so the cache is never copied to compact it.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import decode_attention
 from .decode import DecodeState, decode
 from .engine import left_pad
 from .types import Rollout, RowRange, SamplingParams
@@ -218,6 +222,9 @@ class ConversationCache:
         cos, signed_sin = engine._rope_table(self.capacity, device)
         embedding = engine.base.model.embed_tokens.weight
         prompt_lengths = self.prompt_lengths[rows // self.num_generations]  # (count,)
+        fused = bool(getattr(engine, "decode_attention", False))  # speed.decode_attention, resolved
+        prompt_of_row = rows // self.num_generations
+        bias_rows = self.prompt_bias.view(self.prompt_bias.shape[0], -1)  # (B, P)
 
         def keep_rows(keep: torch.Tensor) -> None:
             nonlocal live
@@ -237,6 +244,12 @@ class ConversationCache:
                 target = rows[writing]
                 keys[target, :, own_positions[writing]] = key[writing, :, 0]
                 values[target, :, own_positions[writing]] = value[writing, :, 0]
+                if fused:  # each row attends to its first own_positions + 1 own tokens, as own_allowed says
+                    attended = decode_attention.attend(query, engine.scale, self.prompt_keys[layer],
+                                                       self.prompt_values[layer], bias_rows, prompt_of_row, keys,
+                                                       values, span, rows, own_positions + 1)
+                    if attended is not None:
+                        return attended
                 return self._attend(layer, rows, query, own_allowed, full)
 
             hidden = engine._layers(F.embedding(tokens, embedding)[:, None], cos[positions][:, None, None],

@@ -34,15 +34,15 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   decode step attends to them through a (prompt, sample) grid (`GroupCache`),
   so the prompt part is read once per group: attention is memory-bound. Each
   row's own K/V is preallocated and written in place (no cat per step); plain
-  matmuls beat SDPA's CPU kernel at one query. The decode step stays two
-  batched matmuls per part, a cat of the scores and a softmax: torch's fused CPU flash
-  kernel on the own part (merged with the prompt part by log-sum-exp
-  weights), a K cache stored transposed and a two-part softmax without the
-  cat were each measured no faster at SmolLM2's decode shapes, from 64 to
-  1024 own tokens (docs/speedups.md; dev/profile_decode.py measures it).
-  What bounds it is the batched matmul's rate at 3 query rows per KV head,
-  not the number of ops; tests/test_decode_attention.py holds it to dense
-  attention.
+  matmuls beat SDPA's CPU kernel at one query. speed.decode_attention runs
+  the decode step's attention as one fused kernel (kernels/decode_attention.py:
+  each K/V row read once for the query heads sharing it, one softmax over
+  prompt and own keys), at the rate the machine streams; elsewhere it stays two
+  batched matmuls per part, a cat of the scores and a softmax, bound by the
+  batched matmul's rate at 3 query rows per KV head (torch's flash kernel, a
+  transposed K cache and a two-part softmax were no faster: docs/speedups.md;
+  dev/profile_decode.py measures all of them). tests/test_decode_attention.py
+  holds both to dense attention.
 - A row that samples EOS leaves the batch at once: with the prompt K/V shared,
   compaction copies only the rows' own K/V, which beat compacting later or never.
 - One host sync per step: "did any row finish?".
