@@ -468,6 +468,9 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
+    if cfg.speed.decode_attention is True and cfg.speed.engine in ("hf", "vllm"):
+        raise ConfigError(f"config error: speed.decode_attention=true is the lean engine's decode kernel, not "
+                          f"speed.engine={cfg.speed.engine}'s (use auto or lean, or decode_attention=auto|false)")
     if cfg.speed.engine_weights == "shared" and cfg.speed.generation_precision != "fp32":
         raise ConfigError(f"config error: speed.engine_weights=shared samples from the fp32 training weights; "
                           f"speed.generation_precision={cfg.speed.generation_precision} needs the engine's own "

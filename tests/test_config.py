@@ -74,6 +74,9 @@ def test_resolved_config_round_trips(tmp_path):
         ([("rewards.weights", ["a"])], "rewards.weights must be list of float or null (got ['a'])"),
         ([("task.name", "jsonl")], "task.path is required when task.name is jsonl"),
         ([("train.gradient_accumulation_steps", 64)], "train.gradient_accumulation_steps must be <="),
+        ([("speed.decode_attention", "yes")], "speed.decode_attention must be true, false or auto"),
+        ([("speed.decode_attention", True), ("speed.engine", "hf")],
+         "speed.decode_attention=true is the lean engine's decode kernel, not speed.engine=hf's"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

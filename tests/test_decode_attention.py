@@ -225,15 +225,21 @@ def test_the_engine_samples_the_same_with_the_fused_kernel(tokenizer, monkeypatc
 
 
 def test_decode_attention_auto_falls_back_with_a_log_line_and_true_is_a_config_error(monkeypatch):
+    """resolve: auto keeps torch's path with one line on a CPU that cannot (quietly on a GPU); true is exit 2."""
     from hasten.config import ConfigError
 
     monkeypatch.setattr(decode_attention, "unavailable_reason", lambda: "the CPU has no AVX-512")
     lines = []
-    assert decode_attention.resolve("auto", lines.append) is False
+    assert decode_attention.resolve("auto", "cpu", lines.append) is False
     assert lines == ["speed.decode_attention=auto: torch's decode attention (the CPU has no AVX-512)"]
-    assert decode_attention.resolve(False, lines.append) is False
+    assert decode_attention.resolve(False, "cpu", lines.append) is False
     with pytest.raises(ConfigError, match=r"speed.decode_attention=true.*no AVX-512"):
-        decode_attention.resolve(True)
+        decode_attention.resolve(True, "cpu")
+    monkeypatch.setattr(decode_attention, "unavailable_reason", lambda: None)
+    assert decode_attention.resolve("auto", "cpu", lines.append) is True and len(lines) == 1
+    assert decode_attention.resolve("auto", "cuda", lines.append) is False and len(lines) == 1  # quiet: not a CPU
+    with pytest.raises(ConfigError, match=r"speed.decode_attention=true.*model is on cuda"):
+        decode_attention.resolve(True, "cuda")
 
 
 def test_the_kernel_builds_into_the_cache_once_and_refuses_a_library_others_can_write(tmp_path, monkeypatch):

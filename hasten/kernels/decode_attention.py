@@ -124,20 +124,23 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def resolve(setting: bool | str, log=print) -> bool:
-    """speed.decode_attention -> whether the lean engine uses the kernel. auto: where it builds and loads
-    (else one log line, torch's path); true: it must (a ConfigError naming the key otherwise); false: never."""
+def resolve(setting: bool | str, device: torch.device | str = "cpu", log=print) -> bool:
+    """speed.decode_attention -> whether the lean engine uses the kernel. auto: on a CPU model where it builds
+    and loads (else one log line, torch's path; a GPU model quietly keeps torch's); true: it must (a
+    ConfigError naming the key otherwise); false: never."""
     if setting is False:
         return False
-    reason = unavailable_reason()
+    from ..errors import ConfigError
+
+    on_cpu = torch.device(device).type == "cpu"
+    reason = unavailable_reason() if on_cpu else f"the model is on {torch.device(device).type}, the kernel is the CPU's"
     if reason is None:
         return True
     if setting is True:
-        from ..errors import ConfigError
-
         raise ConfigError(f"config error: speed.decode_attention=true, but the fused kernel is unavailable: {reason} "
                           f"(use auto or false)")
-    log(f"speed.decode_attention=auto: torch's decode attention ({reason})")
+    if on_cpu:
+        log(f"speed.decode_attention=auto: torch's decode attention ({reason})")
     return False
 
 

