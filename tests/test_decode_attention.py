@@ -224,6 +224,15 @@ def test_the_engine_samples_the_same_with_the_fused_kernel(tokenizer, monkeypatc
     assert torch.allclose(rollouts[0].sampling_logprobs, rollouts[1].sampling_logprobs, atol=1e-5)
 
 
+def test_the_engine_turns_the_kernel_on_only_for_heads_it_takes(tokenizer, model):
+    """LeanEngine.decode_attention (what the run's plan line reports) is on only where the kernel takes
+    the model: head_dim 64 here, not the tiny model's 16, and never when the switch is off."""
+    on = LeanEngine(head_dim_64_model(len(tokenizer)), tokenizer.pad_token_id, [2], decode_attention=True)
+    assert on.decode_attention is True
+    assert LeanEngine(model, tokenizer.pad_token_id, [2], decode_attention=True).decode_attention is False
+    assert LeanEngine(head_dim_64_model(len(tokenizer)), tokenizer.pad_token_id, [2]).decode_attention is False
+
+
 def test_decode_attention_auto_falls_back_with_a_log_line_and_true_is_a_config_error(monkeypatch):
     """resolve: auto keeps torch's path with one line on a CPU that cannot (quietly on a GPU); true is exit 2."""
     from hasten.config import ConfigError

@@ -43,6 +43,7 @@ def test_baseline_and_conservative_plans_name_what_runs(data):
     assert (fast.engine, fast.model_impl) == ("lean", "native")
     assert fast.learning.logprob_pass.packed and fast.learning.settings.skip_zero_advantage
     assert "zero-advantage samples skipped" in fast.describe()
+    assert not fast.decode_attention and "fused decode attention" not in fast.describe()  # head_dim 16: torch's
 
 
 def test_the_sampler_correction_is_decided_once_from_the_config(data):

@@ -79,6 +79,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..kernels import decode_attention as fused_decode_attention
 from ..kernels.shared_prefix import common_prefix
 from ..models.llama import rms_norm, rope_table, rotate
 from .decode import DecodeState, decode
@@ -278,7 +279,6 @@ class LeanEngine:
                  shared_prefix: bool = False, weights: str = "copy", decode_attention: bool = False):
         check_supported(model)
         self.shared_prefix = shared_prefix  # speed.shared_prefix: the prompts' common prefix prefilled once
-        self.decode_attention = decode_attention  # speed.decode_attention, resolved: GroupCache's fused kernel
         if sample_precision not in ("fp32", "bf16", "int8"):
             raise ValueError(f"sample_precision must be fp32, bf16 or int8, got {sample_precision!r}")
         if weights not in ("copy", "shared") or (weights == "shared" and sample_precision != "fp32"):
@@ -296,6 +296,10 @@ class LeanEngine:
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         weight = self.base.model.embed_tokens.weight
+        # speed.decode_attention, resolved: the decode steps' attention through the fused kernel
+        # (kernels/decode_attention.py) where it takes this model's heads and cache, else torch's (GroupCache).
+        self.decode_attention = decode_attention and fused_decode_attention.supports(
+            self.head_dim, self.num_heads // self.num_kv_heads, weight.dtype, weight.device)
         # speed.generation_precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
         # with truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
         self.sample_precision = sample_precision
