@@ -13,6 +13,9 @@ a silent run on the CPU.
 
 Peak memory is the device's scarce one: torch.cuda.max_memory_allocated on a
 GPU, the process's peak resident set (ru_maxrss) on the CPU.
+
+What this machine keeps between runs (converted models, bench probes, built kernels) lives under
+`cache_root()`: $HASTEN_CACHE, default ~/.cache/hasten.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ from __future__ import annotations
 import functools
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import ConfigError
+
+
+def cache_root() -> Path:
+    """$HASTEN_CACHE (default ~/.cache/hasten): the machine's cache of converted models, probes and kernels."""
+    return Path(os.environ.get("HASTEN_CACHE") or Path.home() / ".cache" / "hasten")
 
 if TYPE_CHECKING:
     import torch

@@ -35,16 +35,13 @@ from pathlib import Path
 
 import torch
 
+from ..device import cache_root
+
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 HEAD_DIMS, MAX_GROUP = (64, 128), 8
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" (the loaded library) or "reason" (why it is not), once per process
-
-
-def cache_dir() -> Path:
-    """$HASTEN_CACHE/kernels (default ~/.cache/hasten/kernels), as models/smollm2.cache_root reads it."""
-    return Path(os.environ.get("HASTEN_CACHE") or Path.home() / ".cache" / "hasten") / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -69,12 +66,13 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "no C compiler (cc, gcc or $CC) on PATH"
     source = SOURCE.read_bytes()
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"the C compiler {compiler} does not run ({error})"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    folder = cache_dir()
+    folder = cache_root() / "kernels"
     path = folder / f"decode_attention-{key}.so"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -83,7 +81,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
             os.close(handle)
             try:
                 done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
-                                      text=True, timeout=300)
+                                      text=True, timeout=300, check=False)
                 if done.returncode != 0:
                     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
                     return None, f"{compiler} failed to build {SOURCE.name}: {last}"

@@ -57,6 +57,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from ..device import cache_root  # re-exported: cli, models and bench name it from here
 from ..ticker import Ticker
 from .files import owner_note, sha256_file, share_like_umask
 
@@ -80,10 +81,6 @@ def origin() -> str:
 
 class ConversionError(RuntimeError):
     """The one-time GGUF conversion failed in its child process; str() is one line."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HASTEN_CACHE") or Path.home() / ".cache" / "hasten")
 
 
 def gguf_dir() -> Path:

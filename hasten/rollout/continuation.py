@@ -238,6 +238,7 @@ class ConversationCache:
             writing[live] = True
             span = int(own_positions.max()) + 1
             own_allowed = (torch.arange(span, device=device)[None] <= own_positions[:, None])[:, None]  # (count, 1, span)
+            own_lengths = own_positions + 1  # the same, as lengths: the fused kernel's form
 
             def attend(layer, query, key, value):
                 keys, values = self.keys[layer], self.values[layer]
@@ -247,7 +248,7 @@ class ConversationCache:
                 if fused:  # each row attends to its first own_positions + 1 own tokens, as own_allowed says
                     attended = decode_attention.attend(query, engine.scale, self.prompt_keys[layer],
                                                        self.prompt_values[layer], bias_rows, prompt_of_row, keys,
-                                                       values, span, rows, own_positions + 1)
+                                                       values, span, rows, own_lengths)
                     if attended is not None:
                         return attended
                 return self._attend(layer, rows, query, own_allowed, full)
