@@ -206,6 +206,113 @@ def test_causal_form_equals_masked_attention_with_gradients(dtype):
         assert torch.allclose(a, b, atol=tolerance)
 
 
+def test_buckets_are_the_cheapest_cut():
+    """_buckets against every way of cutting a few widths into consecutive buckets."""
+    import itertools
+
+    from hasten.kernels.grouped_attention import _buckets
+
+    torch.manual_seed(0)
+    for trial in range(40):
+        widths = sorted(torch.randint(1, 60, (int(torch.randint(1, 8, ())),)).tolist(), reverse=True)
+        keys, call = int(torch.randint(0, 100, ())), int(torch.randint(0, 3000, ()))
+
+        def cost(start, end):
+            return (end - start) * widths[start] * (keys + widths[start])
+
+        def total(cuts):
+            return sum(cost(start, end) + call for start, end in cuts)
+
+        best = min(total(list(zip((0, *inner), (*inner, len(widths)))))
+                   for size in range(len(widths)) for inner in itertools.combinations(range(1, len(widths)), size))
+        cuts = _buckets(widths, cost, call)
+        assert total(cuts) == best
+        assert cuts[0][0] == 0 and cuts[-1][1] == len(widths)
+        assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert _buckets([9, 9, 2, 2], lambda start, end: (end - start) * [9, 9, 2, 2][start] ** 2, 0) == [(0, 2), (2, 4)]
+    assert _buckets([9, 9, 2, 2], lambda start, end: (end - start) * [9, 9, 2, 2][start] ** 2, 10**9) == [(0, 4)]
+
+
+def _ragged_segments(rows, shared=0):
+    """(R, L) segments: per row a prompt and completions of varied lengths; row 0 starts with `shared` prefix tokens."""
+    segments = torch.full((len(rows), 80), -1)
+    for row, (prompt, lengths) in enumerate(rows):
+        segments[row, :prompt] = 0
+        if row == 0:
+            segments[row, :shared] = -2
+        at = prompt
+        for j, n in enumerate(lengths, start=1):
+            segments[row, at:at + n] = j
+            at += n
+    return segments
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+def test_bucketed_grouped_attention_equals_one_call_and_the_dense_mask(shared):
+    """Completions and prompts cut into buckets of their own widths (several prompt and completion buckets, a
+    causal prompt bucket, a bucket of rows that are not consecutive) give what one padded call per batch gives,
+    outputs and q/k/v gradients in float64, and both equal dense attention under the block mask with the prefix
+    copied into every row."""
+    from hasten.kernels.grouped_attention import build_layout, grouped_attention_forward
+
+    torch.manual_seed(0)
+    # row 2's prompt is longer than row 1's: the prompt entries are ordered 0, 2, 1 (row 0 holds the prefix)
+    segments = _ragged_segments([(14, [30, 2, 3, 25]), (3, [1, 2, 28]), (9, [30, 29, 4, 1])], shared)
+    rows, width = segments.shape
+    heads, kv_heads, dim = 6, 2, 8
+    query = torch.randn(rows, heads, width, dim, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(rows, kv_heads, width, dim, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(rows, kv_heads, width, dim, dtype=torch.float64, requires_grad=True)
+    real = (segments != -1).flatten()
+    weights = torch.randn(rows * width, heads, dim, dtype=torch.float64)
+
+    def run(layout):
+        out, _ = grouped_attention_forward(None, query, key, value, None, scaling=dim**-0.5, hasten_layout=layout)
+        out = out.reshape(rows * width, heads, dim)[real]
+        return out, torch.autograd.grad((out * weights[real]).sum(), (query, key, value))
+
+    one, cut = build_layout(segments, bucket_pairs=10**12), build_layout(segments, bucket_pairs=0)
+    assert len(one.prompt_buckets) == 1 and len(one.completion_buckets) == 1
+    assert one.prompt_buckets[0][3] == -1  # rows 0, 2, 1: not consecutive, their keys are gathered
+    assert len(cut.completion_buckets) >= 3 and len(cut.prompt_buckets) >= 2
+    assert [b[2] for b in cut.completion_buckets] == sorted({b[2] for b in cut.completion_buckets}, reverse=True)
+    assert cut.prompt_row.tolist() == [0, 2, 1]
+    assert cut.prompt_buckets[0][4]  # row 0 starts at key 0: its bucket is causal
+    assert any(b[4] == (shared == 0) for b in cut.prompt_buckets[1:])
+    results = [run(one), run(cut)]
+    # The dense reference: each row holds its own copy of the prefix (row 0's positions, gathered), and every
+    # position attends to what the block mask allows in that row; outputs read back at the original positions.
+    from hasten.train.packing import block_mask
+
+    flat = torch.arange(rows * width).view(rows, width)
+    copies = [flat[0][segments[0] != -1]] + [torch.cat([flat[0][:shared], flat[row][segments[row] != -1]])
+                                              for row in range(1, rows)]
+    wide = max(c.numel() for c in copies)
+    source = torch.stack([torch.cat([c, c.new_zeros(wide - c.numel())]) for c in copies])  # (R, L2)
+    dense_segments = torch.stack([torch.cat([segments.flatten()[c].clamp(min=0), torch.full((wide - c.numel(),), -1)])
+                                  for c in copies])
+    group = heads // kv_heads
+
+    def unshared(tensor, repeat=1):  # (R, h, L, D) -> (R, h * repeat, L2, D), each row with the prefix copied in
+        taken = tensor.transpose(1, 2).reshape(rows * width, tensor.shape[1], dim)[source]
+        return taken.transpose(1, 2).repeat_interleave(repeat, 1)
+
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        unshared(query), unshared(key, group), unshared(value, group), attn_mask=block_mask(dense_segments),
+        scale=dim**-0.5).transpose(1, 2)  # (R, L2, H, D)
+    back = torch.zeros(rows * width, heads, dim, dtype=torch.float64)
+    for row, c in enumerate(copies):
+        keep = slice(0, None) if row == 0 else slice(shared, None)
+        back = back.index_put((c[keep],), dense[row, :c.numel()][keep])
+    dense = back[real]
+    results.append((dense, torch.autograd.grad((dense * weights[real]).sum(), (query, key, value))))
+    (out_a, grads_a), *others = results
+    for out_b, grads_b in others:
+        assert torch.allclose(out_a, out_b, atol=1e-12)
+        for a, b in zip(grads_a, grads_b):
+            assert torch.allclose(a, b, atol=1e-12)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_target_log_softmax_matches_autograd_reference(temperature):
     from hasten.train.packing import TargetLogSoftmax

@@ -17,8 +17,17 @@ Here the same attention is computed on the allowed blocks only:
 With speed.shared_prefix the prompts' common prefix sits once, at the start
 of row 0 (segment -2), and every row's prompt keys are that prefix's keys
 followed by its own prompt's: the gathers read across rows.
-Both are one `scaled_dot_product_attention` call each, per layer (fp32 under
-CPU autocast: kernels/precision.py's `attention`); queries, keys and values are
+Each batch is padded to its longest member, and members differ: an agentic
+group's completions run 14 to 159 tokens, and with a shared prefix row 0
+holds ~400 prompt queries where the others hold ~30. So each batch is sorted
+longest first and cut into a few buckets, each padded to its own longest
+(`_buckets`: the cut that scores the fewest (query, key) pairs, a call
+counted as BUCKET_CALL_PAIRS of them), one `scaled_dot_product_attention`
+call per bucket and layer; a prompt bucket whose rows start at key 0 (row 0,
+or every row without a shared prefix) is plain causal attention and runs
+under is_causal, where the CPU flash kernel skips the blocks past the
+diagonal. The calls run in fp32 under
+CPU autocast (kernels/precision.py's `attention`); queries, keys and values are
 gathered into those batches and every packed position gathers its output
 back, all under autograd, with gathers whose backward is index_add_ (`_Rows`:
 autograd's own accumulating index_put is serial on the CPU). Every query sees exactly
@@ -50,32 +59,63 @@ NAME = "hasten_grouped"
 
 SHARED_SEGMENT = -2  # the prompts' common prefix (speed.shared_prefix): in the first row only, seen by every row
 CAUSAL_FROM = 512  # completions padded to this many tokens or more take the causal form (_causal_completions)
+# One more attention call (its gathers, mask slice and kernel launch, forward and backward) costs about as much
+# as scoring this many (query, key) pairs of one head set: dev/profile_learn.py, SmolLM2's 9 heads, 2 threads.
+BUCKET_CALL_PAIRS = 32768
 
 
 @dataclass
 class GroupedLayout:
     """Where each block's tokens sit in the packed rows (flat index = row * width + column)."""
 
-    prompt_index: torch.Tensor  # (R, Pq) flat positions of each row's prompt queries, padded with 0
+    # Prompt queries, one entry per packed row, longest first (prompt_row: which row each entry is).
+    prompt_index: torch.Tensor  # (R, Pq) flat positions of each entry's prompt queries, padded with 0
     prompt_valid: torch.Tensor  # (R, Pq) bool
-    key_index: torch.Tensor  # (R, Pk) flat positions of the prompt keys each row sees: shared prefix, own prompt
+    key_index: torch.Tensor  # (R, Pk) flat positions of the prompt keys each row sees (row order): shared prefix, own prompt
     key_valid: torch.Tensor  # (R, Pk) bool
     prompt_mask: torch.Tensor  # (R, 1, Pq, Pk) bool: causal over the valid prompt keys
     completion_index: torch.Tensor  # (C, T) flat positions of each completion's input tokens, padded
     completion_valid: torch.Tensor  # (C, T) bool
     completion_row: torch.Tensor  # (C,) the packed row (group) of each completion
     completion_mask: torch.Tensor  # (C, 1, T, Pk + T) bool: its row's prompt keys, then own tokens causally; causal form: empty
-    output_source: torch.Tensor  # (R*L,) row of [prompt outputs (R*Pq), completion outputs (C*T), zero] per position
+    output_source: torch.Tensor  # (R*L,) slot of [prompt outputs, completion outputs, zero] each position reads
     # The causal form (long completions, CAUSAL_FROM): completions [start, end) whose rows see `keys` prompt
     # keys, each run as one causal sequence [prompt keys, own tokens]; () = the masked form.
     causal_groups: tuple[tuple[int, int, int], ...] = ()
+    prompt_row: torch.Tensor | None = None  # (R,) the packed row of each prompt entry; None = row order
+    # (start, end, width, first_row, causal): prompt entries [start, end) as one call of `width` queries; their rows
+    # are first_row, first_row + 1, ... (-1: not consecutive); causal: they start at key 0 (queries = keys).
+    prompt_buckets: tuple[tuple[int, int, int, int, bool], ...] = ()
+    # (start, end, width): completions [start, end) (masked form: longest first) as one call of `width` queries.
+    completion_buckets: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device) -> GroupedLayout:
         return GroupedLayout(*(getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
                                else getattr(self, f) for f in self.__dataclass_fields__))
 
 
-def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> GroupedLayout:
+def _buckets(widths: list[int], cost, call: int) -> list[tuple[int, int]]:
+    """Cut `widths` (longest first) into consecutive buckets [start, end), each padded to its first (longest)
+    member, minimizing the sum of cost(start, end) over buckets plus `call` a bucket. Exact (dynamic
+    programming over the cut points); a bucket starts only where the width changes."""
+    count = len(widths)
+    if count == 0:
+        return []
+    starts = [i for i in range(count) if i == 0 or widths[i] != widths[i - 1]]
+    best = {0: (0, -1)}  # end -> (cost of [0, end), start of its last bucket)
+    for end in starts[1:] + [count]:
+        best[end] = min((best[start][0] + cost(start, end) + call, start)
+                        for start in starts if start < end)
+    cuts, end = [], count
+    while end > 0:
+        start = best[end][1]
+        cuts.append((start, end))
+        end = start
+    return cuts[::-1]
+
+
+def build_layout(segments: torch.Tensor, causal_from: int | None = None,
+                 bucket_pairs: int | None = None) -> GroupedLayout:
     """segments: (R, L) as in packing.block_mask: 0 = prompt, j > 0 = completion j, -1 = padding, and
     SHARED_SEGMENT (-2) = the prompts' common prefix, at the start of row 0 (kernels/shared_prefix.py).
 
@@ -83,7 +123,10 @@ def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> Grou
     are its own prompt tokens (row 0: the prefix's too), so the prefix is computed once.
 
     causal_from: completions padded to at least this many tokens take the causal form (see
-    grouped_attention_forward); None = CAUSAL_FROM, 0 = always, a huge number = never."""
+    grouped_attention_forward); None = CAUSAL_FROM, 0 = always, a huge number = never.
+    bucket_pairs: what one more attention call counts as, in scored (query, key) pairs (_buckets);
+    None = BUCKET_CALL_PAIRS, a huge number = one call per batch (every member padded to the longest)."""
+    call = BUCKET_CALL_PAIRS if bucket_pairs is None else bucket_pairs
     rows, width = segments.shape
     shared = (segments[0] == SHARED_SEGMENT).nonzero().flatten()  # flat positions of the prefix (row 0)
     queries, keys, offsets, completions, completion_rows = [], [], [], [], []
@@ -97,10 +140,32 @@ def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> Grou
             if segment > 0:  # a completion of one token has no input positions, hence no segment
                 completions.append(base + (segments[row] == segment).nonzero().flatten())
                 completion_rows.append(row)
-    prompt_index, prompt_valid = _pad(queries)  # (R, Pq)
-    key_index, key_valid = _pad(keys)  # (R, Pk)
+    key_index, key_valid = _pad(keys)  # (R, Pk), row order: completions find their row's keys here
     key_counts = [int(k.numel()) for k in keys]
+    key_length = key_index.shape[1]
+
+    # Prompt entries longest first (stable), cut into buckets; a bucket of rows that start at key 0 is causal.
+    prompt_order = sorted(range(rows), key=lambda row: -queries[row].numel())
+    prompt_widths = [queries[row].numel() for row in prompt_order]
+    starts_at_zero = [offsets[row] == 0 for row in prompt_order]
+
+    def prompt_cost(start: int, end: int) -> int:
+        width = prompt_widths[start]
+        if all(starts_at_zero[start:end]):
+            return (end - start) * width * (width + 1) // 2  # is_causal: the blocks past the diagonal are skipped
+        return (end - start) * width * key_length
+
+    prompt_buckets = []
+    for start, end in _buckets(prompt_widths, prompt_cost, call):
+        members = prompt_order[start:end]
+        consecutive = members == list(range(members[0], members[0] + len(members)))
+        prompt_buckets.append((start, end, max(prompt_widths[start], 1), members[0] if consecutive else -1,
+                               all(starts_at_zero[start:end])))
+    prompt_index, prompt_valid = _pad([queries[row] for row in prompt_order])  # (R, Pq)
+    prompt_row = torch.tensor(prompt_order, dtype=torch.long)  # (R,)
+
     causal_groups: tuple[tuple[int, int, int], ...] = ()
+    completion_buckets: list[tuple[int, int, int]] = []
     longest = max((c.numel() for c in completions), default=0)
     if completions and longest >= (CAUSAL_FROM if causal_from is None else causal_from):
         # Completions ordered by how many prompt keys their row sees (stable: a group's stay together), so
@@ -115,14 +180,22 @@ def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> Grou
             else:
                 groups.append((position, position + 1, key_counts[row]))
         causal_groups = tuple(groups)
+    elif completions:  # the masked form: longest first (stable), cut into buckets
+        order = sorted(range(len(completions)), key=lambda i: -completions[i].numel())
+        completions = [completions[i] for i in order]
+        completion_rows = [completion_rows[i] for i in order]
+        lengths = [c.numel() for c in completions]
+        completion_buckets = [(start, end, lengths[start]) for start, end in _buckets(
+            lengths, lambda start, end: (end - start) * lengths[start] * (key_length + lengths[start]), call)]
     completion_index, completion_valid = _pad(completions)  # (C, T)
     completion_row = torch.tensor(completion_rows, dtype=torch.long)  # (C,)
 
-    query_length, key_length = prompt_index.shape[1], key_index.shape[1]
+    query_length = prompt_index.shape[1]
     completion_length = completion_index.shape[1]
-    query_slot = torch.arange(query_length)[None, :, None] + torch.tensor(offsets)[:, None, None]  # (R, Pq, 1)
+    query_slot = torch.arange(query_length)[None, :, None] + torch.tensor(
+        [offsets[row] for row in prompt_order])[:, None, None]  # (R, Pq, 1)
     key_slot = torch.arange(key_length)[None, None, :]  # (1, 1, Pk)
-    prompt_mask = (key_slot <= query_slot) & key_valid[:, None, :]  # (R, Pq, Pk)
+    prompt_mask = (key_slot <= query_slot) & key_valid[prompt_row][:, None, :]  # (R, Pq, Pk)
     prompt_mask |= ~prompt_valid[:, :, None] & (key_slot == 0)  # padded queries see one real key: never NaN
     if causal_groups:  # no mask: _causal_completions runs each slice under is_causal
         completion_mask = torch.ones(0, 0, 0, dtype=torch.bool)
@@ -131,13 +204,26 @@ def build_layout(segments: torch.Tensor, causal_from: int | None = None) -> Grou
         own = causal_own & completion_valid[:, None, :]  # (C, T, T)
         sees_prompt = key_valid[completion_row][:, None, :].expand(-1, completion_length, -1)  # (C, T, Pk)
         completion_mask = torch.cat([sees_prompt, own], dim=2)  # (C, T, Pk + T)
-    num_prompt_slots, num_completion_slots = prompt_index.numel(), completion_index.numel()
-    output_source = torch.full((rows * width,), num_prompt_slots + num_completion_slots, dtype=torch.long)
-    output_source[prompt_index[prompt_valid]] = torch.arange(num_prompt_slots)[prompt_valid.flatten()]
-    output_source[completion_index[completion_valid]] = (
-        num_prompt_slots + torch.arange(num_completion_slots)[completion_valid.flatten()])
+
+    # Output slots: each bucket's outputs (members x width, member-major), prompts' then completions', then
+    # one zero slot that padding positions read.
+    def slots(shape: tuple[int, int], buckets, base: int) -> tuple[torch.Tensor, int]:
+        slot = torch.zeros(shape, dtype=torch.long)
+        for start, end, bucket_width in buckets:
+            count = (end - start) * bucket_width
+            slot[start:end, :bucket_width] = base + torch.arange(count).view(end - start, bucket_width)
+            base += count
+        return slot, base
+
+    prompt_slot, used = slots(tuple(prompt_index.shape), [b[:3] for b in prompt_buckets], 0)
+    completion_slot, used = slots(tuple(completion_index.shape), completion_buckets if not causal_groups
+                                  else [(0, len(completions), completion_length)] if completions else [], used)
+    output_source = torch.full((rows * width,), used, dtype=torch.long)
+    output_source[prompt_index[prompt_valid]] = prompt_slot[prompt_valid]
+    output_source[completion_index[completion_valid]] = completion_slot[completion_valid]
     return GroupedLayout(prompt_index, prompt_valid, key_index, key_valid, prompt_mask[:, None], completion_index,
-                         completion_valid, completion_row, completion_mask[:, None], output_source, causal_groups)
+                         completion_valid, completion_row, completion_mask[:, None], output_source, causal_groups,
+                         prompt_row, tuple(prompt_buckets), tuple(completion_buckets))
 
 
 def _pad(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,29 +284,39 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
         return take_rows(flat, index).transpose(1, 2)
 
     prompt_k, prompt_v = gather(flat_k, layout.key_index), gather(flat_v, layout.key_index)  # (R, Hkv, Pk, D)
-    prompt_out = attention(
-        gather(flat_q, layout.prompt_index), prompt_k, prompt_v, attn_mask=layout.prompt_mask,
-        scale=scaling, enable_gqa=gqa,
-    )  # (R, H, Pq, D)
-    pieces = [prompt_out.transpose(1, 2).reshape(-1, heads, dim)]  # (R*Pq, H, D)
-    if not layout.completion_valid.any():  # every completion is a single token: no inputs of theirs
-        pieces.append(pieces[0].new_zeros(layout.completion_index.numel(), heads, dim))  # keeps the slots' rows
-    else:
+    pieces = []  # (slots, H, D) each, in output_source's slot order
+    for start, end, width, first_row, causal in layout.prompt_buckets:
+        if first_row >= 0:  # consecutive rows: a view of the keys, no copy
+            k, v = prompt_k[first_row:first_row + end - start], prompt_v[first_row:first_row + end - start]
+        else:
+            k, v = take_rows(prompt_k, layout.prompt_row[start:end]), take_rows(prompt_v, layout.prompt_row[start:end])
+        q = gather(flat_q, layout.prompt_index[start:end, :width])  # (n, H, width, D)
+        if causal:  # these rows' queries are their keys, from key 0: plain causal attention over `width` keys
+            out = attention(q, k[:, :, :width], v[:, :, :width], is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            out = attention(q, k, v, attn_mask=layout.prompt_mask[start:end, :, :width], scale=scaling,
+                            enable_gqa=gqa)
+        pieces.append(out.transpose(1, 2).reshape(-1, heads, dim))  # (n*width, H, D)
+    if layout.causal_groups:
         own_q = gather(flat_q, layout.completion_index)  # (C, H, T, D)
         own_k = gather(flat_k, layout.completion_index)  # (C, Hkv, T, D)
         own_v = gather(flat_v, layout.completion_index)
-        if layout.causal_groups:
-            completion_out = _causal_completions(layout, own_q, own_k, own_v, prompt_k, prompt_v, scaling, gqa)
-        else:
-            completion_out = attention(
-                own_q,
-                torch.cat([take_rows(prompt_k, layout.completion_row), own_k], dim=2),  # (C, Hkv, Pk + T, D)
-                torch.cat([take_rows(prompt_v, layout.completion_row), own_v], dim=2),
-                attn_mask=layout.completion_mask, scale=scaling, enable_gqa=gqa,
-            )  # (C, H, T, D)
-        pieces.append(completion_out.transpose(1, 2).reshape(-1, heads, dim).to(pieces[0].dtype))  # (C*T, H, D)
+        completion_out = _causal_completions(layout, own_q, own_k, own_v, prompt_k, prompt_v, scaling, gqa)
+        pieces.append(completion_out.transpose(1, 2).reshape(-1, heads, dim))  # (C*T, H, D)
+    for start, end, width in layout.completion_buckets:  # the masked form
+        index, rows = layout.completion_index[start:end, :width], layout.completion_row[start:end]
+        out = attention(
+            gather(flat_q, index),  # (n, H, width, D)
+            torch.cat([take_rows(prompt_k, rows), gather(flat_k, index)], dim=2),  # (n, Hkv, Pk + width, D)
+            torch.cat([take_rows(prompt_v, rows), gather(flat_v, index)], dim=2),
+            attn_mask=layout.completion_mask[start:end, :, :width, :prompt_k.shape[2] + width],
+            scale=scaling, enable_gqa=gqa,
+        )  # (n, H, width, D)
+        pieces.append(out.transpose(1, 2).reshape(-1, heads, dim))
+    dtype = pieces[0].dtype
+    pieces = [piece.to(dtype) for piece in pieces]
     pieces.append(pieces[0].new_zeros(1, heads, dim))  # what padding positions read (never used downstream)
-    # Every packed position reads its row of [prompt outputs, completion outputs, zeros]: one gather.
+    # Every packed position reads its slot of [prompt outputs, completion outputs, zeros]: one gather.
     out = take_rows(torch.cat(pieces), layout.output_source)  # (B*L, H, D)
     return out.view(batch, length, heads, dim), None  # (B, L, H, D), as transformers' sdpa returns
 
