@@ -189,3 +189,41 @@ def test_rows_whose_tool_results_differ_in_length_fit_the_cache(engine):
                              for row in range(2))
         assert tool_tokens[0] < tool_tokens[1]  # both tool turns appended, of different lengths
         assert batch.metrics["tools/model_turns"] == 2.0  # and every rollout went on after its tool turn
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_that_finish_leave_the_batch(fused):
+    """Rows that end their turn early leave the running batch (the later steps feed fewer rows, nothing is
+    copied), on turn 0 and on a later turn for some rows, and the rest draw what re-prefilling draws. Many
+    end tokens make the rows end at different steps."""
+    if fused and decode_attention.unavailable_reason() is not None:
+        pytest.skip("no fused decode attention here")
+    tokenizer = tiny_tokenizer()
+    model = head_dim_64_model(len(tokenizer))
+    ends = list(range(3, len(tokenizer), 9))  # one token in nine ends a row
+    plain = LeanEngine(model, tokenizer.pad_token_id, ends)
+    lean = LeanEngine(model, tokenizer.pad_token_id, ends, decode_attention=fused)
+    fed = []
+    layers = lean._layers
+    lean._layers = lambda hidden, *rest: fed.append(hidden.shape[0]) or layers(hidden, *rest)
+    prompts = [tokenizer("question one is longer", add_special_tokens=False)["input_ids"],
+               tokenizer("q2", add_special_tokens=False)["input_ids"]]
+    cache = ConversationCache(lean, 256)
+    first = cache.start(prompts, 4, SAMPLING, seed=2)
+    same(first, plain.generate(prompts, 4, SAMPLING, seed=2))
+    lengths = first.completion_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows ended at different steps
+    decode_steps = fed[1:]  # fed[0] is the prompts' prefill
+    assert decode_steps[0] == int((lengths > 1).sum())  # a row whose first token ends it is never fed
+    assert decode_steps[-1] < decode_steps[0] and decode_steps == sorted(decode_steps, reverse=True)
+    assert sum(decode_steps) == int((lengths - 1).sum())  # each row is fed until its last sampled token
+    tool = tokenizer("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
+    rows, contexts, kept = [0, 3, 5, 6], [], []
+    for row in rows:
+        written = prompts[row // 4] + first.completion_ids[row, :int(first.completion_mask[row].sum())].tolist()
+        contexts.append(written + tool)
+        kept.append(len(written))
+    fed.clear()
+    later = cache.extend(rows, contexts, kept, SAMPLING, seed=4)
+    same(later, plain.generate(contexts, 1, SAMPLING, seed=4))
+    assert sum(fed[1:]) == int((later.completion_mask.sum(1) - 1).sum())

@@ -24,8 +24,9 @@ tokens and log-probs against it).
 A decode step's attention runs speed.decode_attention's fused kernel where the engine has it on
 (kernels/decode_attention.py: each row's own length and slab row passed to it), else `_attend`.
 
-What it does not do, on purpose: rows that finished a turn stay in the batch
-(their writes are masked), so the cache is never copied to compact it.
+A row that finishes its turn leaves the running batch at once, as in the lean engine: later steps feed
+only the rows still sampling, each reading and writing its own slab row by index, so nothing is copied
+to compact the cache (an agentic group's turns end 14 to 159 tokens apart).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class ConversationCache:
     def _decode(self, rows: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams, seed: int,
                 row_range: RowRange | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 num_generations: int) -> Rollout:
-        """rollout/decode.py's loop over `rows`; every row is fed each step, only live rows write."""
+        """rollout/decode.py's loop over `rows`; each step feeds only the rows still sampling."""
         engine = self.engine
         device = logits.device
         count = len(rows)
@@ -218,7 +219,6 @@ class ConversationCache:
                             sampling, prompt_ids, prompt_mask)
         live = torch.arange(count, device=device)  # batch rows still sampling
         full = _every_row(rows, len(self.own))
-        tokens = torch.full((count,), engine.pad_token_id, dtype=torch.long, device=device)
         cos, signed_sin = engine._rope_table(self.capacity, device)
         embedding = engine.base.model.embed_tokens.weight
         prompt_lengths = self.prompt_lengths[rows // self.num_generations]  # (count,)
@@ -231,32 +231,33 @@ class ConversationCache:
             live = live[keep]
 
         def forward(token: torch.Tensor) -> torch.Tensor:
-            tokens[live] = token
-            own_positions = self.own[rows]  # (count,) where each row's token goes after its prompt
-            positions = prompt_lengths + own_positions
-            writing = torch.zeros(count, dtype=torch.bool, device=device)
-            writing[live] = True
+            # Only the rows still sampling run: a finished row's slab is left as it is (nothing copied), and
+            # the others read and write their own slab rows by index.
+            live_rows = rows[live]  # (live,) their cache rows
+            own_positions = self.own[live_rows]  # (live,) where each row's token goes after its prompt
+            positions = prompt_lengths[live] + own_positions
             span = int(own_positions.max()) + 1
-            own_allowed = (torch.arange(span, device=device)[None] <= own_positions[:, None])[:, None]  # (count, 1, span)
+            own_allowed = (torch.arange(span, device=device)[None] <= own_positions[:, None])[:, None]  # (live, 1, span)
             own_lengths = own_positions + 1  # the same, as lengths: the fused kernel's form
+            live_prompts = prompt_of_row[live]
+            every = full and len(live) == count  # every cache row, in order: _attend reads the slabs as views
 
             def attend(layer, query, key, value):
                 keys, values = self.keys[layer], self.values[layer]
-                target = rows[writing]
-                keys[target, :, own_positions[writing]] = key[writing, :, 0]
-                values[target, :, own_positions[writing]] = value[writing, :, 0]
+                keys[live_rows, :, own_positions] = key[:, :, 0]
+                values[live_rows, :, own_positions] = value[:, :, 0]
                 if fused:  # each row attends to its first own_positions + 1 own tokens, as own_allowed says
                     attended = decode_attention.attend(query, engine.scale, self.prompt_keys[layer],
-                                                       self.prompt_values[layer], bias_rows, prompt_of_row, keys,
-                                                       values, span, rows, own_lengths)
+                                                       self.prompt_values[layer], bias_rows, live_prompts, keys,
+                                                       values, span, live_rows, own_lengths)
                     if attended is not None:
                         return attended
-                return self._attend(layer, rows, query, own_allowed, full)
+                return self._attend(layer, live_rows, query, own_allowed, every)
 
-            hidden = engine._layers(F.embedding(tokens, embedding)[:, None], cos[positions][:, None, None],
-                                    signed_sin[positions][:, None, None], attend)  # (count, 1, H)
-            self.own[rows[writing]] += 1
-            return engine._logits(hidden[live, -1])  # (live, V)
+            hidden = engine._layers(F.embedding(token, embedding)[:, None], cos[positions][:, None, None],
+                                    signed_sin[positions][:, None, None], attend)  # (live, 1, H)
+            self.own[live_rows] += 1
+            return engine._logits(hidden[:, -1])  # (live, V)
 
         decode(state, logits, sampling, keep_rows, forward)  # a row's last sampled token is never fed
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
