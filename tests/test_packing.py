@@ -231,6 +231,13 @@ def test_buckets_are_the_cheapest_cut():
         assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
     assert _buckets([9, 9, 2, 2], lambda start, end: (end - start) * [9, 9, 2, 2][start] ** 2, 0) == [(0, 2), (2, 4)]
     assert _buckets([9, 9, 2, 2], lambda start, end: (end - start) * [9, 9, 2, 2][start] ** 2, 10**9) == [(0, 4)]
+    # many distinct widths: a coarser but valid cut, at most MAX_CUT_POINTS buckets
+    from hasten.kernels.grouped_attention import MAX_CUT_POINTS
+
+    widths = list(range(1000, 0, -1))
+    cuts = _buckets(widths, lambda start, end: (end - start) * widths[start] ** 2, 0)
+    assert cuts[0][0] == 0 and cuts[-1][1] == 1000 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert 1 < len(cuts) <= MAX_CUT_POINTS
 
 
 def _ragged_segments(rows, shared=0):

@@ -59,9 +59,11 @@ NAME = "hasten_grouped"
 
 SHARED_SEGMENT = -2  # the prompts' common prefix (speed.shared_prefix): in the first row only, seen by every row
 CAUSAL_FROM = 512  # completions padded to this many tokens or more take the causal form (_causal_completions)
-# One more attention call (its gathers, mask slice and kernel launch, forward and backward) costs about as much
-# as scoring this many (query, key) pairs of one head set: dev/profile_learn.py, SmolLM2's 9 heads, 2 threads.
+# What one more attention call (its gathers, mask slice and kernel launch, forward and backward) is counted as,
+# in scored (query, key) pairs: a rough figure, ~2 ms a call at ~60 ns a pair (torch.profiler on B7's learning
+# pass, SmolLM2's 9 heads, 2 threads: 6.3 s of attention over 30 layers of ~3.5M pairs).
 BUCKET_CALL_PAIRS = 32768
+MAX_CUT_POINTS = 128  # _buckets considers at most this many cut points (its cost grows with their square)
 
 
 @dataclass
@@ -97,11 +99,14 @@ class GroupedLayout:
 def _buckets(widths: list[int], cost, call: int) -> list[tuple[int, int]]:
     """Cut `widths` (longest first) into consecutive buckets [start, end), each padded to its first (longest)
     member, minimizing the sum of cost(start, end) over buckets plus `call` a bucket. Exact (dynamic
-    programming over the cut points); a bucket starts only where the width changes."""
+    programming over the cut points); a bucket starts only where the width changes, and past MAX_CUT_POINTS
+    such places only at every k-th of them (a coarser cut, still a valid one)."""
     count = len(widths)
     if count == 0:
         return []
     starts = [i for i in range(count) if i == 0 or widths[i] != widths[i - 1]]
+    if len(starts) > MAX_CUT_POINTS:
+        starts = starts[:: -(-len(starts) // MAX_CUT_POINTS)]
     best = {0: (0, -1)}  # end -> (cost of [0, end), start of its last bucket)
     for end in starts[1:] + [count]:
         best[end] = min((best[start][0] + cost(start, end) + call, start)
