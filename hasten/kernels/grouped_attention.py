@@ -84,7 +84,7 @@ class GroupedLayout:
     # The causal form (long completions, CAUSAL_FROM): completions [start, end) whose rows see `keys` prompt
     # keys, each run as one causal sequence [prompt keys, own tokens]; () = the masked form.
     causal_groups: tuple[tuple[int, int, int], ...] = ()
-    prompt_row: torch.Tensor | None = None  # (R,) the packed row of each prompt entry; None = row order
+    prompt_row: torch.Tensor | None = None  # (R,) the packed row of each prompt entry (build_layout always sets it)
     # (start, end, width, first_row, causal): prompt entries [start, end) as one call of `width` queries; their rows
     # are first_row, first_row + 1, ... (-1: not consecutive); causal: they start at key 0 (queries = keys).
     prompt_buckets: tuple[tuple[int, int, int, int, bool], ...] = ()
