@@ -33,7 +33,15 @@ class Raw(str):
         if text in ("null", "~", "None") and type(None) in args:
             return None
         if str in args:
-            return text
+            # `int | str` (token_budget: a number or auto), `bool | str` (true, false or auto): the text as a
+            # number or boolean where YAML reads it as one the field takes, else the text itself.
+            others = tuple(arg for arg in args if arg not in (str, type(None)))
+            try:
+                value = yaml.safe_load(text) if others and text.strip() else text
+            except yaml.YAMLError:
+                return text
+            exact = type(value) in others or (type(value) is int and float in others)
+            return value if exact else text
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:

@@ -50,6 +50,23 @@ def test_override_values_are_read_by_field_type():
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
+def test_mixed_type_switches_take_their_numbers_and_booleans_from_the_command_line():
+    """`int | str` and `bool | str` keys (a number or auto, true/false or auto): the command line's text is
+    the number or boolean it spells, as in a YAML file; a word stays a word and meets the key's check."""
+    texts = ["speed.token_budget=1024", "speed.fast_linear=false", "speed.decode_attention=true",
+             "speed.attention_fp32=false"]
+    cfg = load_config(overrides=[parse_override(text) for text in texts])
+    assert cfg.speed.token_budget == 1024 and type(cfg.speed.token_budget) is int
+    assert cfg.speed.fast_linear is False and cfg.speed.decode_attention is True
+    assert cfg.speed.attention_fp32 is False
+    assert load_config(overrides=[parse_override("speed.token_budget=0")]).speed.token_budget == 0
+    assert load_config(overrides=[parse_override("speed.token_budget=auto")]).speed.token_budget == "auto"
+    with pytest.raises(ConfigError, match=r"speed.token_budget must be >= 0 \(0 = off\) or auto \(got '1.5'\)"):
+        load_config(overrides=[parse_override("speed.token_budget=1.5")])
+    with pytest.raises(ConfigError, match="speed.fast_linear must be true, false or auto .got 'maybe'"):
+        load_config(overrides=[parse_override("speed.fast_linear=maybe")])
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(overrides=[("train.steps", 3), ("generation.top_k", 5)])
     save_config(cfg, tmp_path / "config.yaml")
