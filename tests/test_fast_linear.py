@@ -47,7 +47,7 @@ def test_onednn_linear_matches_f_linear_forward_and_backward(with_bias):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens, out_features", [(37, 80), (300, 1000)])
+@pytest.mark.parametrize("tokens, out_features", [(37, 80), (300, 1000), (300, 96), (5, 4000)])
 def test_backward_on_transposed_views_equals_the_copies(monkeypatch, tokens, out_features):
     """The backward hands oneDNN g.T, x.T and W.T as views (reads_transposed); the gradients equal those of
     contiguous copies (the path where the probe says no) and F.linear's."""

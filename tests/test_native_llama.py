@@ -110,6 +110,55 @@ def test_lean_engine_samples_the_same_tokens_on_either_model(pair, tokenizer):
     assert torch.allclose(results[0].sampling_logprobs, results[1].sampling_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_autograd_bitwise_and_keeps_one_tensor_fewer(dtype):
+    """The MLP's SiluMul equals autograd on silu(gate) * up bit for bit (output and both gradients), and an
+    MLP's learning pass keeps one intermediate-wide tensor less (gate, up and the product; not silu(gate))."""
+    from hasten.models.llama import MLP, LlamaSettings, SiluMul
+
+    torch.manual_seed(0)
+    gate, up = (torch.randn(3, 5, 64, dtype=dtype) * 4 for _ in range(2))
+    upstream = torch.randn(3, 5, 64, dtype=dtype)
+
+    def run(function):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        out = function(g, u)
+        out.backward(upstream)
+        return out.detach(), g.grad, u.grad
+
+    for fused, reference in zip(run(SiluMul.apply), run(lambda g, u: torch.nn.functional.silu(g) * u)):
+        assert torch.equal(fused, reference)
+    g = gate.clone().requires_grad_()  # only one input trained: the other gets no gradient
+    SiluMul.apply(g, up).backward(upstream)
+    assert torch.equal(g.grad, run(lambda g, u: torch.nn.functional.silu(g) * u)[1])
+
+    settings = LlamaSettings.from_dict({"model_type": "llama", "hidden_size": 16, "intermediate_size": 48,
+                                        "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 32,
+                                        "rope_theta": 10000.0})
+    mlp = MLP(settings)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    parameters = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+
+    def saved_bytes(function) -> int:
+        seen = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in parameters:
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            function()
+        return sum(seen.values())
+
+    token_bytes = 2 * 7 * 4
+    fused = saved_bytes(lambda: mlp(x))
+    plain = saved_bytes(lambda: mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    assert fused == token_bytes * (16 + 3 * 48) and plain == fused + token_bytes * 48
+    with torch.no_grad():  # no graph: the plain ops, the same values
+        assert torch.equal(mlp(x), mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+
 def test_checkpoints_load_both_ways(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
