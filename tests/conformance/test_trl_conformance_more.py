@@ -9,7 +9,6 @@ there that mirrors it, or says why none does.
 from __future__ import annotations
 
 
-import pytest
 import torch
 
 from .conftest import PROMPTS, prompt_dataset, sft_dataset, unsupported_on_hasten
