@@ -188,7 +188,7 @@ class SpeedConfig:
     decode_attention: bool | str = "auto"  # lean engine decode step: one fused CPU kernel (built once with cc); auto = where it builds and the CPU has AVX-512 (kernels/decode_attention.py)
     shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (kernels/shared_prefix.py)
     skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (algo/zero_advantage.py)
-    token_budget: int | str = "auto"  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off; auto = activations under 1/4 of the device's memory and 0.3 of what the weights, gradients and moments leave
+    token_budget: int | str = "auto"  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off; auto = activations under 1/4 of the device's memory (at most 2048 tokens on a CPU) and 0.3 of what the weights, gradients and moments leave
     fast_linear: bool | str = "auto"  # learning-pass matmuls: true oneDNN, false MKL, auto oneDNN unless the CPU is Intel's (kernels/fast_linear.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (speed.draft_model): exact speculative decoding, lean engine
     speculative_tokens: int = 4  # k: tokens drafted per verify forward (rollout/speculative.py)

@@ -75,7 +75,13 @@ def test_auto_budget_is_a_quarter_of_the_machine_over_the_models_activations():
     from types import SimpleNamespace
 
     from hasten.bench import cost
-    from hasten.train.microbatch import AUTO_FLOOR, activation_bytes_per_token, resolve_budget, static_bytes
+    from hasten.train.microbatch import (
+        AUTO_CPU_TOKENS,
+        AUTO_FLOOR,
+        activation_bytes_per_token,
+        resolve_budget,
+        static_bytes,
+    )
 
     smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                               num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152)
@@ -84,8 +90,12 @@ def test_auto_budget_is_a_quarter_of_the_machine_over_the_models_activations():
     estimate = cost.training_memory_bytes(shape, 1, 1, 0, 1, lora=True)["activations"]
     assert per_token == estimate  # the bench's memory model and the learner's budget agree
     gib = 1024 ** 3
-    assert resolve_budget("auto", smollm2, False, total_bytes=24 * gib) == 6 * gib // per_token  # ~4,300 tokens
-    assert resolve_budget("auto", smollm2, True, total_bytes=24 * gib) > 6 * gib // per_token  # checkpointing
+    # a quarter of the device's memory (~4,300 tokens), on a CPU at most AUTO_CPU_TOKENS
+    quarter = 6 * gib // per_token
+    assert quarter > AUTO_CPU_TOKENS and resolve_budget("auto", smollm2, False, total_bytes=24 * gib) == AUTO_CPU_TOKENS
+    assert resolve_budget("auto", smollm2, False, total_bytes=24 * gib, device="cuda") == quarter
+    assert resolve_budget("auto", smollm2, True, total_bytes=24 * gib, device="cuda") > quarter  # checkpointing
+    assert resolve_budget("auto", smollm2, True, total_bytes=24 * gib) == AUTO_CPU_TOKENS
     small = resolve_budget("auto", smollm2, False, total_bytes=6 * gib)  # what the model leaves binds, under the floor
     assert small < AUTO_FLOOR and small == int(0.3 * (6 * gib - static_bytes(smollm2, False, 0))) // per_token
     assert resolve_budget("auto", smollm2, False, total_bytes=gib) == 1  # the model alone does not fit: one sample
@@ -157,9 +167,9 @@ def test_auto_budget_leaves_room_for_what_a_large_model_holds_anyway():
         activation_bytes_per_token(large, False))
     assert resolve_budget("auto", qwen, False, total_bytes=24 * gib, lora=True, logit_chunk=2048) > resolve_budget(
         "auto", qwen, False, total_bytes=24 * gib, logit_chunk=2048)  # LoRA holds no gradient or moments
-    smollm2_budget = resolve_budget("auto", smollm2, False, total_bytes=24 * gib, logit_chunk=2048)
+    smollm2_budget = resolve_budget("auto", smollm2, False, total_bytes=24 * gib, logit_chunk=2048, device="cuda")
     assert 0.95 * AUTO_SHARE * 24 * gib <= smollm2_budget * activation_bytes_per_token(smollm2, False) <= (
-        AUTO_SHARE * 24 * gib)  # SmolLM2: within 5% of a quarter of the machine, as before
+        AUTO_SHARE * 24 * gib)  # SmolLM2 on a device without the CPU cap: within 5% of a quarter of its memory
     # the bench's memory model counts the same static memory (full fine-tune: model + copy + logits + runtime)
     shape = cost.Shape.from_config(qwen)
     chunk = effective_logit_chunk(2048, qwen.vocab_size)

@@ -5,12 +5,16 @@ chunks of whole samples; with a token budget each chunk is split further so
 that no micro-batch holds more than `budget` tokens of model input. The
 budget bounds peak activation memory by what it actually depends on, the
 tokens in one forward, rather than by a sample count that is too small for
-short completions and too large for long ones. On a CPU the biggest batch
-that fits is the fastest, so the default, `auto` (resolve_budget), is the
-largest budget whose activations, estimated from the model's shape, stay
-under a quarter of the device's memory: a batch that fits runs whole, a
-long-completion batch is split instead of filling the memory (docs/scaling.md
-has what it saved on B8). 0 is off (the baseline profile).
+short completions and too large for long ones. The default, `auto`
+(resolve_budget), is the largest budget whose activations, estimated from the
+model's shape, stay under a quarter of the device's memory, and on a CPU at
+most AUTO_CPU_TOKENS (2048): a batch that fits runs whole, a long-completion
+batch is split instead of filling the memory (docs/scaling.md has what it saved
+on B8). The CPU cap is measured, not assumed (docs/scaling.md): on B8's
+SmolLM2-135M x 256 cell, micro-batches of 2048 tokens ran the learning pass
+faster than the larger ones a quarter of 24 GiB allows, at less peak memory
+(a micro-batch's activations stay nearer the caches). 0 is off (the baseline
+profile).
 
 Tokens are counted as the forward will see them:
 - packed pass (speed.packed_learning): each group's prompt once, plus each
@@ -36,6 +40,7 @@ from ..rollout import Rollout
 AUTO_SHARE = 0.25  # speed.token_budget=auto: the activations' share of the machine's memory
 AUTO_ROOM = 0.3  # ... and at most this share of what the step's static memory leaves free
 AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too small to be fast)
+AUTO_CPU_TOKENS = 2048  # ... and on a CPU at most this many: larger micro-batches ran slower there (above)
 RUNTIME_BYTES = 1 << 29  # the interpreter, torch and its libraries (bench/cost.py's RUNTIME_BYTES)
 LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the packed pass's logits at most
 # Bytes per parameter of the lean engine's sampling copy (speed.engine_weights=copy) by speed.generation_precision.
@@ -55,7 +60,8 @@ def effective_logit_chunk(setting: int, vocab: int) -> int:
 
 def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
     """fp32 bytes the learning pass keeps for backward per input token (bench/cost.py's estimate):
-    per layer ~10 hidden-wide tensors, 4 intermediate-wide, k and v; with activation checkpointing each
+    per layer ~10 hidden-wide tensors, 4 intermediate-wide (3 on the native model, whose SiluMul keeps one
+    fewer: an upper bound for either implementation), k and v; with activation checkpointing each
     layer's input, plus one layer's full set while it is recomputed."""
     hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
     heads = model_config.num_attention_heads
@@ -100,8 +106,8 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
                    device: str = "cpu", lora: bool = False, logit_chunk: int = 0,
                    copy_bytes: int = COPY_BYTES["fp32"], moment_bytes: int = MOMENT_BYTES["fp32"]) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
-    `device` (total_bytes: instead of it): activations under a quarter of it (at least AUTO_FLOOR tokens),
-    and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
+    `device` (total_bytes: instead of it): activations under a quarter of it and, on a CPU, at most
+    AUTO_CPU_TOKENS tokens (at least AUTO_FLOOR tokens), and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
     moments, logits) leaves, which is the smaller from ~0.5B parameters on in 24 GiB."""
     if setting != "auto":
         return int(setting)
@@ -110,6 +116,8 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
     room = int(AUTO_ROOM * max(total - static_bytes(model_config, lora, logit_chunk, copy_bytes,
                                                             moment_bytes), 0)) // per_token
     share = int(AUTO_SHARE * total) // per_token
+    if torch.device(device).type == "cpu":
+        share = min(share, AUTO_CPU_TOKENS)
     return max(1, min(room, max(AUTO_FLOOR, share)))  # the floor never overrides what memory allows
 
 
