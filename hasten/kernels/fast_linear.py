@@ -102,7 +102,7 @@ def _weight_gradient(grad_flat: torch.Tensor, flat: torch.Tensor) -> torch.Tenso
     gate and up) the same product transposed, dW.T = x.T @ g, a linear of x.T (K, M) with "weight" g.T (N, M),
     returned as a view (N, K) that autograd accumulates like any gradient. At SmolLM2's head that copies
     576 x M floats instead of 49152 x M; the sums are the same (float rounding aside)."""
-    if grad_flat.shape[1] > flat.shape[1]:
+    if grad_flat.shape[1] > flat.shape[1] and reads_transposed():  # where g.T would be copied anyway: as before
         return _onednn(_transposed(flat), _transposed(grad_flat)).t()
     return _onednn(_transposed(grad_flat), _transposed(flat))
 

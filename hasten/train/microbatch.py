@@ -107,8 +107,9 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
                    copy_bytes: int = COPY_BYTES["fp32"], moment_bytes: int = MOMENT_BYTES["fp32"]) -> int:
     """speed.token_budget as tokens: a number as given; auto from the model's shape and the memory of
     `device` (total_bytes: instead of it): activations under a quarter of it and, on a CPU, at most
-    AUTO_CPU_TOKENS tokens (at least AUTO_FLOOR tokens), and under 0.3 of what the step's static memory (static_bytes: weights, their copy, gradient and
-    moments, logits) leaves, which is the smaller from ~0.5B parameters on in 24 GiB."""
+    AUTO_CPU_TOKENS tokens (at least AUTO_FLOOR tokens), and under 0.3 of what the step's static memory
+    (static_bytes: weights, their copy, gradient and moments, logits) leaves, which is the smaller from
+    ~0.5B parameters on in 24 GiB."""
     if setting != "auto":
         return int(setting)
     total = machine_bytes(device) if total_bytes is None else total_bytes
