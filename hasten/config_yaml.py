@@ -32,27 +32,23 @@ class Raw(str):
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
         if text in ("null", "~", "None") and type(None) in args:
             return None
-        if str in args:
-            # `int | str` (token_budget: a number or auto), `bool | str` (true, false or auto): the text as a
-            # number or boolean where YAML reads it as one the field takes, else the text itself.
-            others = tuple(arg for arg in args if arg not in (str, type(None)))
-            try:
-                value = yaml.safe_load(text) if others and text.strip() else text
-            except yaml.YAMLError:
-                return text
-            exact = type(value) in others or (type(value) is int and float in others)
-            return value if exact else text
+        # A str field keeps the text; `int | str` (token_budget: a number or auto) and `bool | str` (true, false
+        # or auto) take the number or boolean YAML reads in it, where the field takes that type, else the text.
+        others = tuple(arg for arg in args if arg not in (str, type(None)))
+        if str in args and not others:
+            return text
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             return text
+        if str in args:
+            return value if type(value) in others else text
         if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string; plain float syntax is fine here
             try:
                 return float(value)
             except ValueError:
                 return value
         return value
-
 
 def parse_override(text: str) -> tuple[str, Raw]:
     """'train.lr=1e-6' -> ('train.lr', Raw('1e-6')); the value is typed when it is set."""

@@ -190,10 +190,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.down_proj(SiluMul.apply(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class SiluMul(torch.autograd.Function):
