@@ -29,6 +29,57 @@ def test_micro_batches_cover_samples_in_order_within_budget(short_model, tokeniz
         assert len(pieces) == 2  # only the accumulation split
 
 
+def _lengths_rollout(prompts, completions, group_size):
+    """A stand-in rollout with these prompt lengths (one per group) and completion lengths (one per sample)."""
+    from types import SimpleNamespace
+
+    width = max(completions)
+    completion_mask = torch.tensor([[1] * n + [0] * (width - n) for n in completions])
+    prompt_mask = torch.tensor([[1] * n + [0] * (max(prompts) - n) for n in prompts])
+    return SimpleNamespace(prompt_mask=prompt_mask, completion_mask=completion_mask, num_generations=group_size,
+                           num_samples=len(completions))
+
+
+def _greedy(rollout, budget, packed):
+    pieces, current = [], []
+    for sample in range(rollout.num_samples):
+        if current and count_tokens(rollout, torch.tensor(current + [sample]), packed) > budget:
+            pieces.append(current)
+            current = []
+        current.append(sample)
+    return pieces + [current]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("budget", [40, 64, 100, 150])
+def test_micro_batches_are_as_few_as_greedy_and_evened_out(packed, budget):
+    """As many micro-batches as the greedy cut at the budget, and the largest is the smallest any contiguous cut
+    into that many pieces can have (brute force): B1's 1,946 + 600 tokens become two of ~1,275."""
+    import itertools
+
+    generator = torch.Generator().manual_seed(budget)
+    completions = torch.randint(1, 12, (12,), generator=generator).tolist()
+    rollout = _lengths_rollout([9, 5, 7], completions, 4)
+    pieces = micro_batches(rollout, 1, budget, packed)
+    assert torch.cat(pieces).tolist() == list(range(12))
+    greedy = _greedy(rollout, budget, packed)
+    assert len(pieces) == len(greedy)
+    size = lambda piece: count_tokens(rollout, torch.as_tensor(piece), packed)  # noqa: E731
+    largest = max(size(piece) for piece in pieces)
+    assert largest <= max(size(piece) for piece in greedy)
+    assert all(piece.numel() == 1 or size(piece) <= budget for piece in pieces)
+    best = min(max(size(list(range(a, b))) for a, b in zip((0, *cuts), (*cuts, 12)))
+               for cuts in itertools.combinations(range(1, 12), len(pieces) - 1))
+    assert largest == best
+
+
+def test_micro_batches_split_an_uneven_batch_evenly():
+    """Two groups of 8 x 10-token completions with 5-token prompts (2 x 77 packed tokens) under a 120 budget:
+    greedy cut 118 + 41 tokens, the even cut 77 + 77."""
+    rollout = _lengths_rollout([5, 5], [10] * 16, 8)
+    assert [count_tokens(rollout, piece, True) for piece in micro_batches(rollout, 1, 120, True)] == [77, 77]
+
+
 def test_packed_count_has_each_prompt_once(short_model, tokenizer):
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     group = torch.arange(4)

@@ -349,3 +349,77 @@ def test_fused_entropy_is_exact_on_a_large_vocabulary(temperature):
     reference = torch.log_softmax(logits.double() / temperature, dim=-1)  # (chunk, V) float64
     assert (entropy.double() - -(reference.exp() * reference).sum(-1)).abs().max() < 1e-5
     assert (logps.double() - reference.gather(-1, targets[:, None]).squeeze(-1)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consumed_logits_give_the_same_bits(temperature, with_entropy, dtype):
+    """consume=True (the packed pass) overwrites the logits' buffer with the softmax and then the gradient:
+    log-probs, entropy and the logits' gradient equal consume=False's bit for bit, across the entropy's row
+    blocks (ENTROPY_BLOCK_BYTES is ~42 rows of a 50k vocabulary)."""
+    from hasten.train.packing import TargetLogSoftmax
+
+    torch.manual_seed(0)
+    base = (torch.randn(100, 50_000) * 4).to(dtype)
+    targets = torch.randint(0, 50_000, (100,))
+    upstream = torch.randn(100)
+    results = []
+    for consume in (False, True):
+        leaf = base.clone().requires_grad_(True)
+        logits = leaf * 1  # a non-leaf, as the head's output is
+        logps, entropy = TargetLogSoftmax.apply(logits, targets, temperature, with_entropy, False, consume)[:2]
+        logps.backward(upstream)
+        results.append((logps, entropy, leaf.grad))
+    for plain, consumed in zip(*results):
+        assert torch.equal(plain, consumed)
+
+
+def test_consumed_logits_refuse_a_second_backward():
+    """The softmax the gradient needs is gone after the first backward: autograd says so instead of reusing it."""
+    from hasten.train.packing import TargetLogSoftmax
+
+    logits = torch.randn(5, 7, requires_grad=True) * 1
+    logps = TargetLogSoftmax.apply(logits, torch.zeros(5, dtype=torch.long), 1.0, True, False, True)[0]
+    logps.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        logps.sum().backward()
+
+
+def test_packed_head_holds_one_vocabulary_wide_tensor(monkeypatch):
+    """A chunk's forward and backward through the head allocate one (chunk, V) tensor (the logits, which become
+    the softmax and then the gradient), where the plain formulation allocated five (logits, shifted, softmax,
+    a zero gradient for nothing, gradient). Counted with a dispatch mode over the allocating ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from hasten.train.packing import TargetLogSoftmax, _chunk_logprobs
+
+    rows, vocab = 64, 4096
+    monkeypatch.setattr("hasten.train.packing.ENTROPY_BLOCK_BYTES", 8 * vocab * 4)  # the entropy in 8-row blocks
+    wide = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            for tensor in tree_flatten(out)[0]:
+                if (isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes() >= rows * vocab * 4
+                        and tensor.untyped_storage().data_ptr() not in inputs):
+                    wide.append(func)
+            return out
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, vocab, bias=False)
+    hidden = torch.randn(rows, 32, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    with Count():
+        logps, _ = _chunk_logprobs(head, hidden, targets, 1.0, True)
+        logps.sum().backward()
+    assert len(wide) == 1, wide
+    wide.clear()
+    with Count():
+        logps, _ = TargetLogSoftmax.apply(head(hidden), targets, 1.0, True)
+        logps.sum().backward()
+    assert len(wide) >= 3  # the plain formulation, for contrast

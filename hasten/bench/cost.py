@@ -224,8 +224,10 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
       product, the activation) + k and v; with activation checkpointing, each layer's input alone
       (one hidden-wide tensor per token and layer) plus one layer's full set while it is recomputed;
     - logits: the log-softmax over the vocabulary kept for the backward, three (tokens, vocab) tensors
-      (logits, log-probs, their gradient) for every completion token, or for `logits_chunk` tokens at a
-      time where the pass chunks them (hasten's speed.logit_chunk_tokens);
+      (logits, log-probs, their gradient) for every completion token; where the pass chunks them (hasten's
+      speed.logit_chunk_tokens), two for `logits_chunk` tokens at a time (one buffer that holds the logits,
+      then their softmax, then its gradient: train/packing.py; and a margin for the gradient's transposed
+      copy where fast_linear makes one);
     - KV cache of the decode: every row's positions;
     - runtime: the interpreter, torch and its libraries (~0.5 GiB), and copy_bytes per parameter of a second
       copy of the weights (hasten's lean engine under speed.engine_weights=copy samples from its own packed
@@ -233,8 +235,8 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
       training weights: 0).
     prompt_per_sample: the prompt is in every sample's row (TRL) rather than once per group (hasten).
     token_budget: the learning pass runs micro-batches of at most this many tokens (hasten's
-    speed.token_budget; 0 = one pass), so activations are kept for that many at a time (one sample's at
-    least: a sample is never split).
+    speed.token_budget; 0 = one pass), as few as fit and evenly cut (train/microbatch.py), so activations
+    are kept for the batch's tokens / that number at a time (one sample's at least: a sample is never split).
     """
     count = shape.parameters(tied=True)
     model = count * (4 if lora else 8 + moment_bytes)
@@ -243,12 +245,13 @@ def training_memory_bytes(shape: Shape, samples: int, group: int, prompt_tokens:
     per_layer = (10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width) * 4
     per_token = (shape.layers * shape.hidden * 4 + per_layer) if checkpointing else shape.layers * per_layer
     if token_budget > 0:
-        tokens = min(tokens, max(token_budget, prompt_tokens + completion_tokens))
+        pieces = -(-tokens // max(token_budget, 1))
+        tokens = min(tokens, max(-(-tokens // pieces), prompt_tokens + completion_tokens))
     logit_tokens = samples * completion_tokens if logits_chunk <= 0 else min(logits_chunk, samples * completion_tokens)
     # a chunked backward also holds the head's weight gradient and a head-sized transient (train/microbatch.py)
     head_transients = 2 * shape.vocab * shape.hidden * 4 if logits_chunk > 0 else 0
     parts = {"model": float(model), "activations": float(tokens * per_token),
-             "logits": float(3 * logit_tokens * shape.vocab * 4 + head_transients),
+             "logits": float((3 if logits_chunk <= 0 else 2) * logit_tokens * shape.vocab * 4 + head_transients),
              "kv_cache": float(samples * (prompt_tokens + completion_tokens) * kv_bytes_per_position(shape)),
              "runtime": float(RUNTIME_BYTES + count * copy_bytes)}
     parts["total"] = sum(parts.values())

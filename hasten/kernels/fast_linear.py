@@ -118,7 +118,9 @@ class OneDNNLinear(torch.autograd.Function):
             out = out + bias
         ctx.save_for_backward(flat, weight)
         ctx.has_bias = bias is not None
-        return out.view(*x.shape[:-1], weight.shape[0])
+        # a 2D input's output is returned whole, not as a view: the packed pass turns the head's logits
+        # into their softmax in place (train/packing.py), which autograd forbids on a Function's view
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -90,14 +90,15 @@ def static_bytes(model_config, lora: bool, logit_chunk: int, copy_bytes: int = C
     """Bytes a GRPO step holds whatever its micro-batches: the fp32 weights and the lean engine's copy of
     them (copy_bytes per parameter: COPY_BYTES by sampling precision where speed.engine_weights resolves to
     copy, 0 under shared); for a full fine-tune their fp32 gradient and AdamW's two moments (moment_bytes
-    per parameter: MOMENT_BYTES; LoRA's adapters: a few MB); a logit chunk's backward: its softmax, its
-    gradient and that gradient transposed for the head's weight gradient (kernels/fast_linear.py), plus
-    the head's weight gradient and a head-sized transient (its transposed copy where oneDNN cannot read the
-    view: fast_linear.reads_transposed; kept as a margin where it can); the runtime."""
+    per parameter: MOMENT_BYTES; LoRA's adapters: a few MB); a logit chunk's backward: the one buffer that
+    holds its logits, softmax and gradient in turn (packing.py's TargetLogSoftmax, consume), the gradient's
+    transposed copy for the head's weight gradient where oneDNN cannot read the view
+    (fast_linear.reads_transposed; kept as a margin where it can), the head's weight gradient and a
+    head-sized transient; the runtime."""
     count = parameter_count(model_config)
     vocab = model_config.vocab_size
     chunk = effective_logit_chunk(logit_chunk, vocab)
-    logits = 3 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
+    logits = 2 * chunk * vocab * 4 + 2 * vocab * model_config.hidden_size * 4 if chunk else 0
     per_parameter = 4 + copy_bytes + (0 if lora else 4 + moment_bytes)
     return count * per_parameter + logits + RUNTIME_BYTES
 
@@ -123,24 +124,47 @@ def resolve_budget(setting: int | str, model_config, checkpointing: bool, total_
 
 
 def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed: bool) -> list[torch.Tensor]:
-    """Sample indices of each micro-batch, in order; every sample appears exactly once."""
+    """Sample indices of each micro-batch, in order; every sample appears exactly once.
+
+    Each accumulation chunk gets as few micro-batches as the budget allows, cut evenly: the greedy cut at the
+    budget fixes their number, and the smallest cap that still needs no more of them cuts the chunk (a binary
+    search; the greedy cut is the fewest pieces for a cap, because a run of samples never counts fewer tokens
+    when it grows). The largest micro-batch, which sets the peak memory, is then as small as that number
+    allows: B1's batch of ~2,550 tokens ran as 1,946 + 600 tokens at a 2048 budget, and runs as two of
+    ~1,275."""
     chunks = list(torch.arange(rollout.num_samples).tensor_split(accumulation_steps))
     if budget <= 0:
         return chunks
     prompt_lengths = rollout.prompt_mask.sum(dim=1).tolist()  # (B,)
     completion_lengths = rollout.completion_mask.sum(dim=1).tolist()  # (N,)
     group_size = rollout.num_generations
-    pieces: list[torch.Tensor] = []
-    for chunk in chunks:
+
+    def cut(samples: list[int], cap: int) -> list[list[int]]:
+        pieces: list[list[int]] = []
         current: list[int] = []
-        for sample in chunk.tolist():
+        for sample in samples:
             if current and _tokens(current + [sample], prompt_lengths, completion_lengths, group_size,
-                                   packed) > budget:
-                pieces.append(torch.tensor(current))
+                                   packed) > cap:
+                pieces.append(current)
                 current = []
             current.append(sample)
         if current:
-            pieces.append(torch.tensor(current))
+            pieces.append(current)
+        return pieces
+
+    pieces: list[torch.Tensor] = []
+    for chunk in chunks:
+        samples = chunk.tolist()
+        best = cut(samples, budget)
+        low, high = 0, budget  # a cap of `high` needs len(best) pieces; find the smallest that does
+        while len(best) > 1 and high - low > 1:
+            middle = (low + high) // 2
+            trial = cut(samples, middle)
+            if len(trial) <= len(best):
+                high, best = middle, trial
+            else:
+                low = middle
+        pieces.extend(torch.tensor(piece) for piece in best)
     return pieces
 
 

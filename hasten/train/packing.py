@@ -153,6 +153,9 @@ def backbone_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
+ENTROPY_BLOCK_BYTES = 8 << 20  # consume mode's scratch for the entropy: (rows, V) fp32 blocks of about this size
+
+
 class TargetLogSoftmax(torch.autograd.Function):
     """log softmax(logits / T)[target] and, optionally, the entropy, in few passes over (chunk, V).
 
@@ -165,10 +168,29 @@ class TargetLogSoftmax(torch.autograd.Function):
     exp(z - max) - sum p * (z - max)). It is differentiated only when asked
     (entropy_grad: the entropy bonus, algo.entropy_coef): dH/dz = -p (log p + H),
     from p * (z - max), which the entropy's sum already formed and is then kept too.
+
+    consume=True (the packed pass, which owns its logits): the logits' own
+    buffer becomes the softmax and then, in backward, the gradient, so a chunk
+    costs one (chunk, V) tensor instead of three at the forward's peak (logits,
+    shifted logits, softmax) and two in backward (softmax, gradient). The
+    entropy's p * (z - max) is formed in row blocks of ENTROPY_BLOCK_BYTES. It
+    then returns the buffer as a third, non-differentiable output (autograd's
+    rule for an input changed in place); its contents are undefined to the
+    caller. Same values, bit for bit, as consume=False (tested); a second
+    backward through the same graph raises autograd's in-place error instead of
+    reading the overwritten softmax. With entropy_grad it runs as consume=False.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False,
+                consume: bool = False):
+        entropy_grad = entropy_grad and with_entropy
+        ctx.temperature = temperature
+        ctx.logits_dtype = logits.dtype
+        ctx.entropy_grad = entropy_grad
+        ctx.consume = consume and not entropy_grad
+        if ctx.consume:
+            return TargetLogSoftmax._forward_in_place(ctx, logits, targets, temperature, with_entropy)
         scaled = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         if temperature != 1.0:
             scaled = scaled / temperature  # (chunk, V)
@@ -188,31 +210,68 @@ class TargetLogSoftmax(torch.autograd.Function):
             # accumulates 49k terms in a row, which was 2-5e-3 nats off in fp32 on SmolLM2's vocabulary.
             weighted = shifted.mul_(probs)  # (chunk, V)
             entropy = total.log().squeeze(-1) - weighted.sum(dim=-1)  # (chunk,)
-        entropy_grad = entropy_grad and with_entropy
         if entropy_grad:
             ctx.save_for_backward(probs, targets, weighted, total.log().squeeze(-1) - entropy)
         else:
             ctx.save_for_backward(probs, targets)
             ctx.mark_non_differentiable(entropy)
-        ctx.temperature = temperature
-        ctx.logits_dtype = logits.dtype
-        ctx.entropy_grad = entropy_grad
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
+    def _forward_in_place(ctx, logits, targets, temperature: float, with_entropy: bool):
+        """consume=True's forward: the same operations as the plain one, on the logits' buffer (or, for bf16
+        logits, on their fp32 copy), the entropy's products in row blocks."""
+        own = logits.dtype in (torch.float32, torch.float64)
+        scaled = logits if own else logits.float()  # (chunk, V), overwritten from here on
+        if temperature != 1.0:
+            scaled.div_(temperature)
+        logits_at_targets = scaled.gather(-1, targets[:, None]).squeeze(-1)  # (chunk,) before the shift
+        peak = scaled.amax(dim=-1, keepdim=True)  # (chunk, 1)
+        entropy = logits_at_targets.new_empty(0)
+        if with_entropy:
+            rows, vocab = scaled.shape
+            total = scaled.new_empty(rows, 1)
+            entropy = scaled.new_empty(rows)
+            step = max(1, ENTROPY_BLOCK_BYTES // (vocab * scaled.element_size()))
+            for start in range(0, rows, step):
+                shifted = scaled[start:start + step].sub_(peak[start:start + step])  # (block, V) view
+                probs = shifted.exp()
+                block_total = probs.sum(dim=-1, keepdim=True)
+                probs.div_(block_total)
+                entropy[start:start + step] = block_total.log().squeeze(-1) - shifted.mul_(probs).sum(dim=-1)
+                shifted.copy_(probs)
+                total[start:start + step] = block_total
+            probs = scaled
+        else:
+            probs = scaled.sub_(peak).exp_()
+            total = probs.sum(dim=-1, keepdim=True)
+            probs.div_(total)
+        logps = logits_at_targets - (peak + total.log()).squeeze(-1)
+        ctx.save_for_backward(probs, targets)
+        ctx.set_materialize_grads(False)  # else backward gets a (chunk, V) tensor of zeros for the buffer
+        buffer = logits if own else logits.new_empty(0)
+        if own:
+            ctx.mark_dirty(logits)
+        ctx.mark_non_differentiable(entropy, buffer)
+        return logps, entropy, buffer
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy, *unused):
         if ctx.entropy_grad:
             probs, targets, weighted, offset = ctx.saved_tensors  # offset = log(total) - H, (chunk,)
         else:
             probs, targets = ctx.saved_tensors
-        grad = probs * -grad_logps[:, None]  # (chunk, V)
+        if grad_logps is None:  # consume: nothing used the log-probs (gradients are not materialized there)
+            return None, None, None, None, None, None
+        # consume: the softmax is not read again, so the gradient takes its buffer
+        grad = probs.mul_(-grad_logps[:, None]) if ctx.consume else probs * -grad_logps[:, None]  # (chunk, V)
         grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
         if ctx.entropy_grad and grad_entropy is not None:
             # dH/dz = -p (log p + H) = -(p (z - peak)) + p (log(total) - H)
             grad.add_((probs * offset[:, None] - weighted) * grad_entropy[:, None])
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad.to(ctx.logits_dtype), None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
 class _HeadAsItRan:
@@ -247,8 +306,12 @@ class _HeadAsItRan:
 
 
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
-    """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor)."""
-    return TargetLogSoftmax.apply(head(hidden), targets, temperature, with_entropy, entropy_grad)
+    """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor).
+
+    The head's output is this call's own, so its buffer becomes the softmax (TargetLogSoftmax's consume), unless
+    the head returned a view, which autograd does not let a Function change in place (same values either way)."""
+    logits = head(hidden)
+    return TargetLogSoftmax.apply(logits, targets, temperature, with_entropy, entropy_grad, not logits._is_view())[:2]
 
 
 def packed_logprobs(
