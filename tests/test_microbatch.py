@@ -54,7 +54,7 @@ def _greedy(rollout, budget, packed):
 @pytest.mark.parametrize("budget", [40, 64, 100, 150])
 def test_micro_batches_are_as_few_as_greedy_and_evened_out(packed, budget):
     """As many micro-batches as the greedy cut at the budget, and the largest is the smallest any contiguous cut
-    into that many pieces can have (brute force): B1's 1,946 + 600 tokens become two of ~1,275."""
+    into that many pieces can have (brute force)."""
     import itertools
 
     generator = torch.Generator().manual_seed(budget)

@@ -22,7 +22,9 @@ Tokens are counted as the forward will see them:
 - padded pass: samples x (longest prompt + longest completion) in the piece.
 
 Samples stay in rollout order, so a group's completions stay together and
-its prompt is encoded once per micro-batch. A single sample over the budget
+its prompt is encoded once per micro-batch. A chunk is cut into as few
+micro-batches as the budget allows, and evenly (micro_batches): the peak is
+the largest one's. A single sample over the budget
 gets a micro-batch of its own rather than an error: the budget is a memory
 target, not a correctness condition. The losses are scaled by the whole
 batch's token and sequence counts (algo/losses.py), so grpo, dr_grpo, dapo
@@ -130,8 +132,8 @@ def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed
     budget fixes their number, and the smallest cap that still needs no more of them cuts the chunk (a binary
     search; the greedy cut is the fewest pieces for a cap, because a run of samples never counts fewer tokens
     when it grows). The largest micro-batch, which sets the peak memory, is then as small as that number
-    allows: B1's batch of ~2,550 tokens ran as 1,946 + 600 tokens at a 2048 budget, and runs as two of
-    ~1,275."""
+    allows: at a 2048 budget a batch of 32 x 64-token completions (~2,550 tokens) is two of ~1,275, not
+    1,946 + 600."""
     chunks = list(torch.arange(rollout.num_samples).tensor_split(accumulation_steps))
     if budget <= 0:
         return chunks
