@@ -142,14 +142,29 @@ def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed
     group_size = rollout.num_generations
 
     def cut(samples: list[int], cap: int) -> list[list[int]]:
+        """The greedy cut at `cap`, each piece's count (as _tokens counts it) kept as it grows: O(samples)."""
         pieces: list[list[int]] = []
         current: list[int] = []
+        groups: set[int] = set()
+        tokens = longest_prompt = longest_completion = 0  # packed: the running count; padded: the widths
         for sample in samples:
-            if current and _tokens(current + [sample], prompt_lengths, completion_lengths, group_size,
-                                   packed) > cap:
+            group = sample // group_size
+            own = max(completion_lengths[sample] - 1, 0)  # packed: its last token is only a target
+            if packed:
+                grown = tokens + (0 if group in groups else prompt_lengths[group]) + own
+            else:
+                width = max(longest_prompt, prompt_lengths[group]) + max(longest_completion, completion_lengths[sample])
+                grown = (len(current) + 1) * width
+            if current and grown > cap:
                 pieces.append(current)
-                current = []
+                current, groups = [], set()
+                tokens = longest_prompt = longest_completion = 0
+                grown = prompt_lengths[group] + (own if packed else completion_lengths[sample])
             current.append(sample)
+            groups.add(group)
+            tokens = grown
+            longest_prompt = max(longest_prompt, prompt_lengths[group])
+            longest_completion = max(longest_completion, completion_lengths[sample])
         if current:
             pieces.append(current)
         return pieces
