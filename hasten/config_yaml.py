@@ -50,6 +50,7 @@ class Raw(str):
                 return value
         return value
 
+
 def parse_override(text: str) -> tuple[str, Raw]:
     """'train.lr=1e-6' -> ('train.lr', Raw('1e-6')); the value is typed when it is set."""
     if "=" not in text:

@@ -162,97 +162,81 @@ class TargetLogSoftmax(torch.autograd.Function):
     The plain formulation (logprobs.py) walks the (tokens x vocab) matrix about
     ten times between forward, entropy and backward (divide, logsumexp, its
     exp again in backward, gather's zero-filled gradient, ...). Here the
-    softmax is formed once, in place, and kept for backward, where the
-    gradient is one pass: (onehot(target) - softmax) * grad / T. The
-    entropy comes from the same softmax and the shifted logits (H = log sum
-    exp(z - max) - sum p * (z - max)). It is differentiated only when asked
-    (entropy_grad: the entropy bonus, algo.entropy_coef): dH/dz = -p (log p + H),
-    from p * (z - max), which the entropy's sum already formed and is then kept too.
+    softmax is formed once, in place in one (chunk, V) buffer, and kept for
+    backward, where the gradient is one pass: (onehot(target) - softmax) * grad / T.
+    The entropy comes from the same softmax and the shifted logits (H = log sum
+    exp(z - max) - sum p * (z - max)), formed in row blocks of ENTROPY_BLOCK_BYTES.
+    It is differentiated only when asked (entropy_grad: the entropy bonus,
+    algo.entropy_coef): dH/dz = -p (log p + H), from p * (z - max), which the
+    entropy's sum already formed and is then kept too.
 
-    consume=True (the packed pass, which owns its logits): the logits' own
-    buffer becomes the softmax and then, in backward, the gradient, so a chunk
-    costs one (chunk, V) tensor instead of three at the forward's peak (logits,
-    shifted logits, softmax) and two in backward (softmax, gradient). The
-    entropy's p * (z - max) is formed in row blocks of ENTROPY_BLOCK_BYTES. It
-    then returns the buffer as a third, non-differentiable output (autograd's
-    rule for an input changed in place); its contents are undefined to the
-    caller. Same values, bit for bit, as consume=False (tested); a second
-    backward through the same graph raises autograd's in-place error instead of
-    reading the overwritten softmax. With entropy_grad it runs as consume=False.
+    The buffer is a copy of the logits, or with consume=True (the packed pass,
+    which owns its logits) the logits' own buffer, which then also becomes the
+    gradient in backward: a chunk costs one (chunk, V) tensor, not two. consume
+    returns the buffer as a third, non-differentiable output (autograd's rule
+    for an input changed in place); its contents are undefined to the caller.
+    The values are the same bit for bit either way (tested); a second backward
+    through a consumed graph raises autograd's in-place error instead of reading
+    the overwritten softmax. With entropy_grad, consume is ignored.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False,
                 consume: bool = False):
         entropy_grad = entropy_grad and with_entropy
-        ctx.temperature = temperature
-        ctx.logits_dtype = logits.dtype
-        ctx.entropy_grad = entropy_grad
-        ctx.consume = consume and not entropy_grad
-        if ctx.consume:
-            return TargetLogSoftmax._forward_in_place(ctx, logits, targets, temperature, with_entropy)
-        scaled = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        if temperature != 1.0:
-            scaled = scaled / temperature  # (chunk, V)
-        peak = scaled.amax(dim=-1, keepdim=True)  # (chunk, 1)
-        shifted = scaled - peak  # (chunk, V), all <= 0
-        # Without entropy the shifted logits are not needed again: exponentiate them in place.
-        probs = shifted.exp() if with_entropy else shifted.exp_()  # (chunk, V), unnormalized
-        total = probs.sum(dim=-1, keepdim=True)  # (chunk, 1)
-        probs.div_(total)  # softmax
-        normalizer = (peak + total.log()).squeeze(-1)  # (chunk,) logsumexp
-        logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - normalizer  # (chunk,)
-        entropy = logps.new_empty(0)
-        weighted = None  # p * (z - peak), kept for the entropy's gradient
-        if with_entropy:
-            # H = log(total) - sum p * (z - peak), on the shifted logits and with sum's pairwise
-            # reduction: `logsumexp - einsum(p, z)` cancels two ~20-nat numbers and its dot
-            # accumulates 49k terms in a row, which was 2-5e-3 nats off in fp32 on SmolLM2's vocabulary.
-            weighted = shifted.mul_(probs)  # (chunk, V)
-            entropy = total.log().squeeze(-1) - weighted.sum(dim=-1)  # (chunk,)
-        if entropy_grad:
-            ctx.save_for_backward(probs, targets, weighted, total.log().squeeze(-1) - entropy)
-        else:
-            ctx.save_for_backward(probs, targets)
-            ctx.mark_non_differentiable(entropy)
-        return logps, entropy
-
-    @staticmethod
-    def _forward_in_place(ctx, logits, targets, temperature: float, with_entropy: bool):
-        """consume=True's forward: the same operations as the plain one, on the logits' buffer (or, for bf16
-        logits, on their fp32 copy), the entropy's products in row blocks."""
-        own = logits.dtype in (torch.float32, torch.float64)
-        scaled = logits if own else logits.float()  # (chunk, V), overwritten from here on
+        consume = consume and not entropy_grad
+        full = logits.dtype in (torch.float32, torch.float64)
+        own = consume and full
+        # the buffer, overwritten from here on: the logits themselves, or their copy (fp32 for bf16 logits)
+        scaled = logits if own else logits.clone() if full else logits.float()
         if temperature != 1.0:
             scaled.div_(temperature)
         logits_at_targets = scaled.gather(-1, targets[:, None]).squeeze(-1)  # (chunk,) before the shift
         peak = scaled.amax(dim=-1, keepdim=True)  # (chunk, 1)
         entropy = logits_at_targets.new_empty(0)
+        weighted = None  # p * (z - peak), kept for the entropy's gradient
         if with_entropy:
+            # H = log(total) - sum p * (z - peak), on the shifted logits and with sum's pairwise
+            # reduction: `logsumexp - einsum(p, z)` cancels two ~20-nat numbers and its dot
+            # accumulates 49k terms in a row, which was 2-5e-3 nats off in fp32 on SmolLM2's vocabulary.
             rows, vocab = scaled.shape
             total = scaled.new_empty(rows, 1)
             entropy = scaled.new_empty(rows)
+            weighted = torch.empty_like(scaled) if entropy_grad else None
             step = max(1, ENTROPY_BLOCK_BYTES // (vocab * scaled.element_size()))
             for start in range(0, rows, step):
-                shifted = scaled[start:start + step].sub_(peak[start:start + step])  # (block, V) view
+                block = slice(start, start + step)
+                shifted = scaled[block].sub_(peak[block])  # (block, V) view
                 probs = shifted.exp()
-                block_total = probs.sum(dim=-1, keepdim=True)
-                probs.div_(block_total)
-                entropy[start:start + step] = block_total.log().squeeze(-1) - shifted.mul_(probs).sum(dim=-1)
+                total[block] = probs.sum(dim=-1, keepdim=True)
+                probs.div_(total[block])
+                products = shifted.mul_(probs)
+                entropy[block] = total[block].log().squeeze(-1) - products.sum(dim=-1)
+                if weighted is not None:
+                    weighted[block] = products
                 shifted.copy_(probs)
-                total[start:start + step] = block_total
-            probs = scaled
         else:
-            probs = scaled.sub_(peak).exp_()
-            total = probs.sum(dim=-1, keepdim=True)
-            probs.div_(total)
+            scaled.sub_(peak).exp_()
+            total = scaled.sum(dim=-1, keepdim=True)
+            scaled.div_(total)
+        probs = scaled  # the softmax
         logps = logits_at_targets - (peak + total.log()).squeeze(-1)
+        ctx.temperature = temperature
+        ctx.logits_dtype = logits.dtype
+        ctx.entropy_grad = entropy_grad
+        ctx.consume = consume
+        if entropy_grad:
+            ctx.save_for_backward(probs, targets, weighted, total.log().squeeze(-1) - entropy)
+            return logps, entropy
         ctx.save_for_backward(probs, targets)
+        ctx.mark_non_differentiable(entropy)
+        if not consume:
+            return logps, entropy
         ctx.set_materialize_grads(False)  # else backward gets a (chunk, V) tensor of zeros for the buffer
         buffer = logits if own else logits.new_empty(0)
         if own:
             ctx.mark_dirty(logits)
-        ctx.mark_non_differentiable(entropy, buffer)
+        ctx.mark_non_differentiable(buffer)
         return logps, entropy, buffer
 
     @staticmethod
