@@ -20,9 +20,8 @@ and under the command-line overrides (defaults <- YAML <- profile <-
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum; on a CPU
                   without native bf16, sampling in int8 (importance-weighted;
-                  on B5 over 6 seeds its final accuracy was 0.026 under fp32
-                  sampling's and +20 points were not shown to come as fast:
-                  docs/speedups.md)
+                  on B5 its final accuracy held but +20 points were not shown
+                  to come as fast as with fp32 sampling: docs/speedups.md)
 
 The NaN guard stays on in every profile: it is a safety net, not an
 acceleration. `TRADES` says, per profile, what it trades away; `hasten
