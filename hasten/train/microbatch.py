@@ -142,28 +142,32 @@ def micro_batches(rollout: Rollout, accumulation_steps: int, budget: int, packed
     group_size = rollout.num_generations
 
     def cut(samples: list[int], cap: int) -> list[list[int]]:
-        """The greedy cut at `cap`, each piece's count (as _tokens counts it) kept as it grows: O(samples)."""
+        """The greedy cut at `cap`, each piece's count (_tokens's rule) kept as it grows: O(samples)."""
         pieces: list[list[int]] = []
         current: list[int] = []
         groups: set[int] = set()
         tokens = longest_prompt = longest_completion = 0  # packed: the running count; padded: the widths
-        for sample in samples:
+
+        def grown(sample: int) -> int:
+            """The current piece's count with `sample` added."""
             group = sample // group_size
-            own = max(completion_lengths[sample] - 1, 0)  # packed: its last token is only a target
-            if packed:
-                grown = tokens + (0 if group in groups else prompt_lengths[group]) + own
-            else:
-                width = max(longest_prompt, prompt_lengths[group]) + max(longest_completion, completion_lengths[sample])
-                grown = (len(current) + 1) * width
-            if current and grown > cap:
+            if packed:  # a completion's last token is only a target
+                prompt = 0 if group in groups else prompt_lengths[group]
+                return tokens + prompt + max(completion_lengths[sample] - 1, 0)
+            width = max(longest_prompt, prompt_lengths[group]) + max(longest_completion, completion_lengths[sample])
+            return (len(current) + 1) * width
+
+        for sample in samples:
+            count = grown(sample)
+            if current and count > cap:
                 pieces.append(current)
                 current, groups = [], set()
                 tokens = longest_prompt = longest_completion = 0
-                grown = prompt_lengths[group] + (own if packed else completion_lengths[sample])
+                count = grown(sample)
             current.append(sample)
-            groups.add(group)
-            tokens = grown
-            longest_prompt = max(longest_prompt, prompt_lengths[group])
+            groups.add(sample // group_size)
+            tokens = count
+            longest_prompt = max(longest_prompt, prompt_lengths[sample // group_size])
             longest_completion = max(longest_completion, completion_lengths[sample])
         if current:
             pieces.append(current)
