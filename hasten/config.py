@@ -211,7 +211,7 @@ class SpeedConfig:
     curriculum_warmup_steps: int = 0  # steps over which the pool grows from the easiest quarter to all data
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
     dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 autocast in the learning pass (fp16 adds a GradScaler); changes numerics
+    precision: str = "fp32"  # auto (a run's default: bf16_fp32head where bf16 is native, else fp32) | fp32 | bf16 | bf16_fp32head (bf16 body, fp32 head and log-softmax: learns as fp32, docs/precision.md) | fp16 autocast in the learning pass (fp16 adds a GradScaler)
     attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
@@ -226,7 +226,7 @@ class SpeedConfig:
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
     adaptive_threads: bool = True  # before each phase use max(1, cores - busy other threads) intra-op threads (train.num_threads=0 only)
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
-    generation_precision: str = "fp32"  # fp32 | bf16 | int8: lean engine's sampled rollouts in bf16 or int8 matmuls, TIS-corrected; changes learning
+    generation_precision: str = "fp32"  # auto (a run's default: bf16 where the lean engine runs on a CPU with native bf16, else fp32) | fp32 | bf16 | int8: lean engine's sampled rollouts in bf16 or int8 matmuls, TIS-corrected
     engine_weights: str = "auto"  # copy | shared | auto: lean engine samples from its own fused fp32 copy or the training weights; auto = shared when the copy exceeds 1/8 of memory (rollout/shared_weights.py)
     async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
 
@@ -265,9 +265,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.speculative": ("off", "ngram", "draft"),
     "speed.reward_pool": ("thread", "process"),
     "speed.curriculum": ("off", "length", "complexity", "success_rate"),
-    "speed.precision": ("fp32", "bf16", "fp16"),
+    "speed.precision": ("auto", "fp32", "bf16", "bf16_fp32head", "fp16"),
     "speed.allocator": ("auto", "tcmalloc", "mimalloc", "glibc"),
-    "speed.generation_precision": ("fp32", "bf16", "int8"),
+    "speed.generation_precision": ("auto", "fp32", "bf16", "int8"),
     "speed.engine_weights": ("auto", "copy", "shared"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
@@ -465,13 +465,14 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.speculative != "off" and cfg.generation.repetition_penalty != 1.0:
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} does not apply "
                           f"generation.repetition_penalty (got {cfg.generation.repetition_penalty}; set it to 1)")
-    if cfg.speed.generation_precision != "fp32" and cfg.speed.engine in ("hf", "vllm"):
+    low_sampling = cfg.speed.generation_precision not in ("fp32", "auto")  # auto: the engine factory decides
+    if low_sampling and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
     if cfg.speed.decode_attention is True and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.decode_attention=true is the lean engine's decode kernel, not "
                           f"speed.engine={cfg.speed.engine}'s (use auto or lean, or decode_attention=auto|false)")
-    if cfg.speed.engine_weights == "shared" and cfg.speed.generation_precision != "fp32":
+    if cfg.speed.engine_weights == "shared" and low_sampling:
         raise ConfigError(f"config error: speed.engine_weights=shared samples from the fp32 training weights; "
                           f"speed.generation_precision={cfg.speed.generation_precision} needs the engine's own "
                           "low-precision copy (set one of them: engine_weights=copy|auto or generation_precision=fp32)")
@@ -482,7 +483,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config error: speed.generation_precision=int8 with speed.async_steps=1 is not supported "
                           "(the background sampler's int8 statistics are not checkpointed, so a resume would sample "
                           "differently); use one of them")
-    sampler = cfg.speed.engine == "vllm" or cfg.speed.generation_precision != "fp32"
+    sampler = cfg.speed.engine == "vllm" or low_sampling
     if cfg.algo.loss == "vespo" and sampler and cfg.speed.vllm_importance_sampling_correction:
         raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "
                           "speed.generation_precision=bf16|int8) is not supported (TRL folds those ratios into VESPO's "
@@ -559,6 +560,7 @@ def load_config(
     for key, value in pairs:
         _set(cfg, key, value)
     _apply_task_defaults(cfg, pairs)
+    _apply_machine_defaults(cfg, pairs)
     if profile is not None:  # after the run's own numbers, which a profile's rules read
         from .profiles import resolve as resolve_profile
 
@@ -567,6 +569,20 @@ def load_config(
         for key, value in overrides or []:  # the command line still wins over the profile
             _set(cfg, key, value)
     return validate(cfg)
+
+
+# A run's precisions default to `auto`: the plan picks bf16 learning with an fp32 head and bf16 sampling where
+# the hardware has native bf16 and the model is wide enough, fp32 elsewhere, and says so in its plan line
+# (kernels/precision.py, rollout/factory.py; docs/precision.md has the evidence that they learn as fp32 does).
+# The dataclass defaults stay fp32, so a Config built in code (tests, tools) computes exactly what it says.
+MACHINE_DEFAULTS: dict[str, Any] = {"speed.precision": "auto", "speed.generation_precision": "auto"}
+
+
+def _apply_machine_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:
+    given = {key for key, _ in pairs}
+    for key, value in MACHINE_DEFAULTS.items():
+        if key not in given:
+            _set(cfg, key, value)
 
 
 def _apply_task_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:

@@ -9,14 +9,14 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   dense attention, for-loop AdamW,
                   rewards scored inline, nothing cached or prefetched)
     conservative  every acceleration that cannot change what is learned (equal
-                  to the code defaults of the speed: section)
+                  to a run's defaults): exact switches, and the precisions at
+                  `auto`: where the hardware has native bf16 (AVX512-BF16, AMX,
+                  a bf16 GPU), a bf16 learning pass with the LM head and its
+                  log-softmax in fp32 and bf16 sampling (importance-weighted),
+                  measured to learn as fp32 does (docs/precision.md); fp32 elsewhere
     balanced      conservative + DAPO dynamic sampling (one extra generation
                   round at most) + the early-termination gate as configured +
-                  when the model lives on a GPU (model.device): bf16 autocast
-                  (where the GPU has it), TF32 and torch.compile; on a CPU with
-                  native bf16 (AVX512-BF16 or AMX): sampling in bf16
-                  (speed.generation_precision, importance-weighted), measured
-                  to learn as fp32 sampling does on B5 (docs/results/speedups-notes.md)
+                  when the model lives on a GPU (model.device): TF32 and torch.compile
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum; on a CPU
                   without native bf16, sampling in int8 (importance-weighted;
@@ -53,32 +53,14 @@ def _cuda(cfg: Config) -> bool:
     return _device(cfg).type == "cuda"
 
 
-def _bf16(cfg: Config) -> bool:
-    from .device import bf16_supported
-
-    return bf16_supported(_device(cfg))
-
-
-def _bf16_sampling(cfg: Config) -> str:
-    """speed.generation_precision for balanced: bf16 where the lean engine samples on a CPU with bf16 matmuls.
-
-    On B5 it learned as fp32 sampling does, in less time a step (docs/results/, B5).
-    Not on a GPU (not measured there) nor where bf16 is emulated (slower than fp32)."""
-    from .device import cpu_has_native_bf16
-
-    lean = cfg.speed.engine in ("auto", "lean")
-    return "bf16" if lean and _device(cfg).type == "cpu" and cpu_has_native_bf16() else "fp32"
-
-
 def _low_precision_sampling(cfg: Config) -> str:
-    """speed.generation_precision for aggressive: balanced's bf16 where the CPU has it, else int8 (its
-    decode matmuls on VNNI; kernels/int8.py) where the lean engine samples on the CPU."""
-    chosen = _bf16_sampling(cfg)
-    if chosen != "fp32" or cfg.speed.engine not in ("auto", "lean") or _device(cfg).type != "cpu":
-        return chosen
-    from .device import cpu_int8_unavailable_reason
+    """speed.generation_precision for aggressive: int8 (its decode matmuls on VNNI; kernels/int8.py) where the
+    lean engine samples on a CPU without native bf16; elsewhere auto (bf16 where the CPU has it)."""
+    from .device import cpu_has_native_bf16, cpu_int8_unavailable_reason
 
-    return "int8" if cpu_int8_unavailable_reason() is None else "fp32"
+    if cfg.speed.engine not in ("auto", "lean") or _device(cfg).type != "cpu" or cpu_has_native_bf16():
+        return "auto"
+    return "int8" if cpu_int8_unavailable_reason() is None else "auto"
 
 
 BASELINE: dict[str, Value] = {
@@ -130,6 +112,10 @@ CONSERVATIVE: dict[str, Value] = {
     "speed.reward_cache": True,
     "speed.optimizer": "auto",
     "speed.prefetch": True,
+    # bf16 learning with an fp32 head, bf16 sampling (importance-weighted), where the hardware has native bf16
+    # and the model is wide enough; fp32 elsewhere. Measured to learn as fp32 does (docs/precision.md).
+    "speed.precision": "auto",
+    "speed.generation_precision": "auto",
 }
 
 BALANCED: dict[str, Value] = {
@@ -137,11 +123,6 @@ BALANCED: dict[str, Value] = {
     "speed.gate_reward": lambda cfg: cfg.speed.gate_reward,  # early termination as configured (off unless set)
     "speed.dynamic_sampling": True,
     "speed.dynamic_sampling_max_rounds": 1,
-    # CPU: fp32. bf16 autocast is faster on CPUs with native bf16 but changes numerics (it learned
-    # less per step on B5) and is slower on CPUs without it; opt in with --speed.precision=bf16 (docs/results/speedups-notes.md).
-    # A GPU without native bf16 (before Ampere) stays fp32 too: fp16 needs a loss scaler's care.
-    "speed.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
-    "speed.generation_precision": _bf16_sampling,
     "speed.tf32": True,  # only a CUDA model reads it
     "speed.compile": _cuda,  # CPU: compile time is never paid back in short runs
 }
@@ -162,12 +143,13 @@ PROFILES: dict[str, dict[str, Value]] = {
     "aggressive": AGGRESSIVE,
 }
 
-# What each profile gives up; "" = it learns exactly what baseline learns (up to float rounding).
+# What each profile gives up; "" = it learns what baseline learns: up to float rounding, and where the hardware
+# has native bf16, up to bf16's rounding in the body's matmuls and sampling, measured (docs/precision.md).
 TRADES: dict[str, str] = {
     "baseline": "",
     "conservative": "",
     "balanced": "changes the batch: zero-variance groups are dropped and refilled (DAPO); gated samples get a "
-                "fixed reward; on a CPU with native bf16, samples in bf16 (importance-weighted)",
+                "fixed reward",
     "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
                   "first; on a CPU without native bf16, samples in int8 (importance-weighted); plus balanced's changes",
 }

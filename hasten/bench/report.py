@@ -52,6 +52,15 @@ class Work:
     flops: float
     moved: float = 0.0  # bytes it must move (decode: weights + KV cache per step)
     precision: str = "fp32"
+    fp32_flops: float = 0.0  # the share of `flops` that runs in fp32 whatever `precision` is (bf16_fp32head's head)
+
+    def floor(self, limits: cost.Limits) -> float:
+        """Its roofline floor: the fp32 share at the fp32 peak, the rest at `precision`'s."""
+        if not self.fp32_flops:
+            return cost.floor_seconds(limits, self.flops, self.moved, self.precision)
+        compute = ((self.flops - self.fp32_flops) / limits.peak(self.precision)
+                   + self.fp32_flops / limits.peak("fp32")) / 1e9
+        return max(compute, cost.floor_seconds(limits, 0.0, self.moved, self.precision))
 
 
 @dataclass
@@ -163,7 +172,7 @@ def mfu(row: Row, limits: cost.Limits | float) -> float | None:
 
 
 def run_floor(limits: cost.Limits, work: dict[str, Work]) -> float:
-    return sum(cost.floor_seconds(limits, part.flops, part.moved, part.precision) for part in work.values())
+    return sum(part.floor(limits) for part in work.values())
 
 
 def limit(row: Row, limits: cost.Limits | float) -> float | None:
@@ -185,7 +194,7 @@ def phase_limits(row: Row, limits: cost.Limits | float) -> dict[str, float]:
         seconds = row.extra.get(phase)
         parts = [work[phase] for work in row.phases or [] if phase in work]
         if isinstance(seconds, (int, float)) and seconds > 0 and limits.gflops.get(parts[0].precision, 0) > 0:
-            floors = [cost.floor_seconds(limits, part.flops, part.moved, part.precision) for part in parts]
+            floors = [part.floor(limits) for part in parts]
             out[phase] = statistics.median(floors) / seconds
     return out
 

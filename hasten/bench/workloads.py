@@ -195,17 +195,30 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float, lo
                                                                                     completion_tokens, lora)
 
 
+def learning_precision(cfg, device: str = "cpu") -> str:
+    """The learning precision a run of `cfg` resolves to on `device` (speed.precision=auto by the hardware)."""
+    import torch
+
+    from ..kernels.precision import resolve_precision
+
+    return resolve_precision(cfg.speed.precision, torch.device(device))[0]
+
+
 def step_work(size: ModelSize, shape: cost.Shape, prompt_tokens: float, completion_tokens: float, steps: float,
               shortest_prompt: float, precisions: tuple[str, str], lora: bool = False) -> dict[str, Work]:
     """One GRPO step's work by phase (report.py's floor): generation (prefill + decode: FLOPs, and the
     weights read once per decode step plus each token's KV read) and the learning pass (FLOPs, weights,
     optimizer). precisions: (generation, learning)."""
     generate, learn = precisions
+    # bf16_fp32head: the body's matmuls at the bf16 peak, the head's (a logit per completion token) at fp32's
+    fp32_head = learn == "bf16_fp32head"  # kernels.precision.FP32_HEAD_MODES (not imported: it imports torch)
+    body_precision = "bf16" if fp32_head else learn
+    head_flops = cost.learning_multiplier(lora) * 2.0 * shape.head * completion_tokens if fp32_head else 0.0
     return {"generate": Work(generation_flops(size, prompt_tokens, completion_tokens),
                              cost.decode_floor_bytes(shape, int(steps), completion_tokens, shortest_prompt, generate),
                              generate),
             "learn": Work(learning_flops(size, prompt_tokens, completion_tokens, lora),
-                          cost.learning_bytes(shape, lora, learn), learn)}
+                          cost.learning_bytes(shape, lora, body_precision), body_precision, head_flops)}
 
 
 def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
@@ -223,10 +236,11 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     cfg, session, rounds, levels = side.cfg, side.session, opts.rounds("B1"), opts.contention
     steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
-    precisions = (cfg.speed.generation_precision, cfg.speed.precision)
+    learning = side.learner.optimization.precision.mode  # the learning precision as the plan resolved it
+    precisions = (cfg.speed.generation_precision, learning)
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
                           f"max {cfg.generation.max_new_tokens} new tokens, "
-                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {cfg.speed.precision}, "
+                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {learning}, "
                           f"generation {cfg.speed.generation_precision})")
     result.settings["hasten"] = hasten_settings(cfg)
     rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
@@ -291,7 +305,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
         load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
         result.rows.append(Row(
             f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
-            flops=flops[level][measured], phases=works[level][measured], precision=cfg.speed.precision,
+            flops=flops[level][measured], phases=works[level][measured], precision=learning,
             extra={
                 **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
                    for part in ("generate", "reward", "learn")},
@@ -447,10 +461,11 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                 seconds[name].append(elapsed)
     opts.progress((rounds + 1) * len(variants), (rounds + 1) * len(variants))
     flops = learning_flops(side.size, prompt_tokens, completion_tokens, cfg.model.lora)
-    moved = cost.learning_bytes(side.shape, cfg.model.lora, cfg.speed.precision, optimizer=False)  # no optimizer step
-    work = {"learn": Work(flops, moved, cfg.speed.precision)}
+    precision = "fp32"  # both passes run without autocast (learning_pass): B3 compares the passes, not precisions
+    moved = cost.learning_bytes(side.shape, cfg.model.lora, precision, optimizer=False)  # no optimizer step
+    work = {"learn": Work(flops, moved, precision)}
     for name, (role, _) in variants.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=[completion_tokens] * rounds,
-                               flops=[flops] * rounds, phases=[work] * rounds, precision=cfg.speed.precision))
+                               flops=[flops] * rounds, phases=[work] * rounds, precision=precision))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result

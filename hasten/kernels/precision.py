@@ -34,7 +34,8 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bf16_fp32head": torch.bfloat16, "fp16": torch.float16}
+FP32_HEAD_MODES = ("bf16_fp32head",)  # the LM head and its log-softmax stay fp32 under autocast
 
 # Set by Precision.autocast() for its block: attention() then runs fp32 under autocast.
 _FP32_ATTENTION = contextvars.ContextVar("hasten_fp32_attention", default=False)
@@ -49,6 +50,77 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwa
         with torch.autocast(query.device.type, enabled=False):
             return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), **kwargs)
     return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+
+@contextlib.contextmanager
+def fp32_head(head: torch.nn.Module, enabled: bool, onednn: bool = False):
+    """While the block runs, `head` (the LM head, an nn.Linear) computes its logits in fp32 under autocast.
+
+    precision=bf16_fp32head: the body's matmuls run bf16, the logits, their log-softmax and the head's weight
+    gradient fp32 (the log-softmax already runs fp32 on fp32 logits: packing.TargetLogSoftmax). The head's
+    input is the final norm's fp32 output, so nothing is rounded on the way in either. onednn: the fp32 product
+    through oneDNN (speed.fast_linear resolved true), as the fp32 learning pass runs it. An instance
+    `forward` set for the block, as fast_linear's routing is, so a checkpointed chunk recomputed in backward
+    runs the same kernel (packing._HeadAsItRan). A head that is not a plain Linear (a peft-wrapped head) is
+    left as it is: autocast then runs it in bf16, the plain bf16 mode's numerics.
+    """
+    patched = enabled and type(head) is torch.nn.Linear and "forward" not in vars(head)
+    if patched:
+        from .fast_linear import OneDNNLinear, eligible
+
+        route = onednn and eligible(head)
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(hidden.device.type, enabled=False):
+                hidden = hidden.float()
+                if route:
+                    return OneDNNLinear.apply(hidden, head.weight, head.bias)
+                return F.linear(hidden, head.weight, head.bias)
+
+        head.forward = forward
+    try:
+        yield patched
+    finally:
+        if patched:
+            del head.forward
+
+
+# auto leaves models narrower than this in fp32: their matmuls are too small for bf16 to pay for its casts
+# (the tiny test model is 64 wide; SmolLM2-135M, the smallest model measured in bf16, 576).
+AUTO_BF16_MIN_HIDDEN = 256
+
+
+def native_bf16(device: torch.device) -> bool:
+    """bf16 matmuls without emulation: a CPU with AVX512-BF16 or AMX, a GPU that has bf16 units."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    from ..device import cpu_has_native_bf16
+
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def auto_bf16_reason(device: torch.device, hidden_size: int | None) -> str | None:
+    """None where `auto` picks bf16 on `device` for a model `hidden_size` wide; else why not, in a few words."""
+    if not native_bf16(device):
+        return "no native bf16 on this device (emulated bf16 is slower than fp32)"
+    if hidden_size is not None and hidden_size < AUTO_BF16_MIN_HIDDEN:
+        return f"a model {hidden_size} wide is too small for bf16 to pay"
+    return None
+
+
+def resolve_precision(setting: str, device: torch.device, hidden_size: int | None = None) -> tuple[str, str]:
+    """The learning precision `setting` (auto | fp32 | bf16 | bf16_fp32head | fp16) as (mode, why), for the plan line.
+
+    auto is bf16_fp32head where the hardware has native bf16 matmuls (a CPU with AVX512-BF16 or AMX, a GPU
+    that runs bf16 without emulation) and the model is wide enough for them to pay, fp32 elsewhere.
+    bf16_fp32head is the mode measured to learn as fp32 does (docs/precision.md); plain bf16 is not.
+    """
+    if setting != "auto":
+        return setting, "as set"
+    why_not = auto_bf16_reason(device, hidden_size)
+    if why_not is not None:
+        return "fp32", f"auto: {why_not}"
+    return "bf16_fp32head", f"auto: {'the GPU' if device.type == 'cuda' else 'the CPU'} has native bf16"
 
 
 def resolve_attention_fp32(setting: bool | str, device: torch.device) -> bool:

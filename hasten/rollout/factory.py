@@ -43,6 +43,8 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
+    if cfg.speed.generation_precision == "auto":  # resolved here, once, where the model is known
+        cfg.speed.generation_precision = auto_generation_precision(cfg, policy)
     if cfg.speed.generation_precision == "bf16":
         from ..device import cpu_has_native_bf16
 
@@ -95,6 +97,27 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} needs the lean engine, "
                           "which cannot run this model (see above)")
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
+
+
+def auto_generation_precision(cfg: Config, policy: Policy) -> str:
+    """speed.generation_precision=auto: bf16 where the lean engine samples with its own copy on a CPU with
+    native bf16 and a model wide enough for bf16 to pay (kernels.precision's rule), fp32 elsewhere.
+
+    bf16 sampling is importance-weighted (train/learner.py's Correction), and measured on B5 to learn as fp32
+    sampling does (docs/precision.md). Not on a GPU (not measured there), not with vLLM or the hf engine
+    (they sample in their own precision), not with engine_weights=shared (it samples from the fp32 weights)."""
+    from ..kernels.precision import auto_bf16_reason
+    from ..rollout.lean import check_supported
+
+    device = next(policy.model.parameters()).device
+    if (cfg.speed.engine not in ("auto", "lean") or cfg.speed.engine_weights == "shared" or device.type != "cpu"
+            or auto_bf16_reason(device, getattr(policy.model.config, "hidden_size", None)) is not None):
+        return "fp32"
+    try:
+        check_supported(policy.model)
+    except ValueError:  # the hf engine will sample: fp32
+        return "fp32"
+    return "bf16"
 
 
 def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = print) -> str:

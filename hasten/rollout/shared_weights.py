@@ -31,7 +31,7 @@ def resolve(setting: str, parameters: int, generation_precision: str, machine_by
     """speed.engine_weights -> ("copy" | "shared", why); auto decided from the copy's size (4 bytes a parameter)."""
     if setting != "auto":
         return setting, "as set"
-    if generation_precision != "fp32":
+    if generation_precision not in ("fp32", "auto"):  # auto: the factory resolves it first; else as fp32
         return "copy", f"speed.generation_precision={generation_precision}: the copy is low precision"
     copy_bytes = 4 * parameters
     choice = "shared" if copy_bytes * COPY_SHARE > machine_bytes else "copy"

@@ -45,6 +45,7 @@ from ..device import machine_bytes
 from ..kernels.fast_linear import onednn_linears
 from ..kernels.fast_linear import resolve as resolve_fast_linear
 from ..kernels.memory import on_device, set_gradient_checkpointing
+from ..kernels.precision import FP32_HEAD_MODES, fp32_head, resolve_precision
 from ..models import Policy, Reference
 from ..rollout import Rollout
 from ..rollout.shared_weights import resolve as resolve_engine_weights
@@ -52,7 +53,7 @@ from . import distributed, fsdp
 from .logprobs import TokenStats, completion_logprobs
 from .microbatch import COPY_BYTES, MOMENT_BYTES, micro_batches, parameter_count, resolve_budget
 from .optimization import Optimization, OptimizerSettings
-from .packing import pack_ratio, packed_logprobs
+from .packing import backbone_and_head, pack_ratio, packed_logprobs
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,11 @@ class LogprobPass:
     grouped_attention: bool  # speed.grouped_attention, packed pass only
     shared_prefix: bool  # speed.shared_prefix: the prompts' common prefix once (grouped packed pass only)
     fast_linear: bool  # speed.fast_linear, auto resolved (fast_linear.resolve)
+    fp32_head: bool = False  # the learning precision keeps the LM head fp32 under autocast (bf16_fp32head)
 
     @classmethod
-    def choose(cls, cfg: Config) -> LogprobPass:
+    def choose(cls, cfg: Config, precision: str = "fp32") -> LogprobPass:
+        """precision: the learning precision as resolved (kernels.precision.resolve_precision)."""
         # fast_linear and grouped_attention switch the model's kernels for the forward only. With
         # gradient checkpointing, backward recomputes layers after that switch is undone and
         # torch rejects the mismatch, so checkpointing runs them on the plain kernels. (The learner
@@ -76,14 +79,15 @@ class LogprobPass:
         plain_kernels = speed.gradient_checkpointing
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
                    speed.grouped_attention and not plain_kernels, speed.shared_prefix,
-                   resolve_fast_linear(speed.fast_linear) and not plain_kernels)
+                   resolve_fast_linear(speed.fast_linear) and not plain_kernels, precision in FP32_HEAD_MODES)
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool,
                  entropy_grad: bool = False, router_aux: bool = False) -> TokenStats:
         """entropy_grad: the entropy keeps its gradient (the entropy bonus). router_aux: a mixture-of-experts
         model's load-balancing loss too, which the padded pass alone returns (its router sees TRL's batch)."""
         temperature = rollout.sampling.temperature
-        with onednn_linears(model, self.fast_linear):
+        with onednn_linears(model, self.fast_linear), \
+                fp32_head(backbone_and_head(model)[1], self.fp32_head, onednn=self.fast_linear):
             if self.packed and not router_aux and pack_ratio(rollout, rows) >= self.min_pack_ratio:
                 return packed_logprobs(model, rollout, rows, temperature, with_entropy, self.logit_chunk_tokens,
                                        self.grouped_attention, self.shared_prefix, entropy_grad)
@@ -225,7 +229,8 @@ class Correction:
     @classmethod
     def for_run(cls, cfg: Config) -> Correction:
         speed = cfg.speed
-        other_sampler = speed.engine == "vllm" or speed.generation_precision != "fp32"
+        # auto is resolved by the engine factory before this is read; unresolved (no engine made), it is fp32
+        other_sampler = speed.engine == "vllm" or speed.generation_precision not in ("fp32", "auto")
         cap = speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
         if not other_sampler:
             return cls(stale=bool(speed.async_steps))
@@ -265,11 +270,15 @@ class LearningPlan:
     settings: LearnerSettings
     logprob_pass: LogprobPass
     correction: Correction
+    precision: str = "fp32"  # the learning precision, auto resolved: fp32 | bf16 | bf16_fp32head | fp16
+    precision_reason: str = "as set"  # why (the plan line prints it)
 
     @classmethod
     def resolve(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearningPlan:
-        return cls(LearnerSettings.from_config(cfg, sharded, model_config, device), LogprobPass.choose(cfg),
-                   Correction.for_run(cfg))
+        hidden = getattr(model_config, "hidden_size", None) if model_config is not None else None
+        precision, reason = resolve_precision(cfg.speed.precision, torch.device(device), hidden)
+        return cls(LearnerSettings.from_config(cfg, sharded, model_config, device),
+                   LogprobPass.choose(cfg, precision), Correction.for_run(cfg), precision, reason)
 
     def describe(self) -> str:
         """A few words for the run's plan line: the pass and the correction."""
@@ -284,7 +293,14 @@ class LearningPlan:
         skipping = ", zero-advantage samples skipped" if self.settings.skip_zero_advantage else ""
         if self.settings.token_budget:
             skipping = f", micro-batches of <= {self.settings.token_budget} tokens{skipping}"
-        return f"{learning} learning pass{skipping}, {'; '.join(fixes) if fixes else 'on-policy'}"
+        precision = PRECISION_WORDS[self.precision] + (f" ({self.precision_reason})" if self.precision_reason != "as set"
+                                                         else "")
+        return (f"{learning} learning pass in {precision}{skipping}, "
+                f"{'; '.join(fixes) if fixes else 'on-policy'}")
+
+
+PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "bf16_fp32head": "bf16 with an fp32 head",
+                   "fp16": "fp16 autocast with a loss scaler"}
 
 
 @dataclass
@@ -327,7 +343,8 @@ class Learner:
         if correction is not None:
             plan = dataclasses.replace(plan, correction=correction)
         parameters = [p for p in policy.model.parameters() if p.requires_grad]
-        optimization = Optimization(parameters, OptimizerSettings.for_training(cfg), cfg.speed, log, sharded=sharded)
+        optimization = Optimization(parameters, OptimizerSettings.for_training(cfg, plan.precision), cfg.speed, log,
+                                    sharded=sharded)
         set_gradient_checkpointing(policy.model, cfg.speed.gradient_checkpointing)
         return cls(policy, plan, optimization, reference)
 

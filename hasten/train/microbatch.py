@@ -48,7 +48,8 @@ LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the pack
 # Bytes per parameter of the lean engine's sampling copy (speed.engine_weights=copy) by speed.generation_precision.
 # int8: one byte for the projections and the head, down_proj in bf16 (fp32 without native bf16): under 2 at
 # every supported shape (down_proj is ~20% of the parameters), so 2 bounds it.
-COPY_BYTES = {"fp32": 4, "bf16": 2, "int8": 2}
+# auto: counted as fp32 wherever it is read before the engine factory resolved it (the larger copy: a safe bound)
+COPY_BYTES = {"fp32": 4, "bf16": 2, "int8": 2, "auto": 4}
 MOMENT_BYTES = {"fp32": 8, "bf16": 4}  # AdamW's exp_avg + exp_avg_sq per trained parameter (speed.optimizer_moments)
 
 

@@ -1,0 +1,158 @@
+"""The learning precision bf16_fp32head (a bf16 body, the LM head and its log-softmax in fp32) and `auto`.
+
+- fp32_head: under autocast the head's logits come out fp32, computed from the fp32 hidden state with the
+  fp32 weight, the same numbers as the head outside autocast; the head's forward is put back after the
+  block, and a head that is not a plain Linear is left alone;
+- the gradient bound: on one rollout, the GRPO gradient of bf16_fp32head is closer to a float64 pass than
+  plain bf16 autocast's, within the bound docs/precision.md states, and its log-probs are far closer;
+- a Learner step in bf16_fp32head runs, with the head fp32 (its weight gradient too) and the body bf16;
+- auto resolves by the hardware: bf16_fp32head where bf16 is native (CPU flags, or CUDA without emulation:
+  is_bf16_supported(including_emulation=False)), fp32 elsewhere; the plan line says which and why.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import rollout_of, tiny_config
+from hasten.kernels import precision as precision_module
+from hasten.kernels.precision import Precision, fp32_head, resolve_precision
+from hasten.train.packing import backbone_and_head, packed_logprobs
+
+
+def test_fp32_head_gives_fp32_logits_under_autocast_and_restores_the_head(model):
+    head = backbone_and_head(model)[1]
+    hidden = torch.randn(5, head.in_features)
+    plain = head(hidden)
+    with Precision("bf16", torch.device("cpu")).autocast():
+        assert head(hidden).dtype == torch.bfloat16  # autocast alone rounds the logits
+        with fp32_head(head, True) as patched:
+            logits = head(hidden.to(torch.bfloat16).float())
+            assert patched and logits.dtype == torch.float32
+            assert torch.equal(head(hidden), plain)  # the fp32 product, as outside autocast
+        assert "forward" not in vars(head)
+    with fp32_head(head, False) as patched:
+        assert not patched and "forward" not in vars(head)
+
+
+def test_fp32_head_leaves_a_head_that_is_not_a_plain_linear_alone():
+    wrapped = torch.nn.Sequential(torch.nn.Linear(4, 6))
+    with fp32_head(wrapped, True) as patched:
+        assert not patched and "forward" not in vars(wrapped)
+
+
+def _gradient(model, rollout, advantages, precision: str):
+    """The DAPO gradient with mu = 1 (-sum A grad log p / tokens) of one packed pass, and its log-probs."""
+    model.zero_grad(set_to_none=True)
+    rows = torch.arange(rollout.num_samples)
+    head = backbone_and_head(model)[1]
+    with Precision(precision, torch.device("cpu")).autocast(), fp32_head(head, precision == "bf16_fp32head"):
+        logps = packed_logprobs(model, rollout, rows, 1.0, False, 0, grouped=True, shared_prefix=True).logps
+    mask = rollout.completion_mask.to(logps.dtype)
+    (-(advantages[:, None].to(logps.dtype) * logps * mask).sum() / mask.sum()).backward()
+    grad = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+    return grad, (logps.detach().double() * mask)
+
+
+def test_fp32_head_gradient_is_closer_to_float64_than_bf16_autocast(short_model, tokenizer):
+    # The tiny model's random head gives logits of ~0.2; a trained LM's span tens of nats, where bf16's
+    # 8-bit mantissa rounds them by up to 0.06. Scaled so its logits spread over a few nats.
+    with torch.no_grad():
+        backbone_and_head(short_model)[1].weight.mul_(8.0)
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=16)
+    advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
+    exact, exact_logps = _gradient(copy.deepcopy(short_model).double(), rollout, advantages.double(), "fp32")
+    errors, logp_errors = {}, {}
+    for precision in ("fp32", "bf16", "bf16_fp32head"):
+        grad, logps = _gradient(short_model, rollout, advantages, precision)
+        errors[precision] = float((grad - exact).norm() / exact.norm())
+        logp_errors[precision] = float((logps - exact_logps).abs().max())
+    assert errors["fp32"] < 1e-4
+    # the stated bound (docs/precision.md): the fp32 head takes out the logits' rounding, the larger share
+    assert errors["bf16_fp32head"] < 0.75 * errors["bf16"]
+    assert logp_errors["bf16_fp32head"] < 0.5 * logp_errors["bf16"]
+
+
+def test_learner_step_in_bf16_fp32head_keeps_the_head_fp32(short_model, tokenizer):
+    from hasten.models import Policy
+    from hasten.train.learner import Learner
+
+    cfg = tiny_config(precision="bf16_fp32head", fast_linear=False)
+    learner = Learner.from_config(Policy(copy.deepcopy(short_model), tokenizer, "tiny"), cfg, log=lambda text: None)
+    assert learner.logprob_pass.fp32_head and learner.optimization.precision.mode == "bf16_fp32head"
+    head = backbone_and_head(learner.policy.model)[1]
+    seen = []
+    head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=8)
+    before = head.weight.detach().clone()
+    metrics = learner.step(rollout, torch.randn(rollout.num_samples))
+    assert seen and set(seen) == {torch.float32}
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and not torch.equal(head.weight, before)
+    assert head.weight.dtype == torch.float32 and "forward" not in vars(head)
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16_fp32head"), (False, "fp32")])
+def test_auto_follows_the_cpu(monkeypatch, native, expected):
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
+    mode, reason = resolve_precision("auto", torch.device("cpu"))
+    assert mode == expected and reason.startswith("auto:")
+    assert resolve_precision("bf16", torch.device("cpu")) == ("bf16", "as set")
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16_fp32head"), (False, "fp32")])
+def test_auto_on_cuda_asks_for_native_bf16_without_emulation(monkeypatch, native, expected):
+    calls = []
+
+    def supported(including_emulation=True):
+        calls.append(including_emulation)
+        return native if not including_emulation else True  # emulation would always say yes
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    assert resolve_precision("auto", torch.device("cuda"))[0] == expected
+    assert calls == [False]
+
+
+def test_plan_line_says_the_precision_and_why(monkeypatch):
+    from hasten.train.learner import LearningPlan
+    from hasten.models.tiny import tiny_model, tiny_tokenizer
+
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: True)
+    tiny = tiny_model(len(tiny_tokenizer())).config
+    small = LearningPlan.resolve(tiny_config(precision="auto"), False, tiny)  # 64 wide: bf16 would not pay
+    assert small.precision == "fp32" and "too small for bf16 to pay" in small.describe()
+    config = copy.deepcopy(tiny)
+    config.hidden_size = 576  # SmolLM2-135M's width
+    plan = LearningPlan.resolve(tiny_config(precision="auto"), False, config)
+    assert plan.precision == "bf16_fp32head" and plan.logprob_pass.fp32_head
+    assert "bf16 with an fp32 head (auto: the CPU has native bf16" in plan.describe()
+    plain = LearningPlan.resolve(tiny_config(precision="fp32"), False, config)
+    assert "learning pass in fp32," in plain.describe() and not plain.logprob_pass.fp32_head
+    assert precision_module.FP32_HEAD_MODES == ("bf16_fp32head",)
+
+
+def test_a_run_defaults_to_auto_and_a_config_built_in_code_to_fp32():
+    from hasten.config import Config, load_config
+
+    loaded = load_config(overrides=[("model.name", "tiny")])
+    assert (loaded.speed.precision, loaded.speed.generation_precision) == ("auto", "auto")
+    assert (Config().speed.precision, Config().speed.generation_precision) == ("fp32", "fp32")
+    given = load_config(overrides=[("model.name", "tiny"), ("speed.precision", "fp32")])
+    assert given.speed.precision == "fp32" and given.speed.generation_precision == "auto"
+    assert load_config(overrides=[("model.name", "tiny")], profile="baseline").speed.precision == "fp32"
+
+
+@pytest.mark.parametrize("native, hidden, engine, expected", [
+    (True, 576, "auto", "bf16"), (False, 576, "auto", "fp32"), (True, 64, "auto", "fp32"), (True, 576, "hf", "fp32")])
+def test_auto_sampling_is_bf16_only_where_the_lean_engine_gains(monkeypatch, model, tokenizer, native, hidden, engine,
+                                                                 expected):
+    from hasten.models import Policy
+    from hasten.rollout.factory import auto_generation_precision
+
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
+    cfg = tiny_config(engine=engine)
+    cfg.speed.generation_precision = "auto"
+    model.config.hidden_size = hidden  # what the rule reads; the tiny model's shapes are not touched
+    assert auto_generation_precision(cfg, Policy(model, tokenizer, "tiny")) == expected
