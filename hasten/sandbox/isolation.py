@@ -212,7 +212,7 @@ def drop_privileges(limits: dict) -> None:
         ("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at soft, SIGKILL at hard
         ("RLIMIT_AS", limits["memory_bytes"], limits["memory_bytes"]),
         ("RLIMIT_FSIZE", limits["file_bytes"], limits["file_bytes"]),
-        ("RLIMIT_NOFILE", 256, 256),
+        ("RLIMIT_NOFILE", limits["open_files"], limits["open_files"]),  # bounds its pipes (accounting.open_files)
         ("RLIMIT_CORE", 0, 0),
         ("RLIMIT_STACK", 64 * megabyte, 64 * megabyte),
         ("RLIMIT_MSGQUEUE", 0, 0),
