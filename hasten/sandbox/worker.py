@@ -62,7 +62,7 @@ def _tree(job: dict, fds: list[int]) -> None:
     requests, replies, stdout, stderr, tree, source = fds
     layers: dict = {}
     try:
-        _await_worker(job)
+        isolation.await_parent(job["middle"])
         os.setsid()
         isolation.close_fds_except(set(fds))
         accounting.join(job["cgroup"]["procs"], job["cgroup"]["dirs"], layers)  # while still root, if we are
@@ -70,10 +70,10 @@ def _tree(job: dict, fds: list[int]) -> None:
         isolation.enter_namespaces(strict, layers, job["workdir"])
         # The uid change cleared the parent-death signal: set it again, so A (and through B's own, the pid
         # namespace) dies with a worker killed outright (the pool's SIGKILL), never living on with ppid 1.
-        _die_with(job["worker"])
+        isolation.die_with(job["worker"])
         a_pid = os.getpid()
         if os.fork() == 0:
-            _die_with(0 if layers["pid_namespace"] else a_pid)  # a parent outside our pid namespace reads as 0
+            isolation.die_with(0 if layers["pid_namespace"] else a_pid)  # a parent outside our pid namespace reads as 0
             workdir = isolation.setup_filesystem(
                 job["limits"]["disk_bytes"], job["limits"]["tmp_inodes"], layers, strict) or job["workdir"]
             b_pid = os.getpid()  # 1 in its own pid namespace
@@ -102,27 +102,11 @@ def _tree(job: dict, fds: list[int]) -> None:
     os._exit(0)
 
 
-def _await_worker(job: dict) -> None:
-    """In A and J: wait until the zygote's middle child is gone and the worker (a subreaper) is our parent.
-
-    A parent-death signal set before that would fire when the middle child exits, at once.
-    """
-    while os.getppid() == job["middle"]:
-        time.sleep(0.0002)
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL when `parent` dies; leave at once if it already has (the signal would never come)."""
-    isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def _code(job: dict, workdir: str, fds: list[int], parent: int) -> None:
     """Body of C: the only process that runs untrusted code."""
     requests, replies, stdout, stderr, tree, source = fds
     try:
-        _die_with(parent)  # B; its death also ends the pid namespace, and every process in it
+        isolation.die_with(parent)  # B; its death also ends the pid namespace, and every process in it
         # A session of its own: kill(0, ...) and killpg from the code reach C and its children only,
         # never A, which shares B's group and lives in the host's pid namespace.
         os.setsid()
@@ -160,7 +144,7 @@ def _zygote(channel: socket.socket) -> None:
     the last fork, so no earlier job's bytes sit in the memory either is forked from.
     """
     worker = os.getppid()
-    _die_with(worker)  # it holds no code, but a zygote left behind is a process that outlives the run
+    isolation.die_with(worker)  # it holds no code, but a zygote left behind is a process that outlives the run
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -346,8 +330,8 @@ def _judge_process(request: dict, fds: list[int]) -> None:
     """Body of J (never returns): forked by the zygote, in a root of its own, reads only this job's tests."""
     requests, replies, report, tests = fds
     try:
-        _await_worker(request)
-        _die_with(request["worker"])
+        isolation.await_parent(request["middle"])
+        isolation.die_with(request["worker"])
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # the tests' own prints go nowhere
