@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -81,6 +82,17 @@ def _bounded(value):
     return value
 
 
+# The deadline of the call running on this thread, set by tools.ToolRunner for hasten's own tools: the
+# python tool's sandbox job ends with its call, instead of running on to its wall clock while holding a
+# sandbox worker (and a trainer thread) after the model was told the call timed out.
+_call = threading.local()
+
+
+def set_call_deadline(deadline: float | None) -> None:
+    """The running call's end (time.monotonic()) on this thread; None: no deadline."""
+    _call.deadline = deadline
+
+
 def python(code: str) -> str:
     """Run Python code in an isolated sandbox and return what it printed.
 
@@ -89,7 +101,8 @@ def python(code: str) -> str:
     """
     from ..sandbox import assert_program, shared_sandbox
 
-    result = shared_sandbox().run(code, assert_program(["pass"], where="the python tool"))
+    result = shared_sandbox().run(code, assert_program(["pass"], where="the python tool"),
+                                  deadline=getattr(_call, "deadline", None))
     output = (result.stdout + result.stderr).strip()
     if result.status in ("pass", "fail") and result.loaded:
         return output or "(no output)"

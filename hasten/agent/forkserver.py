@@ -18,14 +18,20 @@ holds. Protocol, over a SOCK_SEQPACKET socket pair (one message per send):
                         ("failed", reason) no process could be forked
                         ("status", pid, waitpid status) when a child ends
 
-The child itself is isolation._child: its own process group and alarm, the
-result as bounded text on its pipe. The server reaps its children (so a
-kill never hits a reused pid) and reports how each ended; it leaves when the
-trainer closes the socket or is gone (its parent changes).
+The child itself is isolation._child: its own process group and alarm, a
+parent-death signal, the result as bounded text on its pipe. The server
+reaps its children (so a kill never hits a reused pid) and reports how each
+ended. A call is one unit: when its child ends, whatever it started in its
+process group is killed (before the child is reaped, so the group's id is
+still the child's); and the server is a child subreaper, so a process the
+tool moved out of its group (a new session) comes back to the server when
+the call ends, and is killed then. It leaves when the trainer closes the
+socket or is gone (its parent changes), killing every process it still has.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import select
@@ -36,6 +42,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .isolation import _child
+
+PR_SET_CHILD_SUBREAPER = 36
 
 if TYPE_CHECKING:
     from .tools import Tool
@@ -122,10 +130,15 @@ class ForkServer:
 
 
 def _stop(pid: int, ours: socket.socket) -> None:
-    ours.close()  # the server leaves on EOF; SIGKILL in case it is stuck
+    ours.close()  # the server leaves on EOF, killing what its calls started; SIGKILL in case it is stuck
+    give_up = time.monotonic() + 5.0
     try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > give_up:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
     except OSError:
         pass
 
@@ -142,6 +155,8 @@ def start_fork_server(tools: list[Tool]) -> ForkServer | None:
 
 def _serve(connection: socket.socket, tools: dict[str, Tool], parent: int) -> None:
     os.setpgid(0, 0)  # a Ctrl-C for the trainer's terminal does not reach the server
+    # Orphans of a call (a tool's subprocess in a session of its own) come back here, to be killed.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -168,9 +183,11 @@ def _serve(connection: socket.socket, tools: dict[str, Tool], parent: int) -> No
                 elif request[0] == "call":
                     _fork_child(connection, tools, request, children, (wake_read, wake_write))
             _reap(connection, children)
+            _kill_strays(children)
     finally:
         for pid in children:
             _kill_group(pid)
+        _end_all()
 
 
 def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tuple, children: set[int],
@@ -179,6 +196,7 @@ def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tupl
 
     _, name, arguments, deadline, limit = request
     read_fd, write_fd = os.pipe()
+    server = os.getpid()
     try:
         pid = os.fork()
     except OSError as error:
@@ -193,7 +211,7 @@ def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tupl
             for fd in wake:
                 os.close(fd)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit)
+            _child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit, server)
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -207,17 +225,56 @@ def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tupl
 
 
 def _reap(connection: socket.socket, children: set[int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+    while True:
+        try:  # WNOWAIT: look first, so the child's pid (its group's id) is still held while the group is killed
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None or info.si_pid == 0:
             return
+        pid = info.si_pid
+        if pid in children:
+            _kill_group(pid)  # the call ended: what it started in its group ends with it
+        _, status = os.waitpid(pid, 0)
+        if pid not in children:
+            continue  # a stray that came back to us (we are its subreaper) and was killed
         children.discard(pid)
         try:
             connection.send(pickle.dumps(("status", pid, status)))
         except OSError:
+            return
+
+
+def _own_children() -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as file:
+                found.update(int(pid) for pid in file.read().split())
+        except OSError:
+            pass
+    return found
+
+
+def _kill_strays(calls: set[int]) -> None:
+    """SIGKILL every child that is not a running call: orphans of ended calls (still ours: no pid reuse)."""
+    for pid in _own_children() - calls:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _end_all(seconds: float = 5.0) -> None:
+    """Kill and reap every child until none is left: a call's child that dies hands us its orphans only
+    then, so the kill repeats. Reaped here, as a trainer that is pid 1 of a container reaps no orphans."""
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        _kill_strays(set())
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.002)
+        except ChildProcessError:
             return
 
 

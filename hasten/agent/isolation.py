@@ -34,6 +34,7 @@ named): each is that call's error string, never the run's.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import faulthandler
 import os
 import selectors
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .tools import Tool, ToolCall
 
 HEADER = struct.Struct("<cdQ")  # kind (R | E), when the tool finished (time.monotonic), length of the UTF-8 text
+PR_SET_PDEATHSIG = 1
 GRACE = 1.0  # seconds past the deadline before the child's own alarm ends it (the trainer kills it first)
 
 
@@ -179,6 +181,7 @@ def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int,
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -188,7 +191,7 @@ def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int,
     if pid == 0:
         try:
             os.close(read_fd)
-            _child(tool, call, write_fd, deadline, limit)
+            _child(tool, call, write_fd, deadline, limit, parent)
         finally:
             os._exit(0)  # never return into the trainer's code (tools.py's os._exit guard lets a child exit)
     os.close(write_fd)
@@ -199,11 +202,16 @@ def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int,
     return pid, read_fd
 
 
-def _child(tool: Tool, call: ToolCall, write_fd: int, deadline: float, limit: int) -> None:
+def _child(tool: Tool, call: ToolCall, write_fd: int, deadline: float, limit: int, parent: int) -> None:
     try:
         os.setpgid(0, 0)
     except OSError:
         pass
+    # Dies with the process that forked it (the trainer's thread, or the fork server): a trainer killed
+    # outright leaves no call running. What the call starts is its group's, killed when the call ends.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)  # it died before the signal was armed
     faulthandler.disable()  # a crash is reported as the call's error, not as a "Fatal Python error" in the log
     signal.set_wakeup_fd(-1)  # the trainer's wakeup pipe is not this process's to write
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):

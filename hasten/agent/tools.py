@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError
 from ..userfiles import load_attribute as load_user_attribute, one_line
-from .builtin_tools import BUILTIN_TOOLS
+from .builtin_tools import BUILTIN_TOOLS, set_call_deadline
 from .isolation import Children
 from .results import MIN_RESULT_CHARS, CallResult, failure_text, timed_out, to_text
 
@@ -250,6 +250,7 @@ def _start_thread(tool: Tool, call: ToolCall, deadline: float, timeout: float,
 
     def target() -> None:
         _on_tool_thread.active = True
+        set_call_deadline(deadline)  # the python tool's sandbox job ends with the call (builtin_tools.py)
         try:
             box["text"] = to_text(tool.fn(**call.arguments), limit)  # a raising or huge conversion is the call's
         except BaseException as error:  # SystemExit and ToolExit included: a tool cannot end the run

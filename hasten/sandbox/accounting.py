@@ -132,3 +132,29 @@ def join(procs_files: list[str], controllers: dict[str, str], layers: dict) -> N
     layers["memory_cgroup"] = bool(controllers.get("memory")) and joined.get(f"{controllers['memory']}/cgroup.procs",
                                                                              False)
     layers["pids_cgroup"] = bool(controllers.get("pids")) and joined.get(f"{controllers['pids']}/cgroup.procs", False)
+
+
+PIPE_PAGES = 16  # a pipe's pages at its default size (64 KiB); F_SETPIPE_SZ, to grow one, is refused
+OPEN_FILES = 256  # RLIMIT_NOFILE of an execution's processes, at most
+
+
+def open_files(workers: int, max_processes: int, own_uid: bool) -> int:
+    """RLIMIT_NOFILE for an execution's processes: what bounds its pipes, and so its pipe pages.
+
+    The kernel counts pipe pages per uid, and past `fs.pipe-user-pages-soft` gives every new pipe of
+    that uid 8 KiB. With a uid of its own (root) an execution can only reach its own count: 256.
+    Sharing your uid, each execution's pipes (two fds each; at most max_processes processes) are held
+    to its share, among `workers` executions at once, of half that limit, so your own pipes keep
+    their 64 KiB whatever the completions do; never below 16 (Python and a subprocess need a few).
+    """
+    if own_uid:
+        return OPEN_FILES
+    try:
+        with open("/proc/sys/fs/pipe-user-pages-soft") as file:
+            soft = int(file.read())
+    except (OSError, ValueError):
+        soft = 16384  # the kernel's default
+    if soft <= 0:
+        return OPEN_FILES  # no soft limit: nothing to protect
+    pipes = soft // 2 // max(1, workers) // (PIPE_PAGES * max(1, max_processes))
+    return max(16, min(OPEN_FILES, 2 * pipes))

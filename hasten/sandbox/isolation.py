@@ -57,6 +57,25 @@ def close_fds_except(keep: set[int]) -> None:
         previous = fd
 
 
+def await_parent(middle: int) -> None:
+    """In A and J: wait until the zygote's middle child is gone and the worker (a subreaper) is our parent.
+
+    A parent-death signal set before that would fire when the middle child exits, at once.
+    """
+    while os.getppid() == middle:
+        time.sleep(0.0002)
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL when `parent` dies; leave at once if it already has (the signal would never come).
+
+    A change of uid or gid clears the signal (the kernel's rule): set it after the last one.
+    """
+    libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def execution_ids(pid: int) -> tuple[int, int]:
     """The uid and gid an execution runs as when hasten is root: its own while A (`pid`) lives.
 
@@ -212,7 +231,7 @@ def drop_privileges(limits: dict) -> None:
         ("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at soft, SIGKILL at hard
         ("RLIMIT_AS", limits["memory_bytes"], limits["memory_bytes"]),
         ("RLIMIT_FSIZE", limits["file_bytes"], limits["file_bytes"]),
-        ("RLIMIT_NOFILE", 256, 256),
+        ("RLIMIT_NOFILE", limits["open_files"], limits["open_files"]),  # bounds its pipes (accounting.open_files)
         ("RLIMIT_CORE", 0, 0),
         ("RLIMIT_STACK", 64 * megabyte, 64 * megabyte),
         ("RLIMIT_MSGQUEUE", 0, 0),

@@ -30,10 +30,12 @@ import json
 import logging
 import os
 import queue
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hasten.errors import UserError
+from hasten.sandbox.accounting import open_files
 from hasten.sandbox.programs import Limits, TestProgram
 from hasten.sandbox.results import ExecutionResult, crash_result, interpret, syntax_error_result
 
@@ -86,34 +89,91 @@ class _Worker:
     def call(self, job: dict) -> dict:
         if self.process is None or self.process.poll() is not None:
             self.process = self._start()
+        process = self.process  # close() from another thread (the pool's end) may clear the attribute
         data = json.dumps(job).encode()
         try:
-            assert self.process.stdin is not None and self.process.stdout is not None
-            self.process.stdin.write(struct.pack("!I", len(data)) + data)
-            self.process.stdin.flush()
-            header = self.process.stdout.read(4)
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write(struct.pack("!I", len(data)) + data)
+            process.stdin.flush()
+            header = process.stdout.read(4)
             if len(header) < 4:
                 raise EOFError("worker closed its pipe")
             (size,) = struct.unpack("!I", header)
-            return json.loads(self.process.stdout.read(size))
+            return json.loads(process.stdout.read(size))
         except (OSError, EOFError, ValueError) as error:
             # The worker itself died (it never runs the code, so this is rare): report, restart next time.
             self.close()
             return {"events": [{"event": "internal", "reason": f"worker lost: {error}"}]}
 
     def close(self) -> None:
-        if self.process is not None:
-            try:  # EOF first: an idle worker exits at once and removes its cgroup; a busy one is killed
-                self.process.stdin.close()
-                self.process.wait(timeout=0.5)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
+        """Stop the worker and everything it started, busy or not: nothing of it outlives the pool.
+
+        EOF first: an idle worker exits at once and removes its cgroup. A busy one gets SIGTERM, and
+        kills and reaps its job's processes itself (it is their subreaper); one that does not leave
+        is SIGKILLed, its tree dying with it (parent-death signals, the pid namespace), and whatever
+        it had started is killed from here too, by pidfd (no pid reused since can be hit).
+        """
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            process.stdin.close()
+            process.wait(timeout=0.5)
+            return
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        tree = _descendants(process.pid)
+        for stop, wait in ((process.terminate, 5.0), (process.kill, 5.0)):
             try:
-                self.process.kill()
-                self.process.wait(timeout=5)
+                stop()
+                process.wait(timeout=wait)
+                break
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            self.process = None
+        for pidfd in tree:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except OSError:
+                pass  # already gone
+            os.close(pidfd)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Pidfds of every process below `pid`, found through /proc's children lists.
+
+    Each is checked, once opened, to still be the child of the parent it was listed under: a pidfd
+    then names that process for good, even after it dies and its pid is reused.
+    """
+    found: list[int] = []
+    parents = [pid]
+    while parents and len(found) < 65536:
+        parent = parents.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as file:
+                    children = [int(child) for child in file.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                try:
+                    pidfd = os.pidfd_open(child)
+                except OSError:
+                    continue
+                try:
+                    with open(f"/proc/{child}/stat") as file:
+                        still_ours = int(file.read().rsplit(")", 1)[1].split()[1]) == parent
+                except (OSError, ValueError, IndexError):
+                    still_ours = False
+                if still_ours:
+                    found.append(pidfd)
+                    parents.append(child)
+                else:
+                    os.close(pidfd)
+    return found
 
 
 class Sandbox:
@@ -143,14 +203,20 @@ class Sandbox:
 
     # ------------------------------------------------------------- public API
 
-    def run(self, code: str, program: TestProgram, preamble: str = "") -> ExecutionResult:
-        return self.run_many([(code, program, preamble)])[0]
+    def run(self, code: str, program: TestProgram, preamble: str = "",
+            deadline: float | None = None) -> ExecutionResult:
+        return self.run_many([(code, program, preamble)], deadline)[0]
 
-    def run_many(self, jobs: list[tuple]) -> list[ExecutionResult]:
+    def run_many(self, jobs: list[tuple], deadline: float | None = None) -> list[ExecutionResult]:
         """One result per (code, program[, preamble]) job, in order; identical jobs execute once.
 
         The preamble is the row's trusted prompt code (imports, helpers): the judge runs its own
         copy, so helpers the tests call cannot be replaced by the completion.
+
+        deadline (time.monotonic()): the caller's own end, the python tool's call. A job still
+        waiting for a worker then never starts, and a running one is killed at it, so nothing the
+        caller gave up on runs on and holds a worker. Such runs are neither cached nor shared:
+        a result cut short by one caller's deadline is not another's.
         """
         self._probe()  # SandboxRefused (no namespaces, no fallback) surfaces here, once, before any job
         results: list[ExecutionResult | None] = [None] * len(jobs)
@@ -166,7 +232,7 @@ class Sandbox:
                 self._count("syntax_errors")  # the completion's failure, never the run's
                 continue
             key = self._key(code, program, preamble)
-            if self.cache_size <= 0:
+            if self.cache_size <= 0 or deadline is not None:
                 key = f"{key}:{id(results)}:{index}"  # no cache, no de-duplication: every job executes
             with self._lock:  # look up and claim in one step, so two threads never both start a key
                 cached = self._cache.get(key)
@@ -178,7 +244,8 @@ class Sandbox:
                 future = self._running.get(key)
                 started = future is None
                 if started:
-                    future = self._running[key] = self._executor.submit(self._execute, key, code, program, preamble)
+                    future = self._running[key] = self._executor.submit(self._execute, key, code, program, preamble,
+                                                                        deadline)
                 else:
                     self.stats.cache_hits += 1
             waiting.append((index, future, started))
@@ -220,22 +287,29 @@ class Sandbox:
                 except SandboxRefused as error:
                     self._probed = error
                 else:
-                    self._say_what_is_missing(interpret(raw, program, self.limits).layers)
+                    self._say_what_is_missing(interpret(raw, program, self.limits).layers,
+                                              open_files(self.workers, self.limits.max_processes, own_uid=False))
         if isinstance(self._probed, SandboxRefused):
             raise self._probed
 
-    def _call(self, code: str, program: TestProgram, preamble: str) -> dict:
-        """One job on the next idle worker (waiting for one), returned to the pool whatever happens."""
+    def _call(self, code: str, program: TestProgram, preamble: str, deadline: float | None = None) -> dict:
+        """One job on the next idle worker (waiting for one, until the deadline), returned to the pool whatever happens."""
         job = {"code": code, "program": program.as_dict(), "preamble": preamble,
-               "limits": self.limits.as_dict(), "fallback": self.fallback}
-        worker = self._idle.get()
+               "limits": self.limits.as_dict(), "fallback": self.fallback, "deadline": deadline,
+               "workers": self.workers}
+        try:
+            if deadline is not None and deadline <= time.monotonic():
+                raise queue.Empty
+            worker = self._idle.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return {"events": [], "timed_out": True}  # the caller's deadline came before a free worker
         try:
             return worker.call(job)
         finally:
             self._idle.put(worker)
 
     @staticmethod
-    def _say_what_is_missing(layers: dict[str, bool]) -> None:
+    def _say_what_is_missing(layers: dict[str, bool], files: int = 0) -> None:
         """Once per sandbox, at the probe: the layers this kernel or architecture does not give."""
         if not layers.get("seccomp", False):
             warnings.warn(f"the code sandbox has no syscall allowlist on this machine ({os.uname().machine}; "
@@ -244,7 +318,8 @@ class Sandbox:
         if not layers.get("own_uid", False):
             warnings.warn(f"the code sandbox runs as your uid ({os.geteuid()}), not a uid of its own (that needs "
                           "root): a completion's pending signals, pipe buffers and processes count against your "
-                          "per-uid limits (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
+                          f"per-uid limits (its pipes held by {files or 'a few'} open files per process; "
+                          "docs/sandbox.md)", RuntimeWarning, stacklevel=3)
         missing = [name for name in ("memory_cgroup", "pids_cgroup") if not layers.get(name, False)]
         if missing:
             warnings.warn(f"the code sandbox has no per-execution cgroup here ({', '.join(missing)}: needs root and "
@@ -252,10 +327,11 @@ class Sandbox:
                           "(RLIMIT_AS x max_processes), its kernel memory not at all, its processes by "
                           "RLIMIT_NPROC (docs/sandbox.md)", RuntimeWarning, stacklevel=3)
 
-    def _execute(self, key: str, code: str, program: TestProgram, preamble: str) -> ExecutionResult:
+    def _execute(self, key: str, code: str, program: TestProgram, preamble: str,
+                 deadline: float | None = None) -> ExecutionResult:
         """Runs in a pool thread; never raises. The result is cached before the key stops being 'running'."""
         try:
-            raw = self._call(code, program, preamble)
+            raw = self._call(code, program, preamble, deadline)
             try:
                 self._check_isolation(raw)
             except SandboxRefused as error:
@@ -266,7 +342,8 @@ class Sandbox:
             with self._lock:
                 self.stats.executions += 1
                 self.stats.malformed += result.malformed
-                self._cache_put(key, result)
+                if deadline is None:
+                    self._cache_put(key, result)
             return result
         except Exception as error:  # noqa: BLE001 - the host side's own failure is this job's crash
             self._count("internal_errors")

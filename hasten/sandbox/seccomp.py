@@ -7,23 +7,29 @@ else fails with ENOSYS, as on a kernel that lacks the call, so glibc falls
 back where it can (clone3 -> clone). Some calls are decided by their
 arguments, the rest of each fails with EPERM:
 
-    socket    AF_INET and AF_INET6 only: no unix sockets of any kind
+    socket    AF_INET and AF_INET6 only, protocol 0, TCP or UDP: no unix sockets of any kind, no MPTCP
+    open, openat   without O_DIRECT (a read past the page cache is a read from the host's disk, every time)
     sendto    without an address (addressed datagrams reach paths)
     clone     without namespace flags (threads and forks, no new namespace)
-    fcntl     F_DUPFD, F_DUPFD_CLOEXEC, F_GETFD, F_SETFD, F_GETFL, F_SETFL only: no locks (they block
-              host processes), no F_SETPIPE_SZ (pipe pages count per uid), no F_NOTIFY (watches host
-              dirs), no leases, owners or signals
+    fcntl     F_DUPFD, F_DUPFD_CLOEXEC, F_GETFD, F_SETFD, F_GETFL, F_SETFL (without O_DIRECT) only: no
+              locks (they block host processes), no F_SETPIPE_SZ (pipe pages count per uid), no F_NOTIFY
+              (watches host dirs), no leases, owners or signals
+    madvise   not WILLNEED, COLD, PAGEOUT, POPULATE_READ, POPULATE_WRITE, COLLAPSE: on a file mapping each
+              reads the host's file into its page cache or evicts it (the filter cannot tell anonymous memory)
     ioctl     no pty unlocking or naming (TIOCSPTLCK, TIOCGPTN, TIOCGPTPEER), no TIOCSTI
     preadv2, pwritev2   flags zero only (RWF_NOWAIT tells which host pages are cached)
     prlimit64 on the calling process only (pid 0): pid 1 of the sandbox is B
-    prctl     not PR_SET_DUMPABLE: C made itself non-dumpable and stays so
+    prctl     not PR_SET_DUMPABLE (C made itself non-dumpable and stays so), PR_SET_CHILD_SUBREAPER (an
+              orphan would stay in the sandbox's tree instead of going to B), PR_SET_KEEPCAPS
 
 Calls that only reach host state from a read-only file are answered without
 running: the sync family (fsync, fdatasync, sync, syncfs, msync,
 sync_file_range) returns success and flushes nothing (each call would flush
 the host's disk); fadvise64 and readahead (evicting or loading the host's
 page cache), timer_create, rt_sigqueueinfo and rt_tgsigqueueinfo (entries
-in the per-uid pending-signal budget) fail with EPERM.
+in the per-uid pending-signal budget) fail with EPERM. openat2 fails with
+ENOSYS (its flags sit in a struct the filter cannot read), so glibc falls
+back to openat.
 
 Left out on purpose, so each fails: socketpair, sendmsg/recvmsg (fd passing),
 unshare, setns, memfd_create, SysV shm/msg/sem, POSIX mqueues, flock, mount
@@ -61,10 +67,10 @@ def _arg(index: int, high: bool = False) -> int:
 ALLOWED = {
     "read": 0, "write": 1, "close": 3, "fstat": 5, "mmap": 9, "mprotect": 10, "munmap": 11, "brk": 12,
     "rt_sigaction": 13, "rt_sigprocmask": 14, "rt_sigreturn": 15, "futex": 202, "newfstatat": 262,
-    "openat": 257, "lseek": 8, "getpid": 39, "setitimer": 38, "getdents64": 217, "clock_gettime": 228,
-    "open": 2, "stat": 4, "lstat": 6, "poll": 7, "pread64": 17, "pwrite64": 18, "readv": 19, "writev": 20,
+    "lseek": 8, "getpid": 39, "setitimer": 38, "getdents64": 217, "clock_gettime": 228,
+    "stat": 4, "lstat": 6, "poll": 7, "pread64": 17, "pwrite64": 18, "readv": 19, "writev": 20,
     "access": 21, "pipe": 22, "select": 23, "sched_yield": 24, "mremap": 25, "mincore": 27,
-    "madvise": 28, "dup": 32, "dup2": 33, "pause": 34, "nanosleep": 35, "getitimer": 36, "alarm": 37,
+    "dup": 32, "dup2": 33, "pause": 34, "nanosleep": 35, "getitimer": 36, "alarm": 37,
     "sendfile": 40, "connect": 42, "accept": 43, "recvfrom": 45, "shutdown": 48, "bind": 49, "listen": 50,
     "getsockname": 51, "getpeername": 52, "setsockopt": 54, "getsockopt": 55, "fork": 57, "vfork": 58,
     "execve": 59, "exit": 60, "wait4": 61, "kill": 62, "uname": 63,
@@ -93,7 +99,7 @@ ALLOWED = {
     "dup3": 292, "pipe2": 293, "preadv": 295, "pwritev": 296,
     "getcpu": 309, "sched_setattr": 314, "sched_getattr": 315, "renameat2": 316, "getrandom": 318,
     "execveat": 322, "membarrier": 324, "copy_file_range": 326, "statx": 332,
-    "rseq": 334, "pidfd_send_signal": 424, "pidfd_open": 434, "close_range": 436, "openat2": 437,
+    "rseq": 334, "pidfd_send_signal": 424, "pidfd_open": 434, "close_range": 436,
     "faccessat2": 439, "epoll_pwait2": 441, "futex_waitv": 449,
 }
 # Answered without running: success with nothing done, or EPERM.
@@ -101,11 +107,17 @@ NO_OPS = {"fsync": 74, "fdatasync": 75, "sync": 162, "syncfs": 306, "msync": 26,
 REFUSED = {"fadvise64": 221, "readahead": 187, "timer_create": 222, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297}
 SOCKET, SENDTO, CLONE, FCNTL, IOCTL = 41, 44, 56, 72, 16
 PREADV2, PWRITEV2, PRLIMIT64, PRCTL = 327, 328, 302, 157
+OPEN, OPENAT, MADVISE = 2, 257, 28
 AF_INET, AF_INET6 = 2, 10
+SOCKET_PROTOCOLS = (0, 6, 17)  # the family's default, IPPROTO_TCP, IPPROTO_UDP; not IPPROTO_MPTCP (262)
+O_DIRECT = 0o40000  # x86-64
+F_SETFL = 4
+# MADV_WILLNEED, MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE
+PAGE_CACHE_ADVICE = (3, 20, 21, 22, 23, 25)
 NAMESPACE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x80
 # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC: what CPython's os, io and subprocess use.
 FCNTL_COMMANDS = (0, 1, 2, 3, 4, 1030)
-PR_SET_DUMPABLE = 4
+PR_SET_DUMPABLE, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 4, 8, 36
 PTY_IOCTLS = (0x40045431, 0x80045430, 0x5441, 0x5412)  # TIOCSPTLCK, TIOCGPTN, TIOCGPTPEER, TIOCSTI
 
 
@@ -122,6 +134,11 @@ def _one_of(offset: int, values: tuple[int, ...], match: int, otherwise: int) ->
     return body + [(RET, 0, 0, otherwise), (RET, 0, 0, match)]
 
 
+def _without(offset: int, bits: int, match: int, otherwise: int) -> list[tuple]:
+    """Return `match` if the argument word at offset has none of `bits` set, else `otherwise` (4 instructions)."""
+    return [(LOAD, 0, 0, offset), (JSET, 0, 1, bits), (RET, 0, 0, otherwise), (RET, 0, 0, match)]
+
+
 def program() -> list[tuple]:
     """The filter as (code, jump if true, jump if false, k); jumps count from the next instruction."""
     allow, deny, missing = RET_ALLOW, RET_ERRNO | EPERM, RET_ERRNO | ENOSYS
@@ -135,7 +152,13 @@ def program() -> list[tuple]:
         instructions += [(JEQ, 0, 1, number), (RET, 0, 0, RET_ERRNO | 0)]  # errno 0: the call "succeeds"
     for number in REFUSED.values():
         instructions += [(JEQ, 0, 1, number), (RET, 0, 0, deny)]
-    instructions += _checked(SOCKET, _one_of(_arg(0), (AF_INET, AF_INET6), allow, deny))
+    family_not_inet = 3 + len(SOCKET_PROTOCOLS)  # from the second family test past the protocol block
+    instructions += _checked(SOCKET, [(LOAD, 0, 0, _arg(0)), (JEQ, 1, 0, AF_INET), (JEQ, 0, family_not_inet, AF_INET6),
+                                      *_one_of(_arg(2), SOCKET_PROTOCOLS, allow, deny), (RET, 0, 0, deny)])
+    # open's flags are its second argument, openat's its third; an int, so the low word is all of it.
+    instructions += _checked(OPEN, _without(_arg(1), O_DIRECT, allow, deny))
+    instructions += _checked(OPENAT, _without(_arg(2), O_DIRECT, allow, deny))
+    instructions += _checked(MADVISE, _one_of(_arg(2), PAGE_CACHE_ADVICE, deny, allow))
     # sendto's address pointer, both halves zero: a connected or stream send.
     instructions += _checked(SENDTO, [(LOAD, 0, 0, _arg(4)), (JEQ, 0, 3, 0), (LOAD, 0, 0, _arg(4, high=True)),
                                       (JEQ, 0, 1, 0), (RET, 0, 0, allow), (RET, 0, 0, deny)])
@@ -143,12 +166,16 @@ def program() -> list[tuple]:
                                      (RET, 0, 0, deny), (RET, 0, 0, allow)])
     # The kernel reads fcntl's command, the rwf_t flags, prlimit64's pid_t and prctl's option as 32-bit
     # ints, so the low word is the whole argument.
-    instructions += _checked(FCNTL, _one_of(_arg(1), FCNTL_COMMANDS, allow, deny))
+    # F_SETFL may not turn O_DIRECT on; the other commands as listed.
+    instructions += _checked(FCNTL, [(LOAD, 0, 0, _arg(1)), (JEQ, 0, 4, F_SETFL),
+                                     *_without(_arg(2), O_DIRECT, allow, deny),
+                                     *_one_of(_arg(1), FCNTL_COMMANDS, allow, deny)])
     instructions += _checked(IOCTL, _one_of(_arg(1), PTY_IOCTLS, deny, allow))
     for number in (PREADV2, PWRITEV2):
         instructions += _checked(number, _one_of(_arg(5), (0,), allow, deny))
     instructions += _checked(PRLIMIT64, _one_of(_arg(0), (0,), allow, deny))
-    instructions += _checked(PRCTL, _one_of(_arg(0), (PR_SET_DUMPABLE,), deny, allow))
+    instructions += _checked(PRCTL, _one_of(_arg(0), (PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_KEEPCAPS),
+                                            deny, allow))
     # A checked block loads arguments only when its call matched, and then returns: every fall-through
     # still has nr in the accumulator. What reaches the end is a call the allowlist does not know.
     return instructions + [(RET, 0, 0, missing)]

