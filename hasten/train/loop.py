@@ -67,6 +67,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..config import Config
+from ..console import record_to
 from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
 from ..models.files import owner_note
@@ -382,6 +383,8 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
     """
     global _unstarted
     _unstarted = None  # from here a failure or signal is this function's to handle
+    if distributed.is_main():
+        record_to(run_dir.path)  # what a closed or failed stdout/stderr is given goes to output.log (console.py)
     progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
     hooks = list(callbacks or [])
     start = 0
