@@ -9,6 +9,7 @@ GGUF's."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -16,11 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hasten.cli import main
 from hasten.models import model_directory, smollm2
 from hasten.models.smollm2 import WEIGHTS, converted_dir
 from hasten.train import outputs
+from hasten.train.integrity import verify
+from hasten.train.outputs import RunDir
 
 from test_operator_cache import cache, fake_save_plain  # noqa: F401  (the fixture, and what it converts)
 
@@ -166,3 +170,118 @@ def test_hasten_models_shows_the_cached_model_state(cache, capsys):
     assert shown().endswith(f"cached at {cache}: whole (every file's sha256 matches its manifest)")
     flip(cache / WEIGHTS, (cache / WEIGHTS).stat().st_size - 3)
     assert "damaged: model.safetensors is damaged" in shown() and smollm2.cache_damage(cache).startswith(WEIGHTS)
+
+
+# ------------------------------------------------------------------ 3. resource exhaustion
+
+
+def failed_run(run: Path, capsys, code: int, resource: str) -> str:
+    """The run ended in one line naming `resource`, exit 2, summary.json "failed", its last checkpoint whole."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert resource in lines[0] and "Traceback" not in lines[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and resource in summary["error"], summary
+    last = RunDir(run).latest_checkpoint()
+    verify(last)  # whole: its manifest matches
+    assert str(last) in lines[0] or "checkpoint-" in lines[0]
+    assert not (run / outputs.RESERVE).exists()
+    return lines[0]
+
+
+def no_space(path) -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+@pytest.mark.parametrize("where", ["metrics.jsonl", "summary.json", "checkpoint-3"])
+def test_a_disk_that_fills_between_checkpoints_is_one_line_a_failed_summary_and_exit_2(tmp_path, capsys, monkeypatch,
+                                                                                       where):
+    if where == "metrics.jsonl":  # step 3's line
+        real_append, lines = outputs._append_json_line, []
+
+        def append(path, record):
+            lines.append(path.name)
+            if lines.count("metrics.jsonl") == 3 and path.name == "metrics.jsonl":
+                raise no_space(path)
+            real_append(path, record)
+
+        monkeypatch.setattr(outputs, "_append_json_line", append)
+    elif where == "summary.json":  # the end's summary: the failed one is written in its place
+        real_write, writes = outputs._write_atomically, []
+
+        def write(path, data):
+            writes.append(path.name)
+            if writes.count("summary.json") == 1 and path.name == "summary.json":
+                raise no_space(path)
+            real_write(path, data)
+
+        monkeypatch.setattr(outputs, "_write_atomically", write)
+    else:  # torch.save of step 3's trainer state
+        real_save = torch.save
+
+        def save(state, target, *args, **kwargs):
+            if "checkpoint-3" in str(target):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                                   "file data/0: file write failed")
+            real_save(state, target, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    code = main(game_args(tmp_path, "full", "--steps", "4", "--output.progress=off"))
+    failed_run(tmp_path / "full", capsys, code, "no space left on the disk of")
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("could not create a primitive"), MemoryError(),
+                                     RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                                                  "can't allocate memory: you tried to allocate 8589934592 bytes.")],
+                         ids=["onednn", "MemoryError", "torch"])
+def test_an_allocation_failure_mid_run_is_one_line_a_failed_summary_and_exit_2(tmp_path, capsys, monkeypatch, failure):
+    from hasten.train.policy_loop import GameJob
+
+    real_step = GameJob.step
+
+    def step(self, number):
+        if number == 3:
+            raise failure
+        return real_step(self, number)
+
+    monkeypatch.setattr(GameJob, "step", step)
+    code = main(game_args(tmp_path, "oom", "--steps", "4", "--output.progress=off"))
+    line = failed_run(tmp_path / "oom", capsys, code, "out of memory")
+    assert line.endswith(f"resume with: hasten train --resume {tmp_path / 'oom'}") and "checkpoint-2" in line
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only; skipped where mounting is not allowed)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_real_small_disk_that_fills_mid_run_keeps_the_last_checkpoint_and_writes_a_failed_summary(
+        small_disk, capsys, monkeypatch):
+    """A tmpfs that another writer fills during step 3: whichever write of the run meets it first."""
+    from hasten.train.policy_loop import GameJob
+
+    real_step = GameJob.step
+
+    def step(self, number):
+        if number == 3:  # someone else takes every free byte
+            with open(small_disk / "filler", "wb") as filler:
+                try:
+                    while True:
+                        filler.write(bytes(1 << 16))
+                        filler.flush()
+                except OSError:
+                    pass
+        return real_step(self, number)
+
+    monkeypatch.setattr(GameJob, "step", step)
+    code = main(game_args(small_disk, "run", "--steps", "6", "--output.progress=off"))
+    failed_run(small_disk / "run", capsys, code, "no space left on the disk of")

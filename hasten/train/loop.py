@@ -38,7 +38,9 @@ once:
                  exits 1 itself (docs/distributed.md; tests/test_fsdp.py)
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
-                 keeps it, summary.json saying status "failed" and why
+                 keeps it, summary.json saying status "failed" and why; a full disk or a
+                 failed allocation is one line naming it and the last whole checkpoint
+                 (resources.py), with room kept in <run>/.reserve for that summary
     hooks        `run(..., callbacks=[Hook, ...])`: experiment trackers (tracking.py)
                  and the Python API's TrainerCallbacks hear of the start, each step's
                  record, evals, saves and the end; a hook's on_step returning True
@@ -76,6 +78,7 @@ from . import distributed
 from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
 from .progress import Progress
+from .resources import ResourceExhausted, exhausted
 
 
 class Job(Protocol):
@@ -385,6 +388,7 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
     _unstarted = None  # from here a failure or signal is this function's to handle
     if distributed.is_main():
         record_to(run_dir.path)  # what a closed or failed stdout/stderr is given goes to output.log (console.py)
+        run_dir.reserve()  # room for summary.json should the disk fill (resources.py)
     progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
     hooks = list(callbacks or [])
     start = 0
@@ -402,9 +406,16 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
                 hook.on_end(summary)
             return summary
     except Exception as error:
-        _failed(run_dir, created, start, error, log)
+        resource = exhausted(error, run_dir, job.resume_command)  # a full disk or failed allocation: one line
+        _failed(run_dir, created, start, resource or error, log, say=resource is None)
+        if resource is error:
+            raise
+        if resource is not None:
+            raise resource from None
         raise
     finally:
+        if distributed.is_main():
+            run_dir.release_reserve()
         progress.close()
         try:
             for hook in hooks:
@@ -566,10 +577,15 @@ def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fi
     return summary
 
 
-def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None]) -> None:
+def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None],
+            say: bool = True) -> None:
+    """summary.json saying status "failed" and why (a fresh run that did no step leaves no directory).
+    say: also log that the directory is kept (a ResourceExhausted line already names it)."""
+    if distributed.is_main():
+        run_dir.release_reserve()  # a full disk: the reserved room takes the summary
     steps_done = sum(1 for _ in _lines(run_dir.metrics_path))
     # A fresh run whose first save found the disk full has nothing to resume from: leave no directory either.
-    unusable = isinstance(error, OutOfSpace) and run_dir.latest_checkpoint() is None
+    unusable = isinstance(error, (ResourceExhausted, OutOfSpace)) and run_dir.latest_checkpoint() is None
     if created and start == 0 and (steps_done == 0 or unusable) and distributed.is_main():
         shutil.rmtree(run_dir.path, ignore_errors=True)  # nothing worth keeping: leave nothing behind
         return
@@ -579,7 +595,8 @@ def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: C
                                "error": f"{type(error).__name__}: {reason}"})
     except OSError:
         pass  # the failure may be the disk itself; the error is what the user needs
-    log(f"run failed; its directory is kept: {run_dir.path}")
+    if say:
+        log(f"run failed; its directory is kept: {run_dir.path}")
 
 
 def _lines(path: Path):

@@ -72,6 +72,8 @@ from hasten.train.integrity import RunLock
 STATE_FILE = "trainer_state.pt"
 STATE_SUMMARY = "trainer_state.json"
 DELETING = ".deleting-"  # a pruned checkpoint's name while it is deleted
+RESERVE = ".reserve"  # disk kept while a run writes, freed for summary.json when the disk fills (resources.py)
+RESERVE_BYTES = 64 * 1024
 _NUMBERED = re.compile(r"checkpoint-(\d+)")
 
 
@@ -152,6 +154,19 @@ class RunDir:
             shutil.rmtree(run.path, ignore_errors=True)
             raise
         return run
+
+    def reserve(self) -> None:
+        """Keep RESERVE_BYTES of the disk (real blocks, not a sparse file) for the run's end."""
+        try:
+            (self.path / RESERVE).write_bytes(bytes(RESERVE_BYTES))
+        except OSError:  # the disk is full already: the run's next write says so in one line
+            self.release_reserve()
+
+    def release_reserve(self) -> None:
+        try:
+            (self.path / RESERVE).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ logs
 
