@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -285,3 +286,152 @@ def test_a_real_small_disk_that_fills_mid_run_keeps_the_last_checkpoint_and_writ
     monkeypatch.setattr(GameJob, "step", step)
     code = main(game_args(small_disk, "run", "--steps", "6", "--output.progress=off"))
     failed_run(small_disk / "run", capsys, code, "no space left on the disk of")
+
+
+# ------------------------------------------------------------------ 2. paths and environments
+
+
+def test_a_run_name_that_is_not_utf8_saves_and_resumes_under_the_c_locale(tmp_path):
+    """Any byte but '/' may be in a name; the tokenizer's save (Rust) took only UTF-8 paths."""
+    name = b"run-\xff\xfe"
+    locale = {"LC_ALL": "C", "LANG": "C"}
+    args = [arg.encode() for arg in tiny_args(tmp_path, "NAME", "--output.progress=off")]
+    args = [b"--output.name=" + name if arg == b"--output.name=NAME" else arg for arg in args]
+    first = shell('exec "$@"', *args, env=locale)
+    assert first.returncode == 0, first.stderr.decode(errors="replace")[-2000:]
+    run = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), name)))
+    assert (run / "checkpoint-1" / "tokenizer.json").is_file() and (run / "checkpoint" / "tokenizer.json").is_file()
+    shutil.rmtree(run / "checkpoint")  # killed before its final save: the resume runs step 2 again from checkpoint-1
+    (run / "summary.json").unlink()
+    resumed = shell('exec "$@"', b"train", b"--resume", os.fsencode(run), b"--output.progress=off", env=locale)
+    assert resumed.returncode == 0, resumed.stderr.decode(errors="replace")[-2000:]
+    assert b"Traceback" not in resumed.stderr
+    finished(run, steps=2)
+
+
+@pytest.fixture
+def read_only_home(tmp_path):
+    """A HOME on a read-only file system (root is refused writes there, unlike a chmod 555 directory)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield home
+    finally:
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+@pytest.mark.parametrize("home", ["read-only", "missing"])
+def test_a_read_only_or_missing_home_trains_lora_on_tiny(tmp_path, read_only_home, home):
+    environment = dict(os.environ, HOME=str(read_only_home if home == "read-only" else read_only_home / "missing"),
+                       PYTHONPATH=str(ROOT))
+    environment.pop("HASTEN_CACHE", None)
+    done = subprocess.run([sys.executable, "-m", "hasten.cli", *tiny_args(tmp_path, "lora", "--model.lora=true",
+                                                                           "--output.progress=off")],
+                          capture_output=True, text=True, timeout=600, env=environment, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    finished(tmp_path / "lora", steps=2)
+    assert (tmp_path / "lora" / "checkpoint" / "adapter_model.safetensors").is_file()
+
+
+def forbid_model_load(monkeypatch) -> None:
+    """Loading the model fails the test: what is checked here must be checked before it."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before a check that needs no model")
+
+    monkeypatch.setattr("hasten.train.trainer.load_policy", loaded)
+
+
+def test_a_resume_one_may_not_write_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from hasten.train.trainer import train
+    from hasten.config import load_config
+
+    config = load_config(overrides=list({"model.name": "tiny", "task.name": "arithmetic", "train.steps": 2,
+                                         "train.prompts_per_step": 2, "generation.num_generations": 2,
+                                         "generation.max_new_tokens": 4, "eval.num_examples": 0,
+                                         "output.dir": str(tmp_path), "output.name": "theirs",
+                                         "output.progress": "off", "output.plot": False,
+                                         "output.save_every": 1}.items()))
+    run = Path(train(config, log=lambda _: None)["run_dir"])
+    (run / "summary.json").unlink()
+    real_open = os.open
+
+    def refused(path, flags, *args, **kwargs):  # another user's run: its lock cannot be opened for writing
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    forbid_model_load(monkeypatch)
+    code = main(["train", "--resume", str(run)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"run error: cannot resume {run}: permission"), lines
+
+
+def test_a_run_name_too_long_for_the_file_system_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    forbid_model_load(monkeypatch)
+    code = main(tiny_args(tmp_path, "x" * 256))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines == ["config error: output.name is 256 bytes long; a name on this file system may "
+                                   "have at most 255"], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unusable_bench_report_directory_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    import hasten.bench as bench
+
+    monkeypatch.setattr(bench, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured first")))
+    (tmp_path / "file").write_text("")
+    code = main(["bench", "--workloads", "B1", "--quick", "--report", str(tmp_path / "file" / "report")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("bench error: --report"), lines
+
+
+# ------------------------------------------------------------------ 7. one output directory, one run
+
+
+@pytest.mark.parametrize("earlier_run", ["set_aside", "beside"])
+def test_a_run_stalled_before_its_config_still_owns_its_directory(tmp_path, monkeypatch, earlier_run):
+    """The first run stalls (a slow disk) before config.yaml; a second one started meanwhile with the same
+    output directory never writes into it: refused through the API's set_aside, the next name otherwise."""
+    import threading
+
+    from hasten.config import load_config
+    from hasten.train import loop
+    from hasten.train.integrity import RunInUse
+
+    def config(seed: int):
+        return load_config(overrides=[("task.name", "fruit-catcher"), ("output.dir", str(tmp_path)),
+                                      ("output.name", "out"), ("output.earlier_run", earlier_run),
+                                      ("train.seed", seed)])
+
+    stalled, go_on = threading.Event(), threading.Event()
+    real_save = outputs.save_config
+
+    def slow_disk(cfg, path):
+        if cfg.train.seed == 1:
+            stalled.set()
+            go_on.wait(60)
+        real_save(cfg, path)
+
+    monkeypatch.setattr(outputs, "save_config", slow_disk)
+    opened = {}
+    first = threading.Thread(target=lambda: opened.update(first=loop.open_run(config(1), None)[0]))
+    first.start()
+    try:
+        assert stalled.wait(60)
+        if earlier_run == "set_aside":
+            with pytest.raises(RunInUse):
+                loop.open_run(config(2), None)
+        else:
+            second = loop.open_run(config(2), None)[0]
+            assert second.path == tmp_path / "out-2"
+            second.lock.release()
+    finally:
+        go_on.set()
+        first.join(60)
+    opened["first"].lock.release()
+    assert opened["first"].path == tmp_path / "out"
+    assert load_config(tmp_path / "out" / "config.yaml").train.seed == 1

@@ -28,11 +28,13 @@ and `owner_note`, the "(owned by uid N)" of a permission message.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import struct
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import UserError
 
@@ -187,3 +189,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def utf8_path(directory: Path) -> Iterator[Path]:
+    """`directory` under a name every writer takes. A Linux name may hold any bytes; Python hands the ones
+    that are not UTF-8 on as lone surrogates, which libraries written in Rust (the tokenizers' save) refuse
+    with UnicodeEncodeError, whatever the locale. /proc/self/fd/N names the same directory in ASCII."""
+    try:
+        os.fsencode(directory).decode("utf-8")
+        readable = True
+    except UnicodeDecodeError:
+        readable = False
+    if readable or not Path("/proc/self/fd").is_dir():
+        yield directory
+        return
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield Path(f"/proc/self/fd/{descriptor}")
+    finally:
+        os.close(descriptor)

@@ -75,7 +75,7 @@ from ..kernels.allocator import loaded as loaded_allocator
 from ..models.files import owner_note
 from ..tasks.sampler import as_random_state
 from . import distributed
-from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
+from .integrity import LOCK_FILE, DamagedCheckpoint, RunLock, verify, write_manifest
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
 from .progress import Progress
 from .resources import ResourceExhausted, exhausted
@@ -314,8 +314,7 @@ def _create(cfg: Config) -> RunDir:
     global _unstarted
     run_dir = None
     try:
-        run_dir = _unstarted = RunDir.create(cfg)
-        run_dir.lock = RunLock(run_dir.path).acquire()
+        run_dir = _unstarted = RunDir.create(cfg)  # owned (its lock) before config.yaml is written
         return run_dir
     except OSError as error:
         if run_dir is not None:
@@ -332,11 +331,8 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     except PermissionError as error:
         raise permission_denied(run_path, error, "writing") from None
     try:
-        # What a resume writes, checked now: a lock file shared 666 can be taken by a user who cannot
-        # write the directory itself.
-        for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
-            if lock is not None and target.exists() and not os.access(target, os.W_OK):
-                raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
+        if lock is not None:
+            _check_writable(run_path)
         run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
     except BaseException:
         if lock is not None:
@@ -346,6 +342,32 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     run_dir.clean_stale()
     _record_length(cfg, run_dir)
     return run_dir, checkpoint
+
+
+def _check_writable(run_path: Path) -> None:
+    """What a resume writes, checked: a lock file shared 666 can be taken by a user who cannot write the
+    directory itself."""
+    for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
+        if target.exists() and not os.access(target, os.W_OK):
+            raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
+
+
+def check_resume(resume: str | Path) -> None:
+    """Before the model loads: a run this user may not write (another user's) is one line now, not after
+    a minute of loading. Takes no lock (open_run does); writes nothing."""
+    path = Path(resume)
+    run_path = path.parent if (path / STATE_FILE).is_file() else path
+    if not (run_path / "config.yaml").is_file():
+        return  # not a run: open_run's find_checkpoint says so
+    lock = run_path / LOCK_FILE
+    try:
+        if lock.exists():
+            os.close(os.open(lock, os.O_RDWR))
+        elif not os.access(run_path, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(lock))
+        _check_writable(run_path)
+    except PermissionError as error:
+        raise permission_denied(run_path, error, "writing") from None
 
 
 def permission_denied(run_path: Path, error: PermissionError, doing: str = "reading") -> RunDirError:
