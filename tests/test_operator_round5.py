@@ -233,8 +233,9 @@ def test_a_disk_that_fills_between_checkpoints_is_one_line_a_failed_summary_and_
 
 @pytest.mark.parametrize("failure", [RuntimeError("could not create a primitive"), MemoryError(),
                                      RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
-                                                  "can't allocate memory: you tried to allocate 8589934592 bytes.")],
-                         ids=["onednn", "MemoryError", "torch"])
+                                                  "can't allocate memory: you tried to allocate 8589934592 bytes."),
+                                     None],
+                         ids=["onednn", "MemoryError", "torch", "a real allocation"])
 def test_an_allocation_failure_mid_run_is_one_line_a_failed_summary_and_exit_2(tmp_path, capsys, monkeypatch, failure):
     from hasten.train.policy_loop import GameJob
 
@@ -242,6 +243,8 @@ def test_an_allocation_failure_mid_run_is_one_line_a_failed_summary_and_exit_2(t
 
     def step(self, number):
         if number == 3:
+            if failure is None:  # more than any address space: torch's allocator itself refuses
+                torch.empty((1 << 60,), dtype=torch.uint8)
             raise failure
         return real_step(self, number)
 

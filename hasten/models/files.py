@@ -23,7 +23,9 @@ Also here, for every writer of shared files (run directories, the model
 cache): `share_like_umask`, the modes a plain mkdir/open would have given
 (tempfile's directories are 700 and its files 600 whatever the umask, which
 kept a team from sharing a cache or evaluating each other's checkpoints),
-and `owner_note`, the "(owned by uid N)" of a permission message.
+and `owner_note`, the "(owned by uid N)" of a permission message; `utf8_path`,
+a directory named so that writers and readers written in Rust (tokenizers,
+safetensors) take it when its path holds bytes that are not UTF-8.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
     checkpoint-<N>/    full-state checkpoints (output.save_every, output.save_minutes, on a signal)
     checkpoint/        the final checkpoint (full state too)
     summary.json       end-of-run summary (status: finished | interrupted | stopped | failed)
-    .lock              flock'd by the process writing the run (integrity.py; the kernel frees it)
+    .lock              flock'd by the process writing the run (integrity.py; the kernel frees it), from
+                       the moment the directory exists, before config.yaml
+    output.log         what a closed, full or gone stdout/stderr could not show (console.py); only then
+    .reserve           64 KiB held while the run writes, freed for summary.json on a full disk (resources.py)
     progress.png       reward and held-out accuracy curves; loss, KL, entropy, completion
                        length and step time below them
 
