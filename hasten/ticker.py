@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from .console import view
+
 MODES = ("auto", "live", "plain", "off")
 PLAIN_EVERY_S = 10.0  # a plain-mode line at most, and at least, this often: the longest silence in a log
 ELAPSED_ONLY = "{desc}: {elapsed} elapsed{postfix}"  # the live bar of a phase without a count
@@ -77,7 +79,7 @@ class Ticker:
 
     def __init__(self, description: str, total: int | None = None, unit: str = "it", mode: str | None = None,
                  stream: TextIO | None = None, every_s: float = PLAIN_EVERY_S, timer: bool = True):
-        self.stream = stream if stream is not None else sys.stderr
+        self.stream = view(stream if stream is not None else sys.stderr)  # a failed stream turns it off (console.py)
         self.mode = resolve(mode, self.stream)
         self.description, self.total, self.unit, self.every_s = description, total, unit, every_s
         self.done = 0

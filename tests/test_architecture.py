@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hasten"
 
 # Bottom first. A module may import its own package and anything listed before its package, nothing after.
 LAYERS = [
-    "errors", "userfiles", "ticker", "features", "config_jobs", "config_yaml", "device", "profiles",
+    "errors", "console", "userfiles", "ticker", "features", "config_jobs", "config_yaml", "device", "profiles",
     "config",  # settings: plain data, no torch at import
     "kernels",  # numerical and process kernels: precision, attention, AdamW, allocator, threads, ...
     "sandbox", "games",  # self-contained: isolated execution; the vectorized game

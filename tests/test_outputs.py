@@ -51,7 +51,9 @@ def test_set_aside_moves_an_earlier_run_and_takes_its_name(tmp_path):
     cfg.output.earlier_run = "set_aside"
     first = RunDir.create(cfg)
     first.log_step({"step": 1, "loss": 0.5})
+    first.lock.release()  # the run ended (create owns the directory, as loop.open_run's runs do)
     second = RunDir.create(cfg)  # TRL's output_dir: the new run writes "out" itself
+    second.lock.release()
     third = RunDir.create(cfg)
     root = tmp_path / "runs"
     assert second.path == third.path == root / "out"
@@ -65,13 +67,13 @@ def test_set_aside_never_moves_a_live_run_or_files_that_are_not_a_run(tmp_path):
 
     cfg = make_config(tmp_path, name="out")
     cfg.output.earlier_run = "set_aside"
-    live = RunDir.create(cfg)
-    lock = RunLock(live.path).acquire()  # another process writing it, as loop.open_run holds it
+    live = RunDir.create(cfg)  # owned while it runs, as loop.open_run's runs are
     try:
         with pytest.raises(RunInUse, match="in use by process"):
             RunDir.create(cfg)
     finally:
-        lock.release()
+        live.lock.release()
+    RunLock(live.path).acquire().release()  # free once released
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["out"]
     mine = tmp_path / "runs" / "mine"
     mine.mkdir()
@@ -117,7 +119,7 @@ def test_write_summary(tmp_path):
     assert path == run.path / "summary.json"
     assert json.loads(path.read_text()) == {"final_accuracy": 0.75, "reward_delta": None}
     assert "\n  " in path.read_text()  # pretty-printed
-    assert sorted(p.name for p in run.path.iterdir()) == ["config.yaml", "summary.json"]
+    assert sorted(p.name for p in run.path.iterdir()) == [".lock", "config.yaml", "summary.json"]
 
 
 class StandInTokenizer:
@@ -165,7 +167,7 @@ def test_save_checkpoint_is_loadable_and_leaves_no_temp_dirs(tmp_path, tiny_mode
     (final / "stale.txt").write_text("from an older save")
     run.save_checkpoint(tiny_model, StandInTokenizer(), None)
     assert not (final / "stale.txt").exists()
-    assert sorted(p.name for p in run.path.iterdir()) == ["checkpoint", "checkpoint-50", "config.yaml"]
+    assert sorted(p.name for p in run.path.iterdir()) == [".lock", "checkpoint", "checkpoint-50", "config.yaml"]
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, tiny_model):
@@ -175,7 +177,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, tiny_model):
     with pytest.raises(CheckpointError, match="could not write .*checkpoint: disk full"):
         run.save_checkpoint(FailingModel(), StandInTokenizer(), None)
     assert sorted(p.name for p in previous.iterdir()) == before
-    assert sorted(p.name for p in run.path.iterdir()) == ["checkpoint", "config.yaml"]
+    assert sorted(p.name for p in run.path.iterdir()) == [".lock", "checkpoint", "config.yaml"]
 
 
 def test_plot_writes_png(tmp_path):

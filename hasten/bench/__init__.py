@@ -192,6 +192,13 @@ def _options(args) -> Any:
     report = Path(args.report) if args.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise BenchError(f"bench error: --report '{report}' exists and is not a directory")
+    if report is not None:  # before measuring: a report that cannot be written would lose the results
+        from ..train.preflight import check_writable_dir
+
+        try:
+            check_writable_dir(report, "--report")
+        except UserError as error:
+            raise BenchError(str(error).replace("config error:", "bench error:", 1)) from None
     if b8 is not None and report is not None:
         b8.plot_dir = report
 

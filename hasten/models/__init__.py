@@ -41,7 +41,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .files import check_model_dir
+from .files import check_model_dir, utf8_path
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "tiny": "tiny"}
 
@@ -284,10 +284,25 @@ def _tiny_directory(model, tokenizer) -> Path:
 
     from .smollm2 import cache_root
 
-    target = cache_root() / "models" / f"tiny-vocab{model.config.vocab_size}-seed0"
+    name = f"tiny-vocab{model.config.vocab_size}-seed0"
+    target = cache_root() / "models" / name
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe, probe_name = tempfile.mkstemp(prefix=".tiny-probe-", dir=target.parent)
+        os.close(probe)
+        os.unlink(probe_name)
+    except OSError:
+        # A read-only or missing HOME without HASTEN_CACHE: a fixed seed's weights are the same anywhere, and
+        # hasten loads the adapter onto them by hasten_base.json; this user's own temporary directory serves.
+        own = Path(tempfile.gettempdir()) / f"hasten-{os.getuid()}"
+        own.mkdir(mode=0o700, exist_ok=True)
+        if own.stat().st_uid != os.getuid():
+            own = Path(tempfile.mkdtemp(prefix="hasten-"))
+        target = own / name
+        if (target / "config.json").is_file():
+            return target
     temporary = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         model.save_pretrained(temporary)
@@ -355,11 +370,12 @@ def load_trained_weights(model, directory: Path, copy_into: Callable | None = No
     if not files:
         raise ModelError(f"resume error: {directory} has no weights file (model.safetensors or adapter_model.safetensors)")
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(str(file)))
-        except Exception as error:  # safetensors' own error type is not public; a torn file, say
-            raise ModelError(f"resume error: cannot read {file} ({str(error).splitlines()[0][:120]})") from None
+    with utf8_path(directory) as readable:  # safetensors takes UTF-8 paths only: a run name may hold any bytes
+        for file in files:
+            try:
+                state.update(load_file(str(readable / file.name)))
+            except Exception as error:  # safetensors' own error type is not public; a torn file, say
+                raise ModelError(f"resume error: cannot read {file} ({str(error).splitlines()[0][:120]})") from None
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 

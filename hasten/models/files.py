@@ -23,16 +23,20 @@ Also here, for every writer of shared files (run directories, the model
 cache): `share_like_umask`, the modes a plain mkdir/open would have given
 (tempfile's directories are 700 and its files 600 whatever the umask, which
 kept a team from sharing a cache or evaluating each other's checkpoints),
-and `owner_note`, the "(owned by uid N)" of a permission message.
+and `owner_note`, the "(owned by uid N)" of a permission message; `utf8_path`,
+a directory named so that writers and readers written in Rust (tokenizers,
+safetensors) take it when its path holds bytes that are not UTF-8.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import struct
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import UserError
 
@@ -187,3 +191,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def utf8_path(directory: Path) -> Iterator[Path]:
+    """`directory` under a name every writer takes. A Linux name may hold any bytes; Python hands the ones
+    that are not UTF-8 on as lone surrogates, which libraries written in Rust (the tokenizers' save) refuse
+    with UnicodeEncodeError, whatever the locale. /proc/self/fd/N names the same directory in ASCII."""
+    try:
+        os.fsencode(directory).decode("utf-8")
+        readable = True
+    except UnicodeDecodeError:
+        readable = False
+    if readable or not Path("/proc/self/fd").is_dir():
+        yield directory
+        return
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield Path(f"/proc/self/fd/{descriptor}")
+    finally:
+        os.close(descriptor)

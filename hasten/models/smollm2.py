@@ -21,14 +21,15 @@ Cache: $HASTEN_CACHE/models/smollm2-135m-instruct (default ~/.cache/hasten).
 What it promises (docs/operations.md, "The model cache"):
 
 - checksums: the conversion writes manifest.json last (size and sha256 of
-  every file). Each load checks every file's size and the sha256 of every
-  file but the weights (milliseconds; the 538 MB weights would add ~0.7 s to
-  every run, so their hash is recorded but checked only by
-  `cache_damage(full=True)`; a truncated weights file is caught by its size,
-  and files.check_model_dir checks it against its own header). A damaged
-  cache (a truncated tokenizer.json, say), or one an older hasten converted
-  without a manifest, is converted again when the cache is writable; a
-  damaged one that cannot be is one line;
+  every file). Each load checks every file's size and sha256. The 538 MB
+  weights' hash (~0.7 s) runs once per change of the file: verified.json
+  records the file state (size, inode, mtime and ctime) it matched in, and a
+  load whose file is in that state skips it; any write to the file (a flipped
+  byte, a changed header, even with its mtime set back) changes its ctime and
+  hashes it again. A damaged cache (a truncated tokenizer.json, weights whose
+  sha256 differs, a damaged safetensors header), or one an older hasten
+  converted without a manifest, is converted again, in one line, when the
+  cache is writable; a damaged one that cannot be is one line;
 - staging: the child converts into `.smollm2-135m-instruct.staging-<pid>-*`
   beside the target. A conversion killed with its process group cannot
   clean up, so every run first removes the staging directories of pids
@@ -102,8 +103,8 @@ LEGACY = "it has no checksums (converted by an older hasten)"  # cache_damage of
 
 def cache_damage(directory: Path, full: bool = False) -> str:
     """'' when the converted model at `directory` is whole, else what is wrong with it ('missing' when
-    nothing was converted there). Sizes of every file and the sha256 of every file but the weights
-    (also the weights' when `full`), against the manifest the conversion wrote."""
+    nothing was converted there). The size and sha256 of every file against the manifest the conversion
+    wrote; the weights' sha256 once per change of the file (verified.json), or every time when `full`."""
     if not (directory / WEIGHTS).is_file() or not (directory / "config.json").is_file():
         return "missing"
     try:
@@ -119,9 +120,62 @@ def cache_damage(directory: Path, full: bool = False) -> str:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} is damaged ({path.stat().st_size} bytes, converted with {size})"
-        if (full or name != WEIGHTS) and sha256_file(path) != digest:
+        if not (name == WEIGHTS and not full and _proven(path, digest)) and sha256_file(path) != digest:
             return f"{name} is damaged (its sha256 differs from the converted one)"
+        if name == WEIGHTS:
+            _remember_proof(path, digest)
     return ""
+
+
+VERIFIED = "verified.json"  # in the cache: the weights' sha256 was checked against the manifest at this file state
+
+
+def _file_state(path: Path) -> dict[str, int]:
+    """What any write to the file changes: its size, inode and times (ctime too, which utime cannot set back)."""
+    info = path.stat()
+    return {"bytes": info.st_size, "inode": info.st_ino, "device": info.st_dev, "mtime_ns": info.st_mtime_ns,
+            "ctime_ns": info.st_ctime_ns}
+
+
+def _proven(path: Path, digest: str) -> bool:
+    """The weights were hashed, and matched `digest`, in exactly the file state they are in now."""
+    try:
+        proof = json.loads((path.parent / VERIFIED).read_text())
+        return proof == {"sha256": digest, **_file_state(path)}
+    except (OSError, ValueError):
+        return False
+
+
+def _remember_proof(path: Path, digest: str) -> None:
+    """Record that the weights matched in this file state: later loads skip their hash (0.7 s) until the file
+    changes. A cache one may not write (another user's) is hashed on every load instead."""
+    if _proven(path, digest):
+        return
+    target = path.parent / VERIFIED
+    temporary = target.with_name(f".{VERIFIED}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(json.dumps({"sha256": digest, **_file_state(path)}) + "\n")
+        os.replace(temporary, target)
+    except OSError:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def cache_state(directory: Path) -> str:
+    """`hasten models`' word on the converted model at `directory`: not converted, whole (its weights
+    hashed against the manifest), or what is damaged, which the next load converts again."""
+    try:
+        damage = cache_damage(directory)
+    except OSError as error:
+        return f"unreadable ({error.strerror or error}){owner_note(directory)}"
+    if damage == "missing":
+        return "not converted yet (the first run converts it)"
+    if damage == LEGACY:
+        return "converted by an older hasten, without checksums (converted again when the cache is writable)"
+    return "whole (every file's sha256 matches its manifest)" if not damage else f"damaged: {damage} " \
+        "(the next run converts it again)"
 
 
 def write_cache_manifest(directory: Path) -> None:

@@ -38,7 +38,9 @@ once:
                  exits 1 itself (docs/distributed.md; tests/test_fsdp.py)
     failure      a run that fails before its first step completed removes its
                  fresh directory (nothing half-written is left); a later failure
-                 keeps it, summary.json saying status "failed" and why
+                 keeps it, summary.json saying status "failed" and why; a full disk or a
+                 failed allocation is one line naming it and the last whole checkpoint
+                 (resources.py), with room kept in <run>/.reserve for that summary
     hooks        `run(..., callbacks=[Hook, ...])`: experiment trackers (tracking.py)
                  and the Python API's TrainerCallbacks hear of the start, each step's
                  record, evals, saves and the end; a hook's on_step returning True
@@ -67,14 +69,16 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..config import Config
+from ..console import record_to
 from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
 from ..models.files import owner_note
 from ..tasks.sampler import as_random_state
 from . import distributed
-from .integrity import DamagedCheckpoint, RunLock, verify, write_manifest
+from .integrity import LOCK_FILE, DamagedCheckpoint, RunLock, verify, write_manifest
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
 from .progress import Progress
+from .resources import ResourceExhausted, exhausted
 
 
 class Job(Protocol):
@@ -310,8 +314,7 @@ def _create(cfg: Config) -> RunDir:
     global _unstarted
     run_dir = None
     try:
-        run_dir = _unstarted = RunDir.create(cfg)
-        run_dir.lock = RunLock(run_dir.path).acquire()
+        run_dir = _unstarted = RunDir.create(cfg)  # owned (its lock) before config.yaml is written
         return run_dir
     except OSError as error:
         if run_dir is not None:
@@ -328,11 +331,8 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     except PermissionError as error:
         raise permission_denied(run_path, error, "writing") from None
     try:
-        # What a resume writes, checked now: a lock file shared 666 can be taken by a user who cannot
-        # write the directory itself.
-        for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
-            if lock is not None and target.exists() and not os.access(target, os.W_OK):
-                raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
+        if lock is not None:
+            _check_writable(run_path)
         run_dir, checkpoint = find_checkpoint(resume, total_steps=cfg.train.steps)
     except BaseException:
         if lock is not None:
@@ -342,6 +342,32 @@ def _reopen(cfg: Config, resume: str | Path, run_path: Path) -> tuple[RunDir, Pa
     run_dir.clean_stale()
     _record_length(cfg, run_dir)
     return run_dir, checkpoint
+
+
+def _check_writable(run_path: Path) -> None:
+    """What a resume writes, checked: a lock file shared 666 can be taken by a user who cannot write the
+    directory itself."""
+    for target in (run_path, run_path / "metrics.jsonl", run_path / "eval.jsonl", run_path / "config.yaml"):
+        if target.exists() and not os.access(target, os.W_OK):
+            raise permission_denied(run_path, PermissionError(13, "Permission denied", str(target)), "writing")
+
+
+def check_resume(resume: str | Path) -> None:
+    """Before the model loads: a run this user may not write (another user's) is one line now, not after
+    a minute of loading. Takes no lock (open_run does); writes nothing."""
+    path = Path(resume)
+    run_path = path.parent if (path / STATE_FILE).is_file() else path
+    if not (run_path / "config.yaml").is_file():
+        return  # not a run: open_run's find_checkpoint says so
+    lock = run_path / LOCK_FILE
+    try:
+        if lock.exists():
+            os.close(os.open(lock, os.O_RDWR))
+        elif not os.access(run_path, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(lock))
+        _check_writable(run_path)
+    except PermissionError as error:
+        raise permission_denied(run_path, error, "writing") from None
 
 
 def permission_denied(run_path: Path, error: PermissionError, doing: str = "reading") -> RunDirError:
@@ -382,6 +408,9 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
     """
     global _unstarted
     _unstarted = None  # from here a failure or signal is this function's to handle
+    if distributed.is_main():
+        record_to(run_dir.path)  # what a closed or failed stdout/stderr is given goes to output.log (console.py)
+        run_dir.reserve()  # room for summary.json should the disk fill (resources.py)
     progress = Progress(job.total_steps, cfg.output.progress if distributed.is_main() else "off")
     hooks = list(callbacks or [])
     start = 0
@@ -399,9 +428,16 @@ def run(job: Job, cfg: Config, run_dir: RunDir, log: Callable[[str], None] = pri
                 hook.on_end(summary)
             return summary
     except Exception as error:
-        _failed(run_dir, created, start, error, log)
+        resource = exhausted(error, run_dir, job.resume_command)  # a full disk or failed allocation: one line
+        _failed(run_dir, created, start, resource or error, log, say=resource is None)
+        if resource is error:
+            raise
+        if resource is not None:
+            raise resource from None
         raise
     finally:
+        if distributed.is_main():
+            run_dir.release_reserve()
         progress.close()
         try:
             for hook in hooks:
@@ -563,10 +599,15 @@ def _summary(job: Job, run_dir: RunDir, step: int, evals: dict, plot: bool, **fi
     return summary
 
 
-def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None]) -> None:
+def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: Callable[[str], None],
+            say: bool = True) -> None:
+    """summary.json saying status "failed" and why (a fresh run that did no step leaves no directory).
+    say: also log that the directory is kept (a ResourceExhausted line already names it)."""
+    if distributed.is_main():
+        run_dir.release_reserve()  # a full disk: the reserved room takes the summary
     steps_done = sum(1 for _ in _lines(run_dir.metrics_path))
     # A fresh run whose first save found the disk full has nothing to resume from: leave no directory either.
-    unusable = isinstance(error, OutOfSpace) and run_dir.latest_checkpoint() is None
+    unusable = isinstance(error, (ResourceExhausted, OutOfSpace)) and run_dir.latest_checkpoint() is None
     if created and start == 0 and (steps_done == 0 or unusable) and distributed.is_main():
         shutil.rmtree(run_dir.path, ignore_errors=True)  # nothing worth keeping: leave nothing behind
         return
@@ -576,7 +617,8 @@ def _failed(run_dir: RunDir, created: bool, start: int, error: Exception, log: C
                                "error": f"{type(error).__name__}: {reason}"})
     except OSError:
         pass  # the failure may be the disk itself; the error is what the user needs
-    log(f"run failed; its directory is kept: {run_dir.path}")
+    if say:
+        log(f"run failed; its directory is kept: {run_dir.path}")
 
 
 def _lines(path: Path):

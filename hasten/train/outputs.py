@@ -8,11 +8,16 @@ Layout of `<output.dir>/<output.name or <time>-<task>>/`:
     checkpoint-<N>/    full-state checkpoints (output.save_every, output.save_minutes, on a signal)
     checkpoint/        the final checkpoint (full state too)
     summary.json       end-of-run summary (status: finished | interrupted | stopped | failed)
-    .lock              flock'd by the process writing the run (integrity.py; the kernel frees it)
+    .lock              flock'd by the process writing the run (integrity.py; the kernel frees it), from
+                       the moment the directory exists, before config.yaml
+    output.log         what a closed, full or gone stdout/stderr could not show (console.py); only then
+    .reserve           64 KiB held while the run writes, freed for summary.json on a full disk (resources.py)
     progress.png       reward and held-out accuracy curves; loss, KL, entropy, completion
                        length and step time below them
 
 Choices:
+- One directory, one run: a fresh run takes its directory's lock before it writes anything there
+  (config.yaml included), so a second run, however timed, never writes beside it.
 - A run never overwrites another: an existing non-empty directory gets a
   `-2`, `-3`, ... suffix instead; or, with output.earlier_run=set_aside (the
   TRL API's output_dir), an earlier run there is renamed `<name>.previous-N`
@@ -66,12 +71,14 @@ from typing import Any, Callable
 
 from hasten.config import Config, save_config
 from hasten.errors import UserError
-from hasten.models.files import owner_note, share_like_umask
-from hasten.train.integrity import RunLock
+from hasten.models.files import owner_note, share_like_umask, utf8_path
+from hasten.train.integrity import LOCK_FILE, RunInUse, RunLock
 
 STATE_FILE = "trainer_state.pt"
 STATE_SUMMARY = "trainer_state.json"
 DELETING = ".deleting-"  # a pruned checkpoint's name while it is deleted
+RESERVE = ".reserve"  # disk kept while a run writes, freed for summary.json when the disk fills (resources.py)
+RESERVE_BYTES = 64 * 1024
 _NUMBERED = re.compile(r"checkpoint-(\d+)")
 
 
@@ -128,7 +135,11 @@ class RunDir:
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
-        """Make a fresh directory for `cfg` (already validated) and save the config there."""
+        """Make a fresh directory for `cfg` (already validated), own it (its lock), then save the config there.
+
+        The lock comes before any file: a run that stalls before writing its config (a slow disk) still
+        owns its directory, so a second run started meanwhile takes the next name (or, set_aside, is
+        refused) instead of writing beside it."""
         name = cfg.output.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task.name}"
         root = Path(cfg.output.dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -137,21 +148,32 @@ class RunDir:
         suffix = 1
         while True:
             candidate = root / (name if suffix == 1 else f"{name}-{suffix}")
-            try:
-                candidate.mkdir()
+            lock = _own_fresh(candidate)
+            if lock is not None:
                 break
-            except FileExistsError:
-                # An empty directory (say, made by hand beforehand) is safe to use.
-                if candidate.is_dir() and not any(candidate.iterdir()):
-                    break
             suffix += 1
         run = cls(candidate)
+        run.lock = lock
         try:
             save_config(cfg, run.path / "config.yaml")
         except BaseException:  # a full disk, say: leave no directory holding half a config
             shutil.rmtree(run.path, ignore_errors=True)
+            lock.release()
             raise
         return run
+
+    def reserve(self) -> None:
+        """Keep RESERVE_BYTES of the disk (real blocks, not a sparse file) for the run's end."""
+        try:
+            (self.path / RESERVE).write_bytes(bytes(RESERVE_BYTES))
+        except OSError:  # the disk is full already: the run's next write says so in one line
+            self.release_reserve()
+
+    def release_reserve(self) -> None:
+        try:
+            (self.path / RESERVE).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ logs
 
@@ -425,6 +447,11 @@ def save_model_files(model, tokenizer, directory: Path, state: dict | None = Non
 
     state: the full weights to write when the model's own are sharded (FSDP, train/fsdp.py).
     """
+    with utf8_path(Path(directory)) as directory:
+        _save_model_files(model, tokenizer, directory, state)
+
+
+def _save_model_files(model, tokenizer, directory: Path, state: dict | None) -> None:
     if hasattr(model, "peft_config"):
         # Adapters only. "auto" would look the base model up on the hub to see whether
         # the vocabulary changed; hasten never trains the embeddings through LoRA.
@@ -473,6 +500,30 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
+def _own_fresh(candidate: Path) -> RunLock | None:
+    """The lock of `candidate` made now, or found empty (made by hand beforehand); None when it is taken:
+    it holds files, or a live run owns it (one that has not written its config yet, say)."""
+    made = True
+    try:
+        candidate.mkdir()
+    except FileExistsError:
+        made = False
+        if not candidate.is_dir() or any(entry.name != LOCK_FILE for entry in candidate.iterdir()):
+            return None
+    try:
+        lock = RunLock(candidate).acquire()
+    except RunInUse:
+        return None
+    except OSError:  # a full disk (the pid in .lock): the directory made here goes too
+        if made:
+            shutil.rmtree(candidate, ignore_errors=True)
+        raise
+    if any(entry.name != LOCK_FILE for entry in candidate.iterdir()):  # filled before we took it
+        lock.release()
+        return None
+    return lock
+
+
 def aside_name(path: Path) -> Path:
     """Where set_aside would move the run at `path`: `<name>.previous-N`, the first N not taken."""
     number = 1
@@ -490,6 +541,8 @@ def set_aside(path: Path) -> Path | None:
     """Rename the earlier run at `path` to aside_name(path), so a new run can write `path` (TRL's
     output_dir) with nothing deleted. None when `path` is not a run (left alone: the new run goes beside
     it); RunInUse when a live process writes it."""
+    if (path / LOCK_FILE).is_file():
+        RunLock(path).acquire().release()  # a live run keeps its directory, even before its config exists
     if not holds_run(path):
         return None
     lock = RunLock(path).acquire()  # a live run keeps its directory

@@ -23,8 +23,23 @@ from ..config import Config, ConfigError
 
 
 def check_output_dir(cfg: Config) -> None:
-    """Raise ConfigError unless output.dir is (or can be created as) a writable directory."""
+    """Raise ConfigError unless output.dir is (or can be created as) a writable directory where output.name
+    can be a directory's name."""
     check_writable_dir(cfg.output.dir, "output.dir")
+    if cfg.output.name:
+        check_name(cfg.output.name, _nearest_existing(Path(cfg.output.dir).expanduser()), "output.name")
+
+
+def check_name(name: str, directory: Path, key: str) -> None:
+    """`name` fits the file system's limit on one name (255 bytes on most)."""
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(os.fsencode(name))
+    if size > limit:
+        raise ConfigError(f"config error: {key} is {size} bytes long; a name on this file system may have at most "
+                          f"{limit}")
 
 
 def check_writable_dir(path: str | Path, key: str) -> None:

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..console import view
+
 MODES = ("auto", "live", "plain", "off")
 BAR_WIDTH = 24
 DEFAULT_WIDTH = 120  # when the stream cannot report a terminal size
@@ -45,7 +47,8 @@ TIMINGS = (("time/generate", "gen", "threads/generate"), ("time/reward", "reward
 
 class Progress:
     def __init__(self, total_steps: int, mode: str = "auto", stream: TextIO | None = None):
-        stream = stream if stream is not None else sys.stderr  # this call's stderr, not the one at import
+        # this call's stderr, not the one at import; a guarded one as a view (console.py): its failure turns us off
+        stream = view(stream if stream is not None else sys.stderr)
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)} (got {mode!r})")
         if mode == "auto":

@@ -453,7 +453,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, resume: Path | None =
     from ..games import GAMES
 
     if resume is None:
-        check_output_dir(cfg)  # an unwritable output.dir fails now, not after the model loads
+        check_output_dir(cfg)  # an unwritable output.dir, a name too long: now, not after the model loads
+    else:
+        loop.check_resume(resume)  # a run one may not write (another user's): likewise
     if cfg.task.name in GAMES:  # a tensor policy, not a language model: the small loop in policy_loop.py
         from .policy_loop import train_policy
 
