@@ -435,3 +435,44 @@ def test_pack_ratio_reads_back_a_fixed_number_of_times():
         ratio = pack_ratio(rollout, torch.arange(samples))
     assert ratio == 1.0
     assert counter.reads <= 3  # the rows, the completion lengths and the prompt lengths: not per sample
+
+
+# ------------------------------------------------------------------ compiled layers and per-step layouts
+
+
+def test_compiled_layers_do_not_recompile_for_each_steps_attention_layout():
+    """speed.compile compiles each decoder layer; the grouped pass hands it a new layout (bucket tuples)
+    every step. The layout-driven attention is kept out of the graph, so after the first step's graphs
+    no step adds one (Dynamo would otherwise recompile per step, then run the layer eager at its limit).
+    Dynamo's 'eager' backend: the graphs and guards are Dynamo's own, no compiler needed on the CPU."""
+    import random
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from hasten.rollout import KVCacheEngine, SamplingParams
+    from hasten.train.packing import packed_logprobs
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer))
+    engine = KVCacheEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    texts = ["hello there", "hi", "a much longer prompt, with punctuation!", "x", "abc def ghi", "what is 4 + 5?"]
+    rollouts = []
+    for step in range(8):  # prompts and completion lengths differ step to step: so do the buckets
+        chooser = random.Random(step)
+        prompts = [tokenizer(chooser.choice(texts) * chooser.randint(1, 3))["input_ids"] for _ in range(2)]
+        sampling = SamplingParams(max_new_tokens=chooser.randint(3, 12))
+        rollouts.append(engine.generate(prompts, 3, sampling, seed=step))
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.model.layers:
+        layer.compile(backend="eager", dynamic=True)
+    graphs = []
+    try:
+        for rollout in rollouts:
+            packed_logprobs(model, rollout, torch.arange(rollout.num_samples), grouped=True, shared_prefix=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+    assert graphs[0] > 0  # the layers were compiled
+    assert graphs[-1] == graphs[0], f"graphs per step: {graphs}"
