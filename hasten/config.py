@@ -562,8 +562,10 @@ def load_config(
     _apply_task_defaults(cfg, pairs)
     _apply_machine_defaults(cfg, pairs)
     if profile is not None:  # after the run's own numbers, which a profile's rules read
-        from .profiles import resolve as resolve_profile
+        from .profiles import HELD_BACK, held_back, resolve as resolve_profile
 
+        given = {key for key, _ in overrides or []}  # the command line's own choices are not the profile's
+        setattr(cfg, HELD_BACK, [f"{key} ({why})" for key, why in held_back(profile, cfg).items() if key not in given])
         for key, value in resolve_profile(profile, cfg).items():  # type-checked like any override
             _set(cfg, key, value)
         for key, value in overrides or []:  # the command line still wins over the profile

@@ -72,7 +72,18 @@ def bf16_supported(device: torch.device) -> bool:
     """bf16 autocast with native kernels: Ampere and newer GPUs. (The CPU's bf16 is opt-in: docs/speedups.md.)"""
     import torch
 
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def is_sharded_tensor(tensor) -> bool:
+    """A DTensor: FSDP's shard of a parameter, whose whole value exists only after a gather."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 class CPUInfo(NamedTuple):

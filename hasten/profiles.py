@@ -156,7 +156,43 @@ TRADES: dict[str, str] = {
 
 
 def resolve(name: str, cfg: Config) -> dict[str, Any]:
-    """The concrete key -> value settings of profile `name` for the config so far."""
+    """The concrete key -> value settings of profile `name` for the config so far, less what this launch
+    cannot run (`held_back` says what that was)."""
     if name not in PROFILES:
         raise ConfigError(f"config error: unknown profile '{name}' (choose from {', '.join(PROFILES)})")
-    return {key: value(cfg) if callable(value) else value for key, value in PROFILES[name].items()}
+    settings = {key: value(cfg) if callable(value) else value for key, value in PROFILES[name].items()}
+    for key, (runs, instead, _) in _launch_limits(cfg).items():
+        if key in settings and not runs(settings[key]):
+            settings[key] = instead
+    return settings
+
+
+def held_back(name: str, cfg: Config) -> dict[str, str]:
+    """What profile `name` would set that this launch cannot run, key -> why (the plan line prints
+    them): a profile the user did not edit never ends in a config error."""
+    asked = {key: value(cfg) if callable(value) else value for key, value in PROFILES.get(name, {}).items()}
+    return {key: why for key, (runs, _, why) in _launch_limits(cfg).items() if key in asked and not runs(asked[key])}
+
+
+def _launch_limits(cfg: Config) -> dict[str, tuple[Any, Any, str]]:
+    """key -> (does this value run here?, the value that does, why): config.validate_ranks' rules for a
+    torchrun launch, and its FSDP rules (train/fsdp.py), for the keys a profile sets."""
+    from .device import world_size_from_env
+
+    if world_size_from_env() <= 1:
+        return {}
+    limits = {
+        "speed.dynamic_sampling": (lambda value: not value, False, "not under torchrun yet"),
+        "speed.curriculum": (lambda value: value != "success_rate", "off", "success_rate not under torchrun yet"),
+    }
+    if cfg.train.distributed == "fsdp":
+        limits["speed.compile"] = (lambda value: not value, False, "not under FSDP")
+    return limits
+
+
+HELD_BACK = "_hasten_held_back"  # attribute load_config sets on a Config: held_back's list for its profile
+
+
+def held_back_notes(cfg: Config) -> list[str]:
+    """What the profile this config was built with left out for its launch (train/plan.py prints it)."""
+    return list(getattr(cfg, HELD_BACK, []))

@@ -185,7 +185,8 @@ class GRPOTrainer:
 
         cfg, session = self.config, self.session
         if cfg.algo.beta > 0 and session.reference is None:
-            session.reference = Reference(session.policy)  # made now, before any update, as TRL's
+            # made now, before any update, as TRL's
+            session.reference = Reference(session.policy, cfg.speed.offload_reference)
         return None if session.reference is None else session.reference.frozen
 
     @property
@@ -278,7 +279,8 @@ class GRPOTrainer:
         cfg, session = self.config, self.session
         group = self.args.num_generations_eval or cfg.generation.num_generations
         if cfg.algo.beta > 0 and session.reference is None:  # made before any update, the one training uses
-            session.reference = Reference(session.policy)  # (with LoRA: the adapter-disabled policy)
+            # (with LoRA: the adapter-disabled policy)
+            session.reference = Reference(session.policy, cfg.speed.offload_reference)
         seed = cfg.train.seed * 1_000_003 + 2**40 + self.state.global_step * 1_000_003
         return sampled_eval(session, engine, rows, batch_size, group, seed, session.reference)
 

@@ -269,6 +269,11 @@ def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _Rows.apply(source, index)
 
 
+# speed.compile compiles each decoder layer, and this runs inside one. Its loops walk the step's layout (the
+# bucket tuples change every step), so a traced copy would be specialized to one step's buckets and Dynamo
+# would recompile per step until its limit, then run the whole layer eager. Kept out of the graph on purpose:
+# the layer's projections, norms and MLP compile around it, once.
+@torch.compiler.disable
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, hasten_layout: GroupedLayout | None = None,
                               **kwargs):

@@ -34,6 +34,8 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
+from .gqa import repeat_kv_where_math
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bf16_fp32head": torch.bfloat16, "fp16": torch.float16}
 FP32_HEAD_MODES = ("bf16_fp32head",)  # the LM head and its log-softmax stay fp32 under autocast
 
@@ -44,11 +46,15 @@ _FP32_ATTENTION = contextvars.ContextVar("hasten_fp32_attention", default=False)
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
     """F.scaled_dot_product_attention; in fp32 inside a Precision.autocast() block with attention_fp32 on.
 
-    Out of such a block (sampling, evaluation, a plain fp32 run) it is exactly the torch call.
+    Out of such a block (sampling, evaluation, a plain fp32 run) it is exactly the torch call, but for
+    grouped-query attention on CUDA where only the math kernel would run (kernels/gqa.py).
     """
     if _FP32_ATTENTION.get() and torch.is_autocast_enabled(query.device.type):
         with torch.autocast(query.device.type, enabled=False):
-            return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), **kwargs)
+            query, key, value = query.float(), key.float(), value.float()
+            key, value, kwargs = repeat_kv_where_math(query, key, value, kwargs)  # CUDA GQA: kernels/gqa.py
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    key, value, kwargs = repeat_kv_where_math(query, key, value, kwargs)
     return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
 

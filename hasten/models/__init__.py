@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ModelConfig
+from ..device import is_sharded_tensor
 from ..errors import UserError
 from .files import check_model_dir, utf8_path
 
@@ -321,25 +322,32 @@ class Reference:
 
     With LoRA the reference is the policy itself with adapters disabled, so no
     second copy of the weights exists. Otherwise it is a frozen copy made once,
-    before the first update.
+    before the first update, beside the policy. Offloaded (speed.offload_reference)
+    the copy is made on the CPU directly: a copy on the GPU first would hold two
+    models there until the first reference pass moved it off.
     """
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, offload: bool = False):
         self.policy = policy
         self.frozen = None
         if not policy.lora:
-            self.frozen = copy.deepcopy(policy.model).eval()
-            for parameter in self.frozen.parameters():
-                parameter.requires_grad_(False)
+            self.frozen = frozen_copy(policy.model, "cpu" if offload else None).eval()
 
     @torch.no_grad()
     def mix_in(self, model, alpha: float) -> None:
         """reference = alpha x policy + (1 - alpha) x reference, parameter by parameter (TRL-style
-        sync_ref_model, TR-DPO's soft update); a LoRA reference (adapters disabled) cannot move."""
+        sync_ref_model, TR-DPO's soft update); a LoRA reference (adapters disabled) cannot move.
+
+        The policy's tensor comes to the reference's device (an offloaded reference lives on the CPU,
+        the policy on the GPU) and, under FSDP, whole: the policy's parameters are DTensor shards and
+        the reference a full copy, so each is gathered (a collective: every rank runs this step)."""
         if self.frozen is None:
             raise ModelError("config error: algo.ref_model_sync_steps needs a full-model reference, not LoRA's")
         for target, source in zip(self.frozen.parameters(), model.parameters()):
-            target.mul_(1.0 - alpha).add_(source.detach().to(target.dtype), alpha=alpha)
+            source = source.detach()
+            if is_sharded_tensor(source):  # FSDP's shard of this parameter: gather the whole tensor
+                source = source.full_tensor()
+            target.mul_(1.0 - alpha).add_(source.to(device=target.device, dtype=target.dtype), alpha=alpha)
 
     @contextlib.contextmanager
     def active(self):
@@ -348,6 +356,24 @@ class Reference:
         else:
             with self.policy.model.disable_adapter():
                 yield self.policy.model
+
+
+@torch.no_grad()
+def frozen_copy(model, device: torch.device | str | None = None):
+    """A deep copy of `model` with every parameter frozen, its tensors made on `device` (default: where
+    they are). The tensors are put in deepcopy's memo first, so deepcopy never copies them where they
+    lie; tied weights (one tensor, one id) stay one tensor."""
+    memo: dict[int, Any] = {}
+    if device is not None:
+        for parameter in model.parameters():
+            memo.setdefault(id(parameter), torch.nn.Parameter(parameter.detach().to(device, copy=True),
+                                                              requires_grad=False))
+        for buffer in model.buffers():
+            memo.setdefault(id(buffer), buffer.detach().to(device, copy=True))
+    frozen = copy.deepcopy(model, memo)
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+    return frozen
 
 
 def load_trained_weights(model, directory: Path, copy_into: Callable | None = None) -> None:

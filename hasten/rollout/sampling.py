@@ -72,9 +72,10 @@ def sample_tokens(
     cdf = probs.cumsum(dim=-1)  # (N, V)
     targets = uniforms[:, None] * cdf[:, -1:]  # scale by the total so rounding cannot overshoot
     tokens = torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
-    # searchsorted may land on a zero-probability token whose cdf ties its neighbour; step back
-    # (the vocabulary-wide argmax only when that happened).
+    # searchsorted may land on a zero-probability token whose cdf ties its neighbour; step back.
+    # On the CPU the vocabulary-wide argmax runs only when that happened; on a GPU, asking would be
+    # a host sync per decode step (the engine already has one), so the argmax always runs there.
     positive = probs.gather(-1, tokens[:, None]).squeeze(-1) > 0  # (N,)
-    if not bool(positive.all()):
+    if logits.device.type != "cpu" or not bool(positive.all()):
         tokens = torch.where(positive, tokens, probs.argmax(-1))
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -28,6 +28,17 @@ How it fits:
   seed, so a run is reproducible, but vLLM's draws are not the lean
   engine's draws.
 
+- Placement (`placement`): under torchrun every rank runs its own colocated
+  vLLM through `distributed_executor_backend="external_launcher"` (vLLM's
+  torchrun mode: it joins the process group hasten made and takes
+  cuda:LOCAL_RANK, each rank sampling its own prompts), as TRL's colocate
+  mode does. vLLM >= 0.10 has no `device` argument: one process puts it on
+  GPU 0, so model.device=cuda:N (N > 0) without torchrun is refused
+  (CUDA_VISIBLE_DEVICES=N with model.device=cuda selects that GPU).
+- Weight pushes need a worker whose `reload_weights` takes
+  `weights_iterator` (recent vLLM); an older one is refused at construction,
+  in one line naming its version, not at the first push after a step.
+
 On CPU, vLLM's attention needs head_dim >= 32 (the `tiny` test model has
 16; the tests build a small model with head_dim 64).
 """
@@ -35,6 +46,7 @@ On CPU, vLLM's attention needs head_dim >= 32 (the `tiny` test model has
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -42,11 +54,31 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from .types import Rollout, RowRange, SamplingParams
 
 
 def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def placement(device: torch.device | None, ranks: int) -> dict[str, Any]:
+    """The LLM() options that put vLLM where this process computes, or ConfigError where it cannot."""
+    if ranks > 1:  # torchrun: vLLM reads RANK / LOCAL_RANK and uses the process group already made
+        return {"distributed_executor_backend": "external_launcher"}
+    if device is not None and device.type == "cuda" and (device.index or 0) > 0:
+        raise ConfigError(f"config error: speed.engine=vllm in one process runs on GPU 0, not model.device={device} "
+                          f"(vLLM takes no device); run with CUDA_VISIBLE_DEVICES={device.index} and model.device=cuda")
+    return {}
+
+
+def reload_takes_weights(worker) -> bool:
+    """On a vLLM worker (collective_rpc): does its model runner's reload_weights take pushed tensors?"""
+    method = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if method is None:
+        return False
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == "weights_iterator" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def merged_weights(model) -> dict[str, torch.Tensor]:
@@ -88,8 +120,11 @@ class VLLMEngine:
                  kv_cache_mb: int = 1024, max_model_len: int = 0, dtype: str = "float32",
                  directory: str | None = None):
         # In-process engine core: reload_weights reaches the model without pickling weights across processes.
+        # external_launcher (torchrun) asserts it is 0, too.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+
+        from ..device import world_size_from_env
 
         self.model = model
         self.pad_token_id = pad_token_id
@@ -105,10 +140,17 @@ class VLLMEngine:
                 options["kv_cache_memory_bytes"] = kv_cache_mb * 2**20
             if max_model_len:
                 options["max_model_len"] = max_model_len
+            device = next(model.parameters()).device if model is not None else None
+            options.update(placement(device, world_size_from_env()))
             self.llm = LLM(model=staging or directory, **options)
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)  # vLLM holds the weights in memory now
+        if not all(self.llm.collective_rpc(reload_takes_weights)):
+            from importlib.metadata import version
+
+            raise ConfigError(f"config error: speed.engine=vllm: vLLM {version('vllm')} cannot take pushed weights "
+                              "(its reload_weights has no weights_iterator); upgrade it: pip install -U vllm")
         self.pushes = 0  # weight pushes so far (tests and logs)
 
     def state_dict(self) -> dict:

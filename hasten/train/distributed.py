@@ -182,9 +182,13 @@ def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces).to(tensor.device)
 
 
+GRADIENT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the extra memory a step holds is one bucket
+
+
 @torch.no_grad()
 def all_reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
-    """Sum .grad over ranks, in place: one flat all-reduce per (device, dtype).
+    """Sum .grad over ranks, in place: one all-reduce per bucket of ~GRADIENT_BUCKET_BYTES of one
+    (device, dtype), as DDP does; one flat buffer of every gradient would be a second full copy of them.
 
     Every rank ran the same model on its share, so the same parameters have
     gradients; a parameter without one here (a rank that had no micro-batch
@@ -192,22 +196,33 @@ def all_reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
     """
     if not _active():
         return
-    import torch.distributed as dist
-
     buckets: dict[tuple, list[torch.nn.Parameter]] = {}
     for parameter in parameters:
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         buckets.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter)
     for group in buckets.values():
-        grads = [parameter.grad for parameter in group]
-        flat = torch.cat([grad.reshape(-1) for grad in grads]).to(_comm_device())
-        dist.all_reduce(flat)
-        flat = flat.to(grads[0].device)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        bucket, size = [], 0
+        for parameter in group:  # the same order on every rank: the buckets line up
+            bucket.append(parameter.grad)
+            size += parameter.grad.numel() * parameter.grad.element_size()
+            if size >= GRADIENT_BUCKET_BYTES:
+                _all_reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            _all_reduce_bucket(bucket)
+
+
+def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
+    import torch.distributed as dist
+
+    flat = torch.cat([grad.reshape(-1) for grad in grads]).to(_comm_device())
+    dist.all_reduce(flat)
+    flat = flat.to(grads[0].device)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 @torch.no_grad()

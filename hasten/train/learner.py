@@ -88,7 +88,9 @@ class LogprobPass:
         temperature = rollout.sampling.temperature
         with onednn_linears(model, self.fast_linear), \
                 fp32_head(backbone_and_head(model)[1], self.fp32_head, onednn=self.fast_linear):
-            if self.packed and not router_aux and pack_ratio(rollout, rows) >= self.min_pack_ratio:
+            # min_pack_ratio 0 packs every batch: its fill is not measured (host syncs on a GPU)
+            if self.packed and not router_aux and (self.min_pack_ratio <= 0
+                                                   or pack_ratio(rollout, rows) >= self.min_pack_ratio):
                 return packed_logprobs(model, rollout, rows, temperature, with_entropy, self.logit_chunk_tokens,
                                        self.grouped_attention, self.shared_prefix, entropy_grad)
             group = rows // rollout.num_generations  # prompt index of each sample

@@ -144,7 +144,8 @@ def sft_precision(setting: str, device: torch.device) -> str:
             raise ConfigError("config error: sft.precision=fp16 needs a CUDA GPU (on CPU use bf16 or fp32)")
         return "bf16" if setting == "bf16" else "fp32"
     if setting == "auto":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # native bf16 only: V100/T4 emulate it (slower than fp16), and torch counts emulation by default
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return setting
 
 

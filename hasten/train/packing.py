@@ -372,14 +372,14 @@ def packed_logprobs(
 # the longest. Below the ratio of real tokens to row slots the plain padded pass runs that chunk instead.
 def pack_ratio(rollout: Rollout, rows: torch.Tensor) -> float:
     """Real tokens / slots of the packed batch for samples `rows` (one row per group, as packing.py)."""
-    lengths = rollout.completion_mask.sum(dim=1)  # (N,)
-    prompts = rollout.prompt_mask.sum(dim=1)  # (B,)
+    lengths = rollout.completion_mask.sum(dim=1).tolist()  # (N,): one transfer each, not one per sample
+    prompts = rollout.prompt_mask.sum(dim=1).tolist()  # (B,)
     row_lengths: dict[int, int] = {}
     for sample in rows.tolist():
         group = sample // rollout.num_generations
         # the prompt once, then each completion without its last token (only a target)
-        row_lengths.setdefault(group, int(prompts[group]))
-        row_lengths[group] += max(int(lengths[sample]) - 1, 0)
+        row_lengths.setdefault(group, prompts[group])
+        row_lengths[group] += max(lengths[sample] - 1, 0)
     if not row_lengths:
         return 1.0
     return sum(row_lengths.values()) / (len(row_lengths) * max(row_lengths.values()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config
+from ..profiles import held_back_notes
 from . import fsdp
 from .learner import LearningPlan
 
@@ -29,6 +30,7 @@ class Plan:
     threads: int = 0  # torch's intra-op threads when the run starts (0: not known)
     cores: int = 0  # the cores this process may run on
     decode_attention: bool = False  # the lean engine's decode attention runs the fused kernel (speed.decode_attention)
+    held_back: tuple[str, ...] = ()  # what the profile left out because this launch cannot run it (profiles.py)
 
     @classmethod
     def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool) -> Plan:
@@ -48,13 +50,15 @@ class Plan:
 
         return cls(device, engine_kind, "native" if native else "transformers",
                    LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.speed.async_steps,
-                   torch.get_num_threads(), len(os.sched_getaffinity(0)), bool(getattr(engine, "decode_attention", False)))
+                   torch.get_num_threads(), len(os.sched_getaffinity(0)),
+                   bool(getattr(engine, "decode_attention", False)), tuple(held_back_notes(cfg)))
 
     def describe(self) -> str:
         """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy, 2 threads
         on 2 cores, adaptive (fewer while other processes run; each step line says when)'."""
         extras = (["FSDP-sharded"] if self.sharded else []) + (
-            [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + [self.describe_threads()]
+            [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + [self.describe_threads()] + (
+            [f"profile left out for this launch: {'; '.join(self.held_back)}"] if self.held_back else [])
         engine = f"{self.engine} engine" + (" (fused decode attention)" if self.decode_attention else "")
         return (f"plan: {self.device}, {engine}, {self.model_impl} forward, {self.learning.describe()}"
                 + "".join(f", {extra}" for extra in extras if extra))

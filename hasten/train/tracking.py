@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable
 
 from ..config import Config, ConfigError
+from . import distributed
 from .loop import Hook
 from .outputs import RunDir
 
@@ -40,9 +41,10 @@ def check_trackers(cfg: Config) -> None:
 
 
 def make_trackers(cfg: Config, run: RunDir, completions: Callable[[], list[dict]]) -> list[Hook]:
-    """The run's tracker hook (none when output.report_to is empty); `completions()`: the last step's table."""
+    """The run's tracker hook (none when output.report_to is empty, and on every torchrun rank but 0: one
+    W&B / TensorBoard run per training run, not per process); `completions()`: the last step's table."""
     check_trackers(cfg)
-    writers = [WRITERS[name](run) for name in cfg.output.report_to]
+    writers = [WRITERS[name](run) for name in cfg.output.report_to] if distributed.is_main() else []
     if not writers:
         return []
     return [Tracker(writers, cfg.output.log_every, completions if cfg.output.log_completions else None,

@@ -321,7 +321,8 @@ class GRPOJob:
         self.session, self.log = session, log
         self.announced = False  # the first step of this process says what it is doing (nothing is drawn yet)
         if session.reference is None and cfg.algo.beta > 0:
-            session.reference = Reference(session.policy)  # a full copy, before any sharding
+            # a full copy, before any sharding; offloaded: made on the CPU, never a second copy on the GPU
+            session.reference = Reference(session.policy, cfg.speed.offload_reference)
         reference = session.reference
         if fsdp.wanted(cfg):  # train.distributed=fsdp under torchrun: before the optimizer takes the parameters
             fsdp.shard(session.policy.model)
