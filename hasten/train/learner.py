@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ticker
 from ..algo import LOSSES, LossInputs, LossSettings
 from ..algo.entropy import EntropyControl, EntropySettings
 from ..algo.losses import entropy_term, high_entropy_mask
@@ -363,10 +364,12 @@ class Learner:
         trackers = self.correction.trackers()
         # per chunk, fixed at iteration 0: (old log-probs, importance weights, high-entropy mask or None)
         anchors: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = [None] * len(chunks)
+        count = ticker.tally("learning", settings.num_iterations * len(passes), "micro-batch")  # progress views read it
         for iteration in range(settings.num_iterations):
             sums.loss = sums.policy_loss = sums.bonus_entropy = sums.bonus_tokens = 0.0
             coef = self.entropy_control.applied()  # the same for every chunk of this optimizer step (TRL)
             for index, rows in enumerate(passes):
+                count.done += 1
                 if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
                     continue
                 fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
@@ -414,6 +417,7 @@ class Learner:
                 self.entropy_control.update(distributed.sum_over_ranks(sums.bonus_entropy),
                                             distributed.sum_over_ranks(sums.bonus_tokens))
                 sums.metrics["entropy_coef"] = sums.metrics.get("entropy_coef", 0.0) + self.entropy_control.coef
+        count.finish()
         return self._report(sums, lr, learned, rollout.num_samples, trackers)
 
     @staticmethod
