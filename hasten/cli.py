@@ -102,6 +102,18 @@ def _config(args, extra):
     return load_config(args.config, pairs + parse_overrides(extra), profile=getattr(args, "profile", None))
 
 
+def _check_names(cfg) -> None:
+    """A misspelled task or model name, or a checkpoint path that does not exist: one line before torch is
+    imported (issue 56: every error that needs no model answers in a second, even on a busy 2-core box)."""
+    from .games import GAMES
+    from .models import check_name as check_model_name
+    from .tasks import check_name as check_task_name
+
+    check_task_name(cfg.task.name)
+    if cfg.task.name not in GAMES:  # a game's --model is its run's checkpoint (policy_loop.py checks it)
+        check_model_name(cfg.model.name)
+
+
 def _resume_config(args, extra):
     from .config import parse_overrides
     from .train.loop import resume_config
@@ -117,6 +129,7 @@ _PROCESS_ENTRY = False
 
 def _cmd_train(args, extra) -> int:
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
+    _check_names(cfg)
     if _PROCESS_ENTRY:  # before torch is imported: may re-execute this process (never returns)
         from .kernels.allocator import ensure
 
@@ -146,6 +159,7 @@ def _cmd_train(args, extra) -> int:
 
 def _cmd_eval(args, extra) -> int:
     cfg = _config(args, extra)
+    _check_names(cfg)
     from .games import GAMES
 
     if cfg.task.name in GAMES:  # --model is a game run's checkpoint: mean final scores on held-out games

@@ -226,3 +226,27 @@ def test_the_step_eta_leaves_out_the_warm_up_and_waits_to_settle():
     assert stream.getvalue().splitlines()[-1].endswith("eta 1m03s")  # 10.5 s x 6 steps, not 82.75 s x 6
     view.update(5, {"time/step": 60.0})  # the box got busy: the rate moved, the ETA waits
     assert "eta" not in stream.getvalue().splitlines()[-1]
+
+
+LISTINGS_WITHOUT_TORCH = """
+import contextlib, io, sys
+import hasten.cli
+for argv in (["tasks"], ["models"], ["config", "train"], ["train", "--task", "arithmetc"],
+             ["eval", "--model", "smolm"], ["eval", "--model", "runs/no-such-run/checkpoint"]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = hasten.cli.main(argv)
+    print(argv[0], code, err.getvalue().strip())
+heavy = [name for name in ("torch", "transformers") if name in sys.modules]
+print("heavy:", heavy)
+"""
+
+
+def test_listings_and_name_errors_never_import_torch():
+    done = subprocess.run([sys.executable, "-c", LISTINGS_WITHOUT_TORCH], capture_output=True, text=True, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "heavy: []", done.stdout  # importing torch is what took `hasten tasks` 13 s on a busy box
+    assert lines[0] == "tasks 0 " and lines[1] == "models 0 " and lines[2] == "config 0 "
+    assert lines[3].startswith("train 2 config error: task.name must be one of") and "'arithmetc'" in lines[3]
+    assert lines[4] == "eval 2 model error: unknown model 'smolm' (use smollm2-135m, tiny, a local model directory, or a hub id)"
+    assert lines[5] == "eval 2 model error: no such directory: runs/no-such-run/checkpoint"
