@@ -170,8 +170,12 @@ def _cmd_eval(args, extra) -> int:
         from .train.evaluate import evaluate
         from .train.trainer import prepare
 
-        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
+        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr), evaluating=True)
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+        # What the wait is for, before the count starts (issue 56: a newcomer saw 97 s of nothing)
+        print(f"evaluating {cfg.model.name} on {count} held-out {cfg.task.name} question{'' if count == 1 else 's'} "
+              f"(greedy, up to {cfg.eval.max_new_tokens} new tokens, {cfg.eval.batch_size} at a time) ...",
+              file=sys.stderr)
         metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
                               cfg.eval.max_new_tokens, cfg.eval.batch_size,
                               agent=session.agent)  # tool tasks: the tool loop, as in training's evals

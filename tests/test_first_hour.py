@@ -250,3 +250,26 @@ def test_listings_and_name_errors_never_import_torch():
     assert lines[3].startswith("train 2 config error: task.name must be one of") and "'arithmetc'" in lines[3]
     assert lines[4] == "eval 2 model error: unknown model 'smolm' (use smollm2-135m, tiny, a local model directory, or a hub id)"
     assert lines[5] == "eval 2 model error: no such directory: runs/no-such-run/checkpoint"
+
+
+def test_the_api_says_it_is_loading_the_model_as_the_cli_does(tmp_path):
+    from hasten import GRPOConfig, GRPOTrainer
+
+    lines: list[str] = []
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, report_to="none")
+    GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                train_dataset=[{"prompt": "a"}, {"prompt": "b"}], log=lines.append)
+    assert lines[0] == "loading model tiny ..."
+
+
+def test_hasten_eval_says_what_it_evaluates_with_an_eval_plan(capsys):
+    from hasten.cli import main
+
+    code = main(["eval", "--model", "tiny", "--task", "arithmetic", "--num-examples", "2", "--eval.max_new_tokens=2",
+                 "--eval.batch_size=2", "--train.num_threads=1", "--output.progress=off"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0
+    assert "evaluating tiny on 2 held-out arithmetic questions (greedy, up to 2 new tokens, 2 at a time) ..." in err
+    plans = [line for line in err if "plan: " in line]
+    assert len(plans) == 1 and plans[0].startswith("eval plan: ") and "micro-batch" not in plans[0], err
