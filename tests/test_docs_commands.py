@@ -186,3 +186,21 @@ def test_documented_python_runs(where, code, skip, tmp_path, monkeypatch):
 def test_the_docs_python_blocks_are_all_collected():
     """docs/*.md's blocks are run too, not README's alone (issue 56: docs/agentic.md's did not run as written)."""
     assert {where.split(":")[0] for where, _, _ in SNIPPETS} >= {"README.md", "agentic.md", "trl.md", "running.md"}
+
+
+def test_the_readme_is_a_front_door():
+    """README.md stays <= 300 lines (issue 52); detail lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_readme_installs_as_the_makefile_does():
+    """The README's install lines are the Makefile's recipe, in its order: the venv, pip's upgrade, the three
+    pip lines (issue 56: a newcomer following the README got an old pip and no venv)."""
+    recipe = (ROOT / "Makefile").read_text().split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    made = [line.strip().replace("$(BIN)/", "").replace(" -q", "") for line in recipe.splitlines()
+            if "pip install" in line]
+    readme = (ROOT / "README.md").read_text()
+    shown = [line.split("#")[0].strip() for line in readme.splitlines() if line.startswith("pip install")]
+    assert made and shown[:len(made)] == made
+    assert "python3 -m venv .venv && . .venv/bin/activate" in readme and "-m venv $(VENV)" in recipe
+    assert "pip check" in readme and "--no-deps" in readme
