@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--steps", type=int, help="GRPO steps (train.steps)")
             command.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR (its newest full-state "
                                  "checkpoint, or RUN_DIR/checkpoint-N) with its saved config")
+            command.add_argument("--json", action="store_true", help="print the run's summary as one JSON line, "
+                                 "last (it is always in RUN_DIR/summary.json)")
         else:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -142,7 +144,8 @@ def _cmd_train(args, extra) -> int:
     if not is_main():  # torchrun: rank 0 reports the run
         return summary.get("exit_code", 0)
     if summary.get("status") == "interrupted":
-        print(json.dumps(summary))
+        if args.json:
+            print(json.dumps(summary))
         return summary["exit_code"]
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after and "accuracy" in after:
@@ -152,8 +155,11 @@ def _cmd_train(args, extra) -> int:
         print(f"held-out mean final score: random policy {summary['random_policy']['score_mean']:+.2f}, "
               f"before {before['score_mean']:+.2f} -> after {after['score_mean']:+.2f} "
               f"(greedy {after['score_greedy']:+.2f})")
-    print(f"run directory: {summary['run_dir']}")
-    print(json.dumps(summary))
+    # The progress view named the run directory after step 1; said once (issue 56), or here when it is off.
+    if cfg.output.progress == "off":
+        print(f"run directory: {summary['run_dir']}")
+    if args.json:  # scripts read this line, or summary.json
+        print(json.dumps(summary))
     return 0
 
 

@@ -273,3 +273,25 @@ def test_hasten_eval_says_what_it_evaluates_with_an_eval_plan(capsys):
     assert "evaluating tiny on 2 held-out arithmetic questions (greedy, up to 2 new tokens, 2 at a time) ..." in err
     plans = [line for line in err if "plan: " in line]
     assert len(plans) == 1 and plans[0].startswith("eval plan: ") and "micro-batch" not in plans[0], err
+
+
+def tiny_train_argv(tmp_path, *more):
+    return ["train", "--model", "tiny", "--task", "arithmetic", "--steps", "1", "--train.prompts_per_step=2",
+            "--generation.num_generations=2", "--generation.max_new_tokens=4", "--eval.num_examples=2",
+            "--eval.max_new_tokens=4", "--train.num_threads=1", f"--output.dir={tmp_path}", "--output.plot=false",
+            *more]
+
+
+def test_train_names_its_run_directory_once_and_prints_json_only_when_asked(tmp_path, capsys):
+    import json
+
+    from hasten.cli import main
+
+    assert main(tiny_train_argv(tmp_path / "a", "--output.progress=plain")) == 0
+    printed = capsys.readouterr()
+    assert (printed.out + printed.err).count("run directory:") == 1
+    assert not any(line.startswith("{") for line in printed.out.splitlines())  # summary.json holds it
+    assert main(tiny_train_argv(tmp_path / "b", "--output.progress=off", "--json")) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("run directory:") for line in out) == 1  # the view was off: said at the end
+    assert json.loads(out[-1])["status"] == "finished"
