@@ -295,3 +295,12 @@ def test_train_names_its_run_directory_once_and_prints_json_only_when_asked(tmp_
     out = capsys.readouterr().out.strip().splitlines()
     assert sum(line.startswith("run directory:") for line in out) == 1  # the view was off: said at the end
     assert json.loads(out[-1])["status"] == "finished"
+
+
+def test_rft_test_says_its_engine_choice_once(capsys):
+    from hasten.cli import main
+
+    assert main(["rft", "test", "--model", "tiny", "--num-examples", "2", "--eval.max_new_tokens=2",
+                 "--train.num_threads=1", "--output.progress=off", "--speed.engine_weights=auto"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("speed.engine_weights=auto:") == 1, err
