@@ -104,16 +104,29 @@ def _config(args, extra):
     return load_config(args.config, pairs + parse_overrides(extra), profile=getattr(args, "profile", None))
 
 
-def _check_names(cfg) -> None:
-    """A misspelled task or model name, or a checkpoint path that does not exist: one line before torch is
-    imported (issue 56: every error that needs no model answers in a second, even on a busy 2-core box)."""
+def _check_inputs(cfg) -> None:
+    """A misspelled task or model name, a checkpoint path or data file that does not exist, a reward file
+    that does not parse: one line before torch is imported (issue 56: every error that needs no model
+    answers in a second, even on a busy 2-core box). The loaders say the same later; this says it sooner."""
+    from .errors import UserError
     from .games import GAMES
     from .models import check_name as check_model_name
+    from .tasks import check_data_path
     from .tasks import check_name as check_task_name
+    from .userfiles import check_source
 
     check_task_name(cfg.task.name)
-    if cfg.task.name not in GAMES:  # a game's --model is its run's checkpoint (policy_loop.py checks it)
-        check_model_name(cfg.model.name)
+    if cfg.task.name in GAMES:  # a game's --model is its run's checkpoint (policy_loop.py checks it)
+        return
+    check_model_name(cfg.model.name)
+    if cfg.task.name == "jsonl":
+        for source in (cfg.task.path, cfg.task.eval_path):
+            if source:
+                check_data_path(str(source))
+    for spec in cfg.rewards.extra:
+        path_text, _, _ = str(spec).rpartition(":")
+        if path_text.endswith(".py"):  # a file; a module or a reward model is checked where it loads
+            check_source(path_text, "reward", UserError)
 
 
 def _resume_config(args, extra):
@@ -131,7 +144,7 @@ _PROCESS_ENTRY = False
 
 def _cmd_train(args, extra) -> int:
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
-    _check_names(cfg)
+    _check_inputs(cfg)
     if _PROCESS_ENTRY:  # before torch is imported: may re-execute this process (never returns)
         from .kernels.allocator import ensure
 
@@ -165,7 +178,7 @@ def _cmd_train(args, extra) -> int:
 
 def _cmd_eval(args, extra) -> int:
     cfg = _config(args, extra)
-    _check_names(cfg)
+    _check_inputs(cfg)
     from .games import GAMES
 
     if cfg.task.name in GAMES:  # --model is a game run's checkpoint: mean final scores on held-out games

@@ -231,8 +231,11 @@ def test_the_step_eta_leaves_out_the_warm_up_and_waits_to_settle():
 LISTINGS_WITHOUT_TORCH = """
 import contextlib, io, sys
 import hasten.cli
+folder = sys.argv[1]
 for argv in (["tasks"], ["models"], ["config", "train"], ["train", "--task", "arithmetc"],
-             ["eval", "--model", "smolm"], ["eval", "--model", "runs/no-such-run/checkpoint"]):
+             ["eval", "--model", "smolm"], ["eval", "--model", "runs/no-such-run/checkpoint"],
+             ["train", "--task", "jsonl", f"--task.path={folder}/missing.jsonl"],
+             ["train", "--reward", f"{folder}/broken.py:score"]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = hasten.cli.main(argv)
@@ -242,14 +245,18 @@ print("heavy:", heavy)
 """
 
 
-def test_listings_and_name_errors_never_import_torch():
-    done = subprocess.run([sys.executable, "-c", LISTINGS_WITHOUT_TORCH], capture_output=True, text=True, check=True)
+def test_listings_and_input_errors_never_import_torch(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(completions, **kwargs)\n    return [0.0]\n")
+    done = subprocess.run([sys.executable, "-c", LISTINGS_WITHOUT_TORCH, str(tmp_path)], capture_output=True,
+                          text=True, check=True)
     lines = done.stdout.splitlines()
     assert lines[-1] == "heavy: []", done.stdout  # importing torch is what took `hasten tasks` 13 s on a busy box
     assert lines[0] == "tasks 0 " and lines[1] == "models 0 " and lines[2] == "config 0 "
     assert lines[3].startswith("train 2 config error: task.name must be one of") and "'arithmetc'" in lines[3]
     assert lines[4] == "eval 2 model error: unknown model 'smolm' (use smollm2-135m, tiny, a local model directory, or a hub id)"
     assert lines[5] == "eval 2 model error: no such directory: runs/no-such-run/checkpoint"
+    assert lines[6] == f"train 2 data error: '{tmp_path}/missing.jsonl' does not exist"
+    assert lines[7].startswith(f"train 2 reward error: importing {tmp_path}/broken.py failed: SyntaxError: ")
 
 
 def test_the_api_says_it_is_loading_the_model_as_the_cli_does(tmp_path):

@@ -7,6 +7,7 @@ line in `TASKS`; the trainer and CLI only ever call `make_task`.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hasten.errors import UserError
@@ -72,6 +73,27 @@ def check_name(name: str) -> None:
         raise TaskError(f"config error: task.name must be one of {', '.join([*TASKS, *GAMES])} (got {name!r})")
 
 
+DATA_FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # what task.path's file may be (tasks/data.py reads them)
+
+
+def check_data_path(source: str) -> bool:
+    """What can be said of task.path without reading it: True for a data file, False for a hub dataset name;
+    a missing file, a directory or another suffix is one TaskError (data.load_rows asks this first)."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix not in DATA_FORMATS and not path.exists():
+        return False
+    if path.is_dir():
+        raise TaskError(f"data error: '{source}' is a directory, not a data file "
+                        f"(expected a {', '.join(DATA_FORMATS)} file)")
+    if not path.is_file():
+        raise TaskError(f"data error: '{source}' does not exist")
+    if suffix not in DATA_FORMATS:
+        raise TaskError(f"data error: {source}: unsupported file type '{suffix or 'none'}' "
+                        f"(use {', '.join(DATA_FORMATS)})")
+    return True
+
+
 def make_task(cfg: TaskConfig, config: Config | None = None) -> Task:
     if cfg.name == "dataset":  # rows handed to the Python API live in no file this config could name
         raise TaskError("config error: task.name 'dataset' is rows given to GRPOTrainer(train_dataset=...); "
@@ -91,4 +113,4 @@ def list_tasks() -> list[tuple[str, str]]:
     return [(name, description) for name, (_, description) in TASKS.items()]
 
 
-__all__ = ["DESCRIPTIONS", "TASKS", "Task", "TaskError", "Verdict", "check_name", "list_tasks", "make_task"]
+__all__ = ["DATA_FORMATS", "DESCRIPTIONS", "check_data_path", "TASKS", "Task", "TaskError", "Verdict", "check_name", "list_tasks", "make_task"]
