@@ -311,3 +311,21 @@ def test_rft_test_says_its_engine_choice_once(capsys):
                  "--train.num_threads=1", "--output.progress=off", "--speed.engine_weights=auto"]) == 0
     err = capsys.readouterr().err
     assert err.count("speed.engine_weights=auto:") == 1, err
+
+
+def test_the_speculative_loop_reports_tokens_too(monkeypatch):
+    from hasten.models.tiny import tiny_model, tiny_tokenizer
+    from hasten.rollout.drafters import NgramDrafter
+    from hasten.rollout.lean import LeanEngine
+    from hasten.rollout.speculative import SpeculativeEngine
+
+    made = []
+    original = ticker.tally
+    monkeypatch.setattr(ticker, "tally", lambda *args, **kwargs: made.append(original(*args, **kwargs)) or made[-1])
+    tokenizer = tiny_tokenizer()
+    engine = SpeculativeEngine(LeanEngine(tiny_model(len(tokenizer)), tokenizer.pad_token_id, [999]), NgramDrafter(2), 2)
+    prompts = [tokenizer.encode("hello there hello"), tokenizer.encode("abcabc")]
+    engine.generate(prompts, 2, SamplingParams(max_new_tokens=6, temperature=1.0), seed=0)
+    generating = [count for count in made if count.label == "generating"]
+    assert generating and generating[-1].rows == 4 and 0 < generating[-1].done <= 6
+    assert ticker.activity() == ""
