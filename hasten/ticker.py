@@ -178,6 +178,7 @@ class Ticker:
         self.every_s = every_s if every_s is not None else PIPED_EVERY_S if self.mode == "piped" else PLAIN_EVERY_S
         self.done = 0
         self.lines = 0  # plain lines written (tests read it)
+        self._last_line = ""  # the last plain line: the closing line is not written twice
         self._note = ""
         self._clock = clock
         self._started = clock()
@@ -300,7 +301,8 @@ class Ticker:
                 except OSError:
                     pass
                 self._bar = None
-            elif self.mode in ("plain", "piped") and self.lines and (self.mode == "piped" or not self._finished()):
+            elif self.mode in ("plain", "piped") and self.lines and (self.mode == "piped" or not self._finished()) \
+                    and self.text() != self._last_line:
                 self._print_line()  # where it stopped (an error, an interrupt), or a watched log's last count
             self.mode = "off"
         if self in _open:
@@ -333,8 +335,9 @@ class Ticker:
             self.tick()
 
     def _print_line(self) -> None:
+        self._last_line = self.text()
         try:
-            self.stream.write(self.text() + "\n")
+            self.stream.write(self._last_line + "\n")
             self.stream.flush()
         except (OSError, ValueError):
             self._turn_off()

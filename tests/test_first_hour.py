@@ -329,3 +329,11 @@ def test_the_speculative_loop_reports_tokens_too(monkeypatch):
     generating = [count for count in made if count.label == "generating"]
     assert generating and generating[-1].rows == 4 and 0 < generating[-1].done <= 6
     assert ticker.activity() == ""
+
+
+def test_a_ticker_does_not_repeat_its_last_line_when_it_closes():
+    clock, stream = Clock(), io.StringIO()
+    with Ticker("loading model tiny", unit="s", mode="plain", stream=stream, timer=False, clock=clock) as tick:
+        clock.now += ticker.PLAIN_EVERY_S
+        tick.tick()
+    assert stream.getvalue().splitlines() == ["loading model tiny: 00:10 elapsed"]
