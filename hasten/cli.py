@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--steps", type=int, help="GRPO steps (train.steps)")
             command.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR (its newest full-state "
                                  "checkpoint, or RUN_DIR/checkpoint-N) with its saved config")
+            command.add_argument("--json", action="store_true", help="print the run's summary as one JSON line, "
+                                 "last (it is always in RUN_DIR/summary.json)")
         else:
             command.add_argument("--num-examples", type=int, help="held-out examples (eval.num_examples)")
             command.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -104,6 +106,31 @@ def _config(args, extra):
     return load_config(args.config, pairs + parse_overrides(extra), profile=getattr(args, "profile", None))
 
 
+def _check_inputs(cfg) -> None:
+    """A misspelled task or model name, a checkpoint path or data file that does not exist, a reward file
+    that does not parse: one line before torch is imported (issue 56: every error that needs no model
+    answers in a second, even on a busy 2-core box). The loaders say the same later; this says it sooner."""
+    from .errors import UserError
+    from .games import GAMES
+    from .models import check_name as check_model_name
+    from .tasks import check_data_path
+    from .tasks import check_name as check_task_name
+    from .userfiles import check_source
+
+    check_task_name(cfg.task.name)
+    if cfg.task.name in GAMES:  # a game's --model is its run's checkpoint (policy_loop.py checks it)
+        return
+    check_model_name(cfg.model.name)
+    if cfg.task.name == "jsonl":
+        for source in (cfg.task.path, cfg.task.eval_path):
+            if source:
+                check_data_path(str(source))
+    for spec in cfg.rewards.extra:
+        path_text, _, _ = str(spec).rpartition(":")
+        if path_text.endswith(".py"):  # a file; a module or a reward model is checked where it loads
+            check_source(path_text, "reward", UserError)
+
+
 def _resume_config(args, extra):
     from .config import parse_overrides
     from .train.loop import resume_config
@@ -119,6 +146,7 @@ _PROCESS_ENTRY = False
 
 def _cmd_train(args, extra) -> int:
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
+    _check_inputs(cfg)
     if _PROCESS_ENTRY:  # before torch is imported: may re-execute this process (never returns)
         from .kernels.allocator import ensure
 
@@ -131,7 +159,8 @@ def _cmd_train(args, extra) -> int:
     if not is_main():  # torchrun: rank 0 reports the run
         return summary.get("exit_code", 0)
     if summary.get("status") == "interrupted":
-        print(json.dumps(summary))
+        if args.json:
+            print(json.dumps(summary))
         return summary["exit_code"]
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after and "accuracy" in after:
@@ -141,13 +170,17 @@ def _cmd_train(args, extra) -> int:
         print(f"held-out mean final score: random policy {summary['random_policy']['score_mean']:+.2f}, "
               f"before {before['score_mean']:+.2f} -> after {after['score_mean']:+.2f} "
               f"(greedy {after['score_greedy']:+.2f})")
-    print(f"run directory: {summary['run_dir']}")
-    print(json.dumps(summary))
+    # The progress view named the run directory after step 1; said once (issue 56), or here when it is off.
+    if cfg.output.progress == "off":
+        print(f"run directory: {summary['run_dir']}")
+    if args.json:  # scripts read this line, or summary.json
+        print(json.dumps(summary))
     return 0
 
 
 def _cmd_eval(args, extra) -> int:
     cfg = _config(args, extra)
+    _check_inputs(cfg)
     from .games import GAMES
 
     if cfg.task.name in GAMES:  # --model is a game run's checkpoint: mean final scores on held-out games
@@ -158,8 +191,12 @@ def _cmd_eval(args, extra) -> int:
         from .train.evaluate import evaluate
         from .train.trainer import prepare
 
-        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr))
+        session = prepare(cfg, log=lambda text: print(text, file=sys.stderr), evaluating=True)
         count = min(cfg.eval.num_examples, len(session.task.eval_rows))
+        # What the wait is for, before the count starts (issue 56: a newcomer saw 97 s of nothing)
+        print(f"evaluating {cfg.model.name} on {count} held-out {cfg.task.name} question{'' if count == 1 else 's'} "
+              f"(greedy, up to {cfg.eval.max_new_tokens} new tokens, {cfg.eval.batch_size} at a time) ...",
+              file=sys.stderr)
         metrics, _ = evaluate(session.task, session.engine, session.policy.tokenizer, session.rewards, count,
                               cfg.eval.max_new_tokens, cfg.eval.batch_size,
                               agent=session.agent)  # tool tasks: the tool loop, as in training's evals

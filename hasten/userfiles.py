@@ -22,6 +22,18 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def check_source(path_text: str, kind: str, error: type[UserError]) -> None:
+    """A user file that is missing or does not parse: the one line load_attribute would give, found without
+    running the file (or importing what it imports): the CLI says it before torch is imported."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise error(f"{kind} error: '{path_text}' does not exist")
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
+        raise error(f"{kind} error: importing {path_text} failed: {one_line(exc)}") from None
+
+
 def load_attribute(path_text: str, name: str, kind: str, error: type[UserError], what: str = "") -> Any:
     """The attribute `name` of the Python file at `path_text`; `error(f"{kind} error: ...")` if it cannot be had.
     what: a word for the attribute in the message ("function": "has no function 'f'")."""

@@ -202,7 +202,7 @@ def test_tiny_grpo_run_on_the_code_task_end_to_end(tmp_path, capsys):
     code = main(["train", "--model", "tiny", "--task", "code", "--steps", "2", "--train.prompts_per_step=2",
                  "--generation.num_generations=2", "--generation.max_new_tokens=16", "--eval.num_examples=1",
                  "--eval.at_start=false", "--eval.max_new_tokens=8", "--code.workers=2",
-                 f"--output.dir={tmp_path}", "--output.progress=off", "--output.plot=false"])
+                 f"--output.dir={tmp_path}", "--output.progress=off", "--output.plot=false", "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     metrics_file = next(tmp_path.glob("*/metrics.jsonl"))

@@ -177,7 +177,7 @@ TINY_GAME = ["--game.num_starts=2", "--game.games_per_start=4", "--game.episode_
 
 def test_train_then_play_through_the_cli(tmp_path, capsys):
     code = main(["train", "--task", "fruit-catcher", "--steps", "3", f"--output.dir={tmp_path}",
-                 "--output.save_every=2", *TINY_GAME])
+                 "--output.save_every=2", "--json", *TINY_GAME])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     run = tmp_path / summary["run_dir"].split("/")[-1]

@@ -35,7 +35,7 @@ ROOT = Path(__file__).parents[1]
 def game_args(root: Path, name: str, *extra: str) -> list[str]:
     return ["train", "--task", "fruit-catcher", "--steps", "3", "--game.num_starts=2", "--game.games_per_start=4",
             "--game.episode_steps=10", "--game.eval_games=0", f"--output.dir={root}", f"--output.name={name}",
-            "--output.plot=false", "--output.save_every=1", *extra]
+            "--output.plot=false", "--output.save_every=1", "--json", *extra]
 
 
 def tiny_args(root: Path, name: str, *extra: str) -> list[str]:
@@ -66,7 +66,8 @@ def finished(run: Path, steps: int = 3) -> dict:
                                          'exec "$@" 2>/dev/full', 'exec "$@" >/dev/full 2>/dev/full'])
 def test_a_closed_or_full_stdout_or_stderr_never_ends_a_run(tmp_path, redirection):
     """The allocator's re-execution included (`python -m hasten.cli` is the process entry)."""
-    done = shell(redirection, *game_args(tmp_path, "run"))
+    # progress off: the run directory's line goes to stdout too (a view names it on stderr otherwise)
+    done = shell(redirection, *game_args(tmp_path, "run", "--output.progress=off"))
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     summary = finished(tmp_path / "run")
     if ">" in redirection.split("2>")[0]:  # stdout closed or full: its final lines are in the run's log

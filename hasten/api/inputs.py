@@ -25,6 +25,7 @@ from ..models import ALIASES, Policy, load_policy, mark_lora_base
 from ..rewards.runner import RewardFunction, load_reward
 from ..tasks.base import Task
 from ..tasks.data import rows_from
+from ..ticker import Ticker
 from .grpo_config import APIError
 
 
@@ -43,7 +44,9 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
 
     if isinstance(model, str):
         native = peft_config is None and processing_class is None and use_native_model(cfg, log)
-        policy = load_policy(cfg.model, log, native=native)
+        log(f"loading model {cfg.model.name} ...")  # as the CLI says it (train/trainer.py): the load takes seconds
+        with Ticker(f"loading model {cfg.model.name}", unit="s") as tick:  # elapsed; a first conversion counts
+            policy = load_policy(cfg.model, tick.wrap(log), native=native)
     else:
         if not hasattr(model, "parameters") or not callable(model):
             raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "

@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import ModelConfig
 from ..device import is_sharded_tensor
@@ -46,7 +45,29 @@ from .files import check_model_dir, utf8_path
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "tiny": "tiny"}
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a function needs it: `hasten models` and a misspelled model name (check_name) answer
+# without it (issue 56: under a second on a busy 2-core box, where importing torch takes seconds).
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """model.dtype's torch dtype."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _no_grad(function: Callable) -> Callable:
+    """torch.no_grad() as a decorator that imports torch when called, not when this module loads."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return wrapped
 
 BASE_RECORD = "hasten_base.json"  # beside a LoRA adapter: {"name": registry name} of its base model
 
@@ -110,10 +131,20 @@ def check_name(name: str) -> None:
             raise ModelError(f"model error: '{name}' is not a Hugging Face model directory (no config.json)")
         check_model_dir(path)
         return
+    if _names_a_path(name):  # a checkpoint path with a typo, or one not made yet: not an "unknown model"
+        raise ModelError(f"model error: no such directory: {name}")
     if name.count("/") != 1:
         raise ModelError(
             f"model error: unknown model '{name}' (use smollm2-135m, tiny, a local model directory, or a hub id)"
         )
+
+
+def _names_a_path(name: str) -> bool:
+    """`name` can only be meant as a local path: it starts like one, has more parts than a hub id's
+    org/name, or its first part is a directory here (runs/, a checkpoint's run)."""
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()
 
 
 def _resolve(name: str, dtype: torch.dtype, log: Callable[[str], None] = print):
@@ -194,7 +225,7 @@ def native_reason(cfg: ModelConfig, log: Callable[[str], None] = print) -> str |
 def _load_native(cfg: ModelConfig, log: Callable[[str], None]):
     from .llama import NativeLlamaForCausalLM
 
-    dtype = DTYPES[cfg.dtype]
+    dtype = dtype_of(cfg.dtype)
     if ALIASES.get(cfg.name.lower()) == "tiny":
         hf_model, tokenizer = _resolve(cfg.name, dtype, log)
         return NativeLlamaForCausalLM.from_hf(hf_model), tokenizer
@@ -211,7 +242,7 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
     native: load it into llama.py's plain-PyTorch Llama (the caller checked
     `native_reason` is None); otherwise transformers' classes.
     """
-    model, tokenizer = _load_native(cfg, log) if native else _resolve(cfg.name, DTYPES[cfg.dtype], log)
+    model, tokenizer = _load_native(cfg, log) if native else _resolve(cfg.name, dtype_of(cfg.dtype), log)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     is_peft = hasattr(model, "peft_config")
@@ -239,7 +270,7 @@ def load_policy(cfg: ModelConfig, log: Callable[[str], None] = print, native: bo
     return Policy(model=model, tokenizer=tokenizer, source=cfg.name, lora=cfg.lora or is_peft)
 
 
-@torch.no_grad()
+@_no_grad
 def own_memory(model) -> None:
     """Give every CPU parameter that lies in memory torch does not own (the weights file's pages) a copy.
 
@@ -333,7 +364,7 @@ class Reference:
         if not policy.lora:
             self.frozen = frozen_copy(policy.model, "cpu" if offload else None).eval()
 
-    @torch.no_grad()
+    @_no_grad
     def mix_in(self, model, alpha: float) -> None:
         """reference = alpha x policy + (1 - alpha) x reference, parameter by parameter (TRL-style
         sync_ref_model, TR-DPO's soft update); a LoRA reference (adapters disabled) cannot move.
@@ -358,11 +389,13 @@ class Reference:
                 yield self.policy.model
 
 
-@torch.no_grad()
+@_no_grad
 def frozen_copy(model, device: torch.device | str | None = None):
     """A deep copy of `model` with every parameter frozen, its tensors made on `device` (default: where
     they are). The tensors are put in deepcopy's memo first, so deepcopy never copies them where they
     lie; tied weights (one tensor, one id) stay one tensor."""
+    import torch
+
     memo: dict[int, Any] = {}
     if device is not None:
         for parameter in model.parameters():
@@ -416,6 +449,8 @@ def load_trained_weights(model, directory: Path, copy_into: Callable | None = No
     if copy_into is not None:
         copy_into(model, state)
         return
+    import torch
+
     with torch.no_grad():
         for name, parameter in parameters.items():
             if name in state:

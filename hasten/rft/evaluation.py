@@ -23,13 +23,17 @@ from ..rollout.factory import make_engine
 from .prompts import load_generator
 
 
-def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None]) -> dict[str, float]:
-    """Greedy held-out metrics of an in-memory policy (merged in place if it carries LoRA adapters)."""
+def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None], engine=None) -> dict[str, float]:
+    """Greedy held-out metrics of an in-memory policy (merged in place if it carries LoRA adapters).
+
+    engine: one already made on this policy's merged weights (load_generator's), so its choices are made
+    and said once (issue 56: `rft test` printed the engine_weights line twice)."""
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
+        engine = None  # made on the adapters' wrapper: the merged model needs its own
     ticker.configure(cfg.output.progress)  # the eval's count (train/evaluate.py) in the run's progress mode
     policy.model.eval()
-    engine = make_engine(cfg, policy, log)
+    engine = engine if engine is not None else make_engine(cfg, policy, log)
     parts = make_agent(cfg, task)  # a tool task: the tool loop generates, as in `hasten train`'s evals
     agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
     started = time.perf_counter()
@@ -46,5 +50,5 @@ def evaluate_policy(cfg: Config, policy, task: Task, log: Callable[[str], None])
 
 def run_test(cfg: Config, log: Callable[[str], None] = print) -> dict[str, float]:
     task = make_task(cfg.task)
-    policy, _ = load_generator(cfg, log)
-    return evaluate_policy(cfg, policy, task, log)
+    policy, engine = load_generator(cfg, log)  # merged already: its engine serves the eval
+    return evaluate_policy(cfg, policy, task, log, engine)

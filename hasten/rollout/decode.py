@@ -9,6 +9,9 @@ they record or in which random number a row gets:
     decode(state, logits, sampling, keep_rows=cache_keep, forward=one_step)  # the one loop: decode() below
     return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
 
+The loop keeps a count on the progress board (ticker.tally: token t of T,
+rows still going) for the views to read; keeping it is an int store per step.
+
 The speculative engine (speculative.py) keeps its own loop on purpose: each of its steps drafts and
 verifies up to k+1 tokens per row, so its step is not this one-token step; it records through
 DecodeState all the same.
@@ -33,6 +36,7 @@ import torch
 
 from typing import Callable
 
+from .. import ticker
 from .sampling import sample_tokens
 from .types import Rollout, RowRange, SamplingParams
 
@@ -129,10 +133,14 @@ def decode(state: DecodeState, logits: torch.Tensor, sampling: SamplingParams,
     logits: (rows, V) after the prefill. keep_rows(keep): rows finished, compact the cache to the batch
     rows `keep`. forward(token (live,)) -> logits (live, V) for the next position.
     """
+    count = ticker.tally("generating", state.steps, "token", rows=state.num_rows)  # the progress views read it
     for step in range(state.steps):
+        count.done = step + 1  # O(1), no sync: what a 2-minute generate call shows while it runs
         token, keep = state.sample(logits, sampling, step)  # (live,)
         if state.done:
             break
         if keep is not None:  # rows finished: drop them from the running batch
             keep_rows(keep)
+            count.live = len(keep)  # a shape, known on the host after the one sync per step
         logits = forward(token)
+    count.finish()

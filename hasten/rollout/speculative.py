@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import ticker
 from .decode import DecodeState
 from .engine import left_pad
 from .group_cache import GroupCache, take_rows
@@ -276,6 +277,7 @@ class SpeculativeEngine:
         logprobs, counts = logprob[:, None], torch.ones(num_rows, dtype=torch.long, device=device)
         live = torch.arange(num_rows, device=device)  # batch row -> output row
         stats = {"rows": num_rows, "drafted": 0, "accepted": 0, "committed": 0, "row_forwards": 0, "forwards": 0}
+        count = ticker.tally("generating", steps, "token", rows=num_rows)  # the progress views read it
         while True:
             keep = self._commit(state, sequences, live, tokens, logprobs, counts, steps)
             if keep is not None:
@@ -286,6 +288,7 @@ class SpeculativeEngine:
                 self.drafter.keep(keep)
             lengths = sequences.committed - 1  # (live,) own K/V held: all committed but the last
             cache.lengths, cache.max_length = lengths, int(lengths.max())
+            count.done, count.live = min(cache.max_length + 1, steps), len(live)  # the longest row; no new sync
             row_uniforms = uniforms[live[:, None], sequences.committed[:, None] + torch.arange(k + 1, device=device)]
             drafts, draft_probs = self.drafter.propose(sequences, row_uniforms[:, :k, DRAFT], k, sampling)  # (live, k)
             last = sequences.context.gather(1, sequences.length[:, None] - 1)  # (live, 1)
@@ -302,6 +305,7 @@ class SpeculativeEngine:
             stats["accepted"] += int(accepted.sum())
             stats["row_forwards"] += len(live)
             stats["forwards"] += 1
+        count.finish()
         stats["committed"] = int(state.mask.sum())
         rollout = state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
         rollout.stats = summary(stats)

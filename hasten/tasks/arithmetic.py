@@ -20,9 +20,10 @@ from typing import Any
 from hasten.config import TaskConfig
 from hasten.rewards.builtin import correctness_reward, format_reward
 from hasten.rewards.runner import RewardFunction
+from hasten.tasks import DESCRIPTIONS
 from hasten.tasks.base import Task, chat_prompt, check_numeric_answer, generate_split
 
-DESCRIPTION = "two-digit addition ('What is 47 + 38?'), exact answers"
+DESCRIPTION = DESCRIPTIONS["arithmetic"]  # one text, in the registry (listed without importing this)
 SMALLEST, LARGEST = 10, 99
 WORKED_EXAMPLE = ("What is 23 + 58? Put the final number inside <answer></answer>.",
                   "23 + 58 = 81.\n<answer>81</answer>")

@@ -28,12 +28,10 @@ from hasten.rewards.builtin import (
     parse_number,
     within_tolerance,
 )
-from hasten.errors import UserError
+from hasten.tasks import TaskError  # defined with the registry, which raises it without importing this module
 from hasten.rewards.runner import RewardFunction
 
 
-class TaskError(UserError):
-    """A user-facing task or data problem; str() is the one-line message."""
 
 
 @dataclass

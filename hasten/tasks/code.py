@@ -38,9 +38,10 @@ from hasten.rewards.code import (
     SandboxSettings, code_parses, code_rewards, mypy_available, program_source, ruff_binary,
 )
 from hasten.sandbox import Limits, ProgramError, assert_program, check_program
+from hasten.tasks import DESCRIPTIONS
 from hasten.tasks.base import Task, TaskError, Verdict, chat_prompt, data_file, json_objects
 
-DESCRIPTION = "write a Python function from its docstring; sandboxed tests (builtin, HumanEval, MBPP, jsonl)"
+DESCRIPTION = DESCRIPTIONS["code"]  # one text, in the registry (listed without importing this)
 SYSTEM_PROMPT = "You are an expert Python programmer. Reply with code only."
 INSTRUCTION = ("Complete the following Python function. Write the whole function, with any imports it "
                "needs, in a single ```python code block.\n\n```python\n{prompt}```")

@@ -25,25 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from hasten.rewards.runner import RESERVED_COLUMNS
+from hasten.tasks import DATA_FORMATS, check_data_path
 from hasten.tasks.base import TaskError, json_objects, json_type
 
-FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+FORMATS = DATA_FORMATS
 
 
 def load_rows(source: str) -> list[dict[str, Any]]:
     """Validated rows of a file (by its suffix) or a hub dataset; TaskError otherwise."""
-    path = Path(source).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in FORMATS or path.exists():
-        if path.is_dir():
-            raise TaskError(f"data error: '{source}' is a directory, not a data file "
-                            f"(expected a {', '.join(FORMATS)} file)")
-        if not path.is_file():
-            raise TaskError(f"data error: '{source}' does not exist")
-        if suffix not in FORMATS:
-            raise TaskError(f"data error: {source}: unsupported file type '{suffix or 'none'}' "
-                            f"(use {', '.join(FORMATS)})")
-        rows, unit, numbers = READERS[suffix](path)
+    if check_data_path(source):  # a file (checked without reading it, as the CLI does first), else a hub name
+        path = Path(source).expanduser()
+        rows, unit, numbers = READERS[path.suffix.lower()](path)
         return validate_rows(rows, str(source), unit, numbers)
     return validate_rows(_hub_rows(source), f"hub dataset {source}", "row")
 

@@ -22,9 +22,10 @@ from typing import Any
 from hasten.config import TaskConfig
 from hasten.rewards.builtin import DEFAULT_TOLERANCE, correctness_reward, format_reward
 from hasten.rewards.runner import RewardFunction
+from hasten.tasks import DESCRIPTIONS
 from hasten.tasks.base import Task, chat_prompt, check_numeric_answer, generate_split
 
-DESCRIPTION = "unit conversions ('How many grams are there in 6 kg?'), within 5%"
+DESCRIPTION = DESCRIPTIONS["unit-conversion"]  # one text, in the registry (listed without importing this)
 
 SYSTEM_PROMPT = "Answer briefly. Put the final number inside <answer></answer>."
 

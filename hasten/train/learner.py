@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ticker
 from ..algo import LOSSES, LossInputs, LossSettings
 from ..algo.entropy import EntropyControl, EntropySettings
 from ..algo.losses import entropy_term, high_entropy_mask
@@ -86,8 +87,8 @@ class LogprobPass:
         """entropy_grad: the entropy keeps its gradient (the entropy bonus). router_aux: a mixture-of-experts
         model's load-balancing loss too, which the padded pass alone returns (its router sees TRL's batch)."""
         temperature = rollout.sampling.temperature
-        with onednn_linears(model, self.fast_linear), \
-                fp32_head(backbone_and_head(model)[1], self.fp32_head, onednn=self.fast_linear):
+        head = backbone_and_head(model)[1] if self.fp32_head else None  # bf16_fp32head: the head stays fp32
+        with onednn_linears(model, self.fast_linear), fp32_head(head, head is not None, onednn=self.fast_linear):
             # min_pack_ratio 0 packs every batch: its fill is not measured (host syncs on a GPU)
             if self.packed and not router_aux and (self.min_pack_ratio <= 0
                                                    or pack_ratio(rollout, rows) >= self.min_pack_ratio):
@@ -382,10 +383,12 @@ class Learner:
         trackers = self.correction.trackers()
         # per chunk, fixed at iteration 0: (old log-probs, importance weights, high-entropy mask or None)
         anchors: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = [None] * len(chunks)
+        count = ticker.tally("learning", settings.num_iterations * len(passes), "micro-batch")  # progress views read it
         for iteration in range(settings.num_iterations):
             sums.loss = sums.policy_loss = sums.bonus_entropy = sums.bonus_tokens = 0.0
             coef = self.entropy_control.applied()  # the same for every chunk of this optimizer step (TRL)
             for index, rows in enumerate(passes):
+                count.done += 1
                 if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
                     continue
                 fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
@@ -433,6 +436,7 @@ class Learner:
                 self.entropy_control.update(distributed.sum_over_ranks(sums.bonus_entropy),
                                             distributed.sum_over_ranks(sums.bonus_tokens))
                 sums.metrics["entropy_coef"] = sums.metrics.get("entropy_coef", 0.0) + self.entropy_control.coef
+        count.finish()
         return self._report(sums, lr, learned, rollout.num_samples, trackers)
 
     @staticmethod

@@ -468,6 +468,7 @@ def _steps(job: Job, cfg: Config, run_dir: RunDir, progress: Progress, signals: 
         if stop is not None:
             break
         step += 1
+        progress.begin_step(step)  # the heartbeat shows the step's phase and count while it runs
         record = job.step(step)
         run_dir.log_step(record)
         if step == 1:  # named once it is kept: a run failing in its first step removes its directory

@@ -63,6 +63,13 @@ class Plan:
         return (f"plan: {self.device}, {engine}, {self.model_impl} forward, {self.learning.describe()}"
                 + "".join(f", {extra}" for extra in extras if extra))
 
+    def describe_eval(self) -> str:
+        """One line for `hasten eval`, which generates and never learns: 'eval plan: cpu, lean engine, native
+        forward, 2 threads on 2 cores' (the learning pass's micro-batches and skipping would be noise there)."""
+        engine = f"{self.engine} engine" + (" (fused decode attention)" if self.decode_attention else "")
+        threads = self.describe_threads()
+        return f"eval plan: {self.device}, {engine}, {self.model_impl} forward" + (f", {threads}" if threads else "")
+
     def describe_threads(self) -> str:
         """The thread choice: a slow step on a busy box is often one thread (kernels/threads.py)."""
         if not self.threads:

@@ -119,11 +119,13 @@ def callable_name(obj: Any) -> str:
 
 def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None = None,
             rewards: list[RewardFunction] | None = None, policy: Policy | None = None,
-            trainer_state: Any = None, tools: list | None = None, environment: Any = None) -> Session:
+            trainer_state: Any = None, tools: list | None = None, environment: Any = None,
+            evaluating: bool = False) -> Session:
     """Everything a run needs. task / rewards / policy: built by the caller (the Python API) instead of
     from cfg's names; rewards are added after the task's and rewards.extra's. trainer_state: what reward
     functions receive as `trainer_state` (default: a RewardState the step keeps current). tools /
-    environment: the API's tools= and environment_factory= (agent/, added to the task's and the config's)."""
+    environment: the API's tools= and environment_factory= (agent/, added to the task's and the config's).
+    evaluating: `hasten eval`'s session, which never learns: its plan line leaves the learning pass out."""
     device = resolve_device(cfg.model.device)  # a GPU asked for and missing: a config error, before any work
     ticker.configure(cfg.output.progress if distributed.is_main() else "off")  # every phase's live progress (ticker.py)
     configure_device(device)
@@ -159,7 +161,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
                               and distributed.world_size() == 1 and device.type == "cpu")
     engine = make_engine(cfg, policy, log)
     plan = Plan.resolve(cfg, policy, engine, governor.enabled)
-    log(plan.describe())
+    log(plan.describe_eval() if evaluating else plan.describe())
     return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed), RewardLogs(state),
                    threads=governor, plan=plan, agent=agent)
 
