@@ -15,7 +15,7 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   when the model lives on a GPU (model.device): bf16 autocast
                   (where the GPU has it), TF32 and torch.compile; on a CPU with
                   native bf16 (AVX512-BF16 or AMX): sampling in bf16
-                  (speed.generation_precision, importance-weighted), measured
+                  (generation.precision, importance-weighted), measured
                   to learn as fp32 sampling does on B5 (docs/results/speedups-notes.md)
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum; on a CPU
@@ -60,7 +60,7 @@ def _bf16(cfg: Config) -> bool:
 
 
 def _bf16_sampling(cfg: Config) -> str:
-    """speed.generation_precision for balanced: bf16 where the lean engine samples on a CPU with bf16 matmuls.
+    """generation.precision for balanced: bf16 where the lean engine samples on a CPU with bf16 matmuls.
 
     On B5 it learned as fp32 sampling does, in less time a step (docs/results/, B5).
     Not on a GPU (not measured there) nor where bf16 is emulated (slower than fp32)."""
@@ -71,7 +71,7 @@ def _bf16_sampling(cfg: Config) -> str:
 
 
 def _low_precision_sampling(cfg: Config) -> str:
-    """speed.generation_precision for aggressive: balanced's bf16 where the CPU has it, else int8 (its
+    """generation.precision for aggressive: balanced's bf16 where the CPU has it, else int8 (its
     decode matmuls on VNNI; kernels/int8.py) where the lean engine samples on the CPU."""
     chosen = _bf16_sampling(cfg)
     if chosen != "fp32" or cfg.speed.engine not in ("auto", "lean") or _device(cfg).type != "cpu":
@@ -96,16 +96,16 @@ BASELINE: dict[str, Value] = {
     "speed.min_pack_ratio": 0.0,
     "speed.reward_workers": 0,
     "speed.reward_cache": False,
-    "speed.gate_reward": None,
-    "speed.curriculum": "off",
-    "speed.dynamic_sampling": False,
-    "speed.precision": "fp32",
-    "speed.generation_precision": "fp32",
+    "algo.gate_reward": None,
+    "algo.curriculum": "off",
+    "algo.dynamic_sampling": False,
+    "train.precision": "fp32",
+    "generation.precision": "fp32",
     "speed.engine_weights": "copy",  # the lean engine's fused copy (baseline's engine is hf: nothing read)
-    "speed.tf32": False,
+    "train.tf32": False,
     "speed.compile": False,
     "speed.optimizer": "for_loop",
-    "speed.optimizer_moments": "fp32",
+    "train.optimizer_moments": "fp32",
     "speed.gradient_checkpointing": False,
     "speed.offload_reference": False,
     "speed.nan_guard": True,
@@ -134,15 +134,15 @@ CONSERVATIVE: dict[str, Value] = {
 
 BALANCED: dict[str, Value] = {
     **CONSERVATIVE,
-    "speed.gate_reward": lambda cfg: cfg.speed.gate_reward,  # early termination as configured (off unless set)
-    "speed.dynamic_sampling": True,
-    "speed.dynamic_sampling_max_rounds": 1,
+    "algo.gate_reward": lambda cfg: cfg.algo.gate_reward,  # early termination as configured (off unless set)
+    "algo.dynamic_sampling": True,
+    "algo.dynamic_sampling_max_rounds": 1,
     # CPU: fp32. bf16 autocast is faster on CPUs with native bf16 but changes numerics (it learned
-    # less per step on B5) and is slower on CPUs without it; opt in with --speed.precision=bf16 (docs/results/speedups-notes.md).
+    # less per step on B5) and is slower on CPUs without it; opt in with --train.precision=bf16 (docs/results/speedups-notes.md).
     # A GPU without native bf16 (before Ampere) stays fp32 too: fp16 needs a loss scaler's care.
-    "speed.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
-    "speed.generation_precision": _bf16_sampling,
-    "speed.tf32": True,  # only a CUDA model reads it
+    "train.precision": lambda cfg: "bf16" if _bf16(cfg) else "fp32",
+    "generation.precision": _bf16_sampling,
+    "train.tf32": True,  # only a CUDA model reads it
     "speed.compile": _cuda,  # CPU: compile time is never paid back in short runs
 }
 
@@ -150,9 +150,9 @@ AGGRESSIVE: dict[str, Value] = {
     **BALANCED,
     "generation.num_generations": lambda cfg: max(2, cfg.generation.num_generations // 2),  # 8 -> 4
     "generation.max_new_tokens": lambda cfg: max(1, cfg.generation.max_new_tokens * 3 // 4),  # 64 -> 48
-    "speed.curriculum": "success_rate",
-    "speed.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
-    "speed.generation_precision": _low_precision_sampling,
+    "algo.curriculum": "success_rate",
+    "algo.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
+    "generation.precision": _low_precision_sampling,
 }
 
 PROFILES: dict[str, dict[str, Value]] = {
@@ -166,10 +166,13 @@ PROFILES: dict[str, dict[str, Value]] = {
 TRADES: dict[str, str] = {
     "baseline": "",
     "conservative": "",
-    "balanced": "changes the batch: zero-variance groups are dropped and refilled (DAPO); gated samples get a "
-                "fixed reward; on a CPU with native bf16, samples in bf16 (importance-weighted)",
+    "balanced": "changes the batch: algo.dynamic_sampling drops zero-variance groups and refills them (DAPO, "
+                "algo.dynamic_sampling_max_rounds=1); "
+                "algo.gate_reward, where set, gives gated samples a fixed reward; on a CPU with native bf16, "
+                "generation.precision=bf16 (importance-weighted); on a GPU, train.precision=bf16 and train.tf32",
     "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
-                  "first; on a CPU without native bf16, samples in int8 (importance-weighted); plus balanced's changes",
+                  "first (algo.curriculum over algo.curriculum_warmup_steps); on a CPU without native bf16, "
+                  "generation.precision=int8 (importance-weighted); plus balanced's changes",
 }
 
 

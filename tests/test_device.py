@@ -73,12 +73,12 @@ def test_profiles_decide_from_the_models_device(monkeypatch):
     fake_gpus(monkeypatch)
     on_gpu = load_config(overrides=[("model.device", "cuda")])
     on_cpu = load_config(overrides=[("model.device", "cpu")])  # a GPU machine, the model pinned to its CPU
-    assert resolve("balanced", on_gpu)["speed.precision"] == "bf16"
+    assert resolve("balanced", on_gpu)["train.precision"] == "bf16"
     assert resolve("balanced", on_gpu)["speed.compile"] is True
-    assert resolve("balanced", on_cpu)["speed.precision"] == "fp32"
+    assert resolve("balanced", on_cpu)["train.precision"] == "fp32"
     assert resolve("balanced", on_cpu)["speed.compile"] is False
     fake_gpus(monkeypatch, bf16=False)  # before Ampere: no native bf16, stay fp32
-    assert resolve("balanced", on_gpu)["speed.precision"] == "fp32"
+    assert resolve("balanced", on_gpu)["train.precision"] == "fp32"
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
@@ -89,20 +89,20 @@ def test_balanced_samples_in_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, n
     monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: None)
     on_cpu = load_config(overrides=[("model.device", "cpu")])
     expected = "bf16" if native_bf16 else "fp32"
-    assert resolve("balanced", on_cpu)["speed.generation_precision"] == expected
-    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == ("bf16" if native_bf16 else "int8")
+    assert resolve("balanced", on_cpu)["generation.precision"] == expected
+    assert resolve("aggressive", on_cpu)["generation.precision"] == ("bf16" if native_bf16 else "int8")
     monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: "no fbgemm")
-    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == expected  # never a refused setting
+    assert resolve("aggressive", on_cpu)["generation.precision"] == expected  # never a refused setting
     for name in ("baseline", "conservative"):
-        assert resolve(name, on_cpu)["speed.generation_precision"] == "fp32"
+        assert resolve(name, on_cpu)["generation.precision"] == "fp32"
     hf_engine = load_config(overrides=[("model.device", "cpu"), ("speed.engine", "hf")])
-    assert resolve("balanced", hf_engine)["speed.generation_precision"] == "fp32"  # the lean engine's option
-    explicit = load_config(overrides=[("model.device", "cpu"), ("speed.generation_precision", "fp32")],
+    assert resolve("balanced", hf_engine)["generation.precision"] == "fp32"  # the lean engine's option
+    explicit = load_config(overrides=[("model.device", "cpu"), ("generation.precision", "fp32")],
                            profile="balanced")
-    assert explicit.speed.generation_precision == "fp32"  # an explicit value wins over the profile
+    assert explicit.generation.precision == "fp32"  # an explicit value wins over the profile
     fake_gpus(monkeypatch)
     on_gpu = load_config(overrides=[("model.device", "cuda")])
-    assert resolve("balanced", on_gpu)["speed.generation_precision"] == "fp32"  # not measured on a GPU
+    assert resolve("balanced", on_gpu)["generation.precision"] == "fp32"  # not measured on a GPU
 
 
 def test_peak_memory_on_the_cpu_is_the_resident_set():

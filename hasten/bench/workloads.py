@@ -223,11 +223,11 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     cfg, session, rounds, levels = side.cfg, side.session, opts.rounds("B1"), opts.contention
     steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
-    precisions = (cfg.speed.generation_precision, cfg.speed.precision)
+    precisions = (cfg.generation.precision, cfg.train.precision)
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
                           f"max {cfg.generation.max_new_tokens} new tokens, "
-                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {cfg.speed.precision}, "
-                          f"generation {cfg.speed.generation_precision})")
+                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {cfg.train.precision}, "
+                          f"generation {cfg.generation.precision})")
     result.settings["hasten"] = hasten_settings(cfg)
     rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
     prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
@@ -291,7 +291,7 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
         load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
         result.rows.append(Row(
             f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
-            flops=flops[level][measured], phases=works[level][measured], precision=cfg.speed.precision,
+            flops=flops[level][measured], phases=works[level][measured], precision=cfg.train.precision,
             extra={
                 **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
                    for part in ("generate", "reward", "learn")},
@@ -447,10 +447,10 @@ def run_b3(side: HastenSide, opts: BenchOptions) -> Result:
                 seconds[name].append(elapsed)
     opts.progress((rounds + 1) * len(variants), (rounds + 1) * len(variants))
     flops = learning_flops(side.size, prompt_tokens, completion_tokens, cfg.model.lora)
-    moved = cost.learning_bytes(side.shape, cfg.model.lora, cfg.speed.precision, optimizer=False)  # no optimizer step
-    work = {"learn": Work(flops, moved, cfg.speed.precision)}
+    moved = cost.learning_bytes(side.shape, cfg.model.lora, cfg.train.precision, optimizer=False)  # no optimizer step
+    work = {"learn": Work(flops, moved, cfg.train.precision)}
     for name, (role, _) in variants.items():
         result.rows.append(Row(name, role, "tok/s", seconds[name], work=[completion_tokens] * rounds,
-                               flops=[flops] * rounds, phases=[work] * rounds, precision=cfg.speed.precision))
+                               flops=[flops] * rounds, phases=[work] * rounds, precision=cfg.train.precision))
     result.notes.append("trained tokens = completion tokens (the ones with a loss); one warm-up pass each, untimed")
     return result
