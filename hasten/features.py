@@ -2,7 +2,8 @@
 
 A feature is one module behind one flag; the flags that only tune a feature (its size, its cap, its
 mode) point at the same module. docs/speedups.md says what each feature does and when it helps;
-tests/test_architecture.py checks that this table names every `speed:` key and only modules that exist.
+tests/test_architecture.py checks that this table names every `speed:` key and only modules that exist. The keys
+that change what is learned left `speed` (hasten/config_yaml.py's MOVED) and this table with it.
 Plain strings: this module imports nothing, so the settings layer can read it.
 """
 
@@ -12,7 +13,6 @@ FEATURES: dict[str, str] = {
     # generation
     "engine": "hasten.rollout.factory",  # auto | lean | hf | vllm, resolved against the model
     "model_impl": "hasten.models.llama",  # the native Llama forward (no transformers import)
-    "generation_precision": "hasten.rollout.lean",  # bf16 sampling matmuls (importance-weighted)
     "engine_weights": "hasten.rollout.shared_weights",  # sample from the training weights, no fp32 copy
     "decode_attention": "hasten.kernels.decode_attention",  # the decode step's attention as one fused kernel
     "shared_prefix": "hasten.kernels.shared_prefix",  # the prompts' common prefix once (prefill and learning)
@@ -24,9 +24,6 @@ FEATURES: dict[str, str] = {
     "vllm_memory_fraction": "hasten.rollout.vllm_engine",
     "vllm_kv_cache_mb": "hasten.rollout.vllm_engine",
     "vllm_max_model_len": "hasten.rollout.vllm_engine",
-    "vllm_importance_sampling_correction": "hasten.train.learner",  # truncated importance weights
-    "vllm_importance_sampling_cap": "hasten.train.learner",
-    "async_steps": "hasten.train.async_pipeline",  # batch t+1 sampled while step t learns
     "prefetch": "hasten.train.feeder",  # the next step's prompts drawn and encoded in the background
     # rewards and the batch
     "reward_workers": "hasten.rewards.reward_pool",
@@ -35,13 +32,6 @@ FEATURES: dict[str, str] = {
     "reward_cache": "hasten.rewards.reward_cache",
     "reward_cache_size": "hasten.rewards.reward_cache",
     "cache_rewards": "hasten.rewards.reward_cache",
-    "gate_reward": "hasten.rewards.early_stop",
-    "gate_threshold": "hasten.rewards.early_stop",
-    "gate_failed_reward": "hasten.rewards.early_stop",
-    "curriculum": "hasten.tasks.curriculum",
-    "curriculum_warmup_steps": "hasten.tasks.curriculum",
-    "dynamic_sampling": "hasten.algo.dynamic_sampling",
-    "dynamic_sampling_max_rounds": "hasten.algo.dynamic_sampling",
     "skip_zero_advantage": "hasten.algo.zero_advantage",
     # learning
     "packed_learning": "hasten.train.packing",  # one row per group, completion-only logits
@@ -50,13 +40,9 @@ FEATURES: dict[str, str] = {
     "grouped_attention": "hasten.kernels.grouped_attention",
     "token_budget": "hasten.train.microbatch",
     "fast_linear": "hasten.kernels.fast_linear",  # oneDNN linears in the learning pass
-    "precision": "hasten.kernels.precision",  # autocast bf16 / fp16 with its scaler
-    "attention_fp32": "hasten.kernels.precision",
-    "tf32": "hasten.kernels.precision",
     "compile": "hasten.kernels.compile",
     "compile_mode": "hasten.kernels.compile",
     "optimizer": "hasten.kernels.adamw",
-    "optimizer_moments": "hasten.kernels.adamw",  # bf16 AdamW moments, stochastically rounded
     "gradient_checkpointing": "hasten.kernels.memory",
     "offload_reference": "hasten.kernels.memory",
     "nan_guard": "hasten.kernels.nan_guard",

@@ -54,7 +54,7 @@ def _cuda(cfg: Config) -> bool:
 
 
 def _low_precision_sampling(cfg: Config) -> str:
-    """speed.generation_precision for aggressive: int8 (its decode matmuls on VNNI; kernels/int8.py) where the
+    """generation.precision for aggressive: int8 (its decode matmuls on VNNI; kernels/int8.py) where the
     lean engine samples on a CPU without native bf16; elsewhere auto (bf16 where the CPU has it)."""
     from .device import cpu_has_native_bf16, cpu_int8_unavailable_reason
 
@@ -78,16 +78,16 @@ BASELINE: dict[str, Value] = {
     "speed.min_pack_ratio": 0.0,
     "speed.reward_workers": 0,
     "speed.reward_cache": False,
-    "speed.gate_reward": None,
-    "speed.curriculum": "off",
-    "speed.dynamic_sampling": False,
-    "speed.precision": "fp32",
-    "speed.generation_precision": "fp32",
+    "algo.gate_reward": None,
+    "algo.curriculum": "off",
+    "algo.dynamic_sampling": False,
+    "train.precision": "fp32",
+    "generation.precision": "fp32",
     "speed.engine_weights": "copy",  # the lean engine's fused copy (baseline's engine is hf: nothing read)
-    "speed.tf32": False,
+    "train.tf32": False,
     "speed.compile": False,
     "speed.optimizer": "for_loop",
-    "speed.optimizer_moments": "fp32",
+    "train.optimizer_moments": "fp32",
     "speed.gradient_checkpointing": False,
     "speed.offload_reference": False,
     "speed.nan_guard": True,
@@ -114,16 +114,16 @@ CONSERVATIVE: dict[str, Value] = {
     "speed.prefetch": True,
     # bf16 learning with an fp32 head, bf16 sampling (importance-weighted), where the hardware has native bf16
     # and the model is wide enough; fp32 elsewhere. Measured to learn as fp32 does (docs/precision.md).
-    "speed.precision": "auto",
-    "speed.generation_precision": "auto",
+    "train.precision": "auto",
+    "generation.precision": "auto",
 }
 
 BALANCED: dict[str, Value] = {
     **CONSERVATIVE,
-    "speed.gate_reward": lambda cfg: cfg.speed.gate_reward,  # early termination as configured (off unless set)
-    "speed.dynamic_sampling": True,
-    "speed.dynamic_sampling_max_rounds": 1,
-    "speed.tf32": True,  # only a CUDA model reads it
+    "algo.gate_reward": lambda cfg: cfg.algo.gate_reward,  # early termination as configured (off unless set)
+    "algo.dynamic_sampling": True,
+    "algo.dynamic_sampling_max_rounds": 1,
+    "train.tf32": True,  # only a CUDA model reads it
     "speed.compile": _cuda,  # CPU: compile time is never paid back in short runs
 }
 
@@ -131,9 +131,9 @@ AGGRESSIVE: dict[str, Value] = {
     **BALANCED,
     "generation.num_generations": lambda cfg: max(2, cfg.generation.num_generations // 2),  # 8 -> 4
     "generation.max_new_tokens": lambda cfg: max(1, cfg.generation.max_new_tokens * 3 // 4),  # 64 -> 48
-    "speed.curriculum": "success_rate",
-    "speed.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
-    "speed.generation_precision": _low_precision_sampling,
+    "algo.curriculum": "success_rate",
+    "algo.curriculum_warmup_steps": lambda cfg: cfg.train.steps // 4,  # the first quarter of the run
+    "generation.precision": _low_precision_sampling,
 }
 
 PROFILES: dict[str, dict[str, Value]] = {
@@ -148,10 +148,12 @@ PROFILES: dict[str, dict[str, Value]] = {
 TRADES: dict[str, str] = {
     "baseline": "",
     "conservative": "",
-    "balanced": "changes the batch: zero-variance groups are dropped and refilled (DAPO); gated samples get a "
-                "fixed reward",
+    "balanced": "changes the batch: algo.dynamic_sampling drops zero-variance groups and refills them (DAPO, "
+                "algo.dynamic_sampling_max_rounds=1); "
+                "algo.gate_reward, where set, gives gated samples a fixed reward; on a GPU, train.tf32",
     "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
-                  "first; on a CPU without native bf16, samples in int8 (importance-weighted); plus balanced's changes",
+                  "first (algo.curriculum over algo.curriculum_warmup_steps); on a CPU without native bf16, "
+                  "generation.precision=int8 (importance-weighted); plus balanced's changes",
 }
 
 
@@ -182,8 +184,8 @@ def _launch_limits(cfg: Config) -> dict[str, tuple[Any, Any, str]]:
     if world_size_from_env() <= 1:
         return {}
     limits = {
-        "speed.dynamic_sampling": (lambda value: not value, False, "not under torchrun yet"),
-        "speed.curriculum": (lambda value: value != "success_rate", "off", "success_rate not under torchrun yet"),
+        "algo.dynamic_sampling": (lambda value: not value, False, "not under torchrun yet"),
+        "algo.curriculum": (lambda value: value != "success_rate", "off", "success_rate not under torchrun yet"),
     }
     if cfg.train.distributed == "fsdp":
         limits["speed.compile"] = (lambda value: not value, False, "not under FSDP")

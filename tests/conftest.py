@@ -90,13 +90,14 @@ def learner_step(model, tokenizer, rollout, advantages, configure, **step_kwargs
 
 
 def tiny_config(**speed):
-    """A default Config on the tiny model with these speed.* keys set."""
-    from hasten.config import Config, ModelConfig
+    """A default Config on the tiny model with these speed.* keys set, through the config's own setter: a
+    name that left `speed` sets its new key (with the deprecation line), an unknown one is a ConfigError."""
+    from hasten.config import Config, ModelConfig, set_key
 
     cfg = Config()
     cfg.model = ModelConfig(name="tiny")
     for key, value in speed.items():
-        setattr(cfg.speed, key, value)
+        set_key(cfg, f"speed.{key}", value)
     return cfg
 
 

@@ -131,7 +131,7 @@ def slices(request, monkeypatch):
 
 
 def test_bf16_moments_follow_fp32_moments_and_halve_the_state(slices):
-    # speed.optimizer_moments=bf16: the same fused update on fp32 copies of bf16 moments. Over many steps
+    # train.optimizer_moments=bf16: the same fused update on fp32 copies of bf16 moments. Over many steps
     # the parameters stay within bf16's rounding of the fp32-moment run, and exp_avg_sq keeps growing
     # under tiny updates (stochastic rounding; round-to-nearest would freeze it at beta2 = 0.999).
     full, half = parameters(), parameters()
@@ -209,21 +209,21 @@ def test_bf16_moments_update_a_non_contiguous_parameter_in_place():
     assert torch.equal(strided, plain) and not torch.equal(plain, base.t())
 
 
-@pytest.mark.parametrize("extra", [{"speed.optimizer": "for_loop"}, {"speed.precision": "fp16"},
+@pytest.mark.parametrize("extra", [{"speed.optimizer": "for_loop"}, {"train.precision": "fp16"},
                                    {"train.distributed": "fsdp"}])
 def test_bf16_moments_refuse_what_cannot_keep_them(extra):
     from hasten.config import load_config
     from hasten.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="speed.optimizer_moments=bf16"):
-        load_config(overrides=[("speed.optimizer_moments", "bf16"), *extra.items()])
+    with pytest.raises(ConfigError, match="train.optimizer_moments=bf16"):
+        load_config(overrides=[("train.optimizer_moments", "bf16"), *extra.items()])
 
 
 def test_a_run_with_bf16_moments_trains_and_keeps_them_bf16(letters_task):
     from conftest import letters_config, run_metrics
     from hasten.train.trainer import train
 
-    summary = train(letters_config(letters_task, "moments", **{"train.steps": 2, "speed.optimizer_moments": "bf16"}),
+    summary = train(letters_config(letters_task, "moments", **{"train.steps": 2, "train.optimizer_moments": "bf16"}),
                     log=lambda _: None)
     records = run_metrics(summary)
     assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)

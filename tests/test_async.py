@@ -1,4 +1,4 @@
-"""speed.async_steps=1 (train/async_pipeline.py): batch t+1 is sampled while step t learns, from the
+"""algo.async_steps=1 (train/async_pipeline.py): batch t+1 is sampled while step t learns, from the
 weights before step t's update; the learner ratios against the batch's sampling log-probs."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_with_frozen_weights_async_samples_exactly_what_sync_samples(data, monke
 
     monkeypatch.setattr(Optimization, "step", frozen)
     sync = metrics(train(config(data, "sync"), log=lambda _: None))
-    asynchronous = metrics(train(config(data, "async", **{"speed.async_steps": 1}), log=lambda _: None))
+    asynchronous = metrics(train(config(data, "async", **{"algo.async_steps": 1}), log=lambda _: None))
     assert [r["reward_mean"] for r in asynchronous] == [r["reward_mean"] for r in sync]
     assert [r["completion_length"] for r in asynchronous] == [r["completion_length"] for r in sync]
     for a, s in zip(asynchronous, sync):
@@ -64,7 +64,7 @@ def test_async_batches_are_one_update_stale(data, monkeypatch):
         return update(self, loss)
 
     monkeypatch.setattr(optimization.Optimization, "step", recording_update)
-    records = metrics(train(config(data, "async", **{"speed.async_steps": 1}), log=lambda _: None))
+    records = metrics(train(config(data, "async", **{"algo.async_steps": 1}), log=lambda _: None))
     assert len(records) == 4 and all(r["async/logp_abs_diff"] >= 0 for r in records)
     # After step t, the sampling copy holds the weights before step t's update (= after step t-1).
     for t in (1, 2, 3):
@@ -73,7 +73,7 @@ def test_async_batches_are_one_update_stale(data, monkeypatch):
 
 
 def test_async_run_learns(data):
-    summary = train(config(data, "learns", **{"speed.async_steps": 1, "train.steps": 40,
+    summary = train(config(data, "learns", **{"algo.async_steps": 1, "train.steps": 40,
                                               "train.prompts_per_step": 4, "generation.max_new_tokens": 12}),
                     log=lambda _: None)
     rewards = [r["reward_mean"] for r in metrics(summary)]
@@ -82,7 +82,7 @@ def test_async_run_learns(data):
 
 
 def test_async_resume_is_exact(data, monkeypatch):
-    reference = train(config(data, "reference", **{"speed.async_steps": 1, "output.save_every": 1}),
+    reference = train(config(data, "reference", **{"algo.async_steps": 1, "output.save_every": 1}),
                       log=lambda _: None)
 
     original = GRPOJob.step
@@ -95,7 +95,7 @@ def test_async_resume_is_exact(data, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(GRPOJob, "step", crashing)
         with pytest.raises(RuntimeError):
-            train(config(data, "crashed", **{"speed.async_steps": 1, "output.save_every": 1}), log=lambda _: None)
+            train(config(data, "crashed", **{"algo.async_steps": 1, "output.save_every": 1}), log=lambda _: None)
     run = data / "runs" / "crashed"
     resumed = train(load_config(run / "config.yaml"), log=lambda _: None, resume=run)
     volatile = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "tokens_per_second"}  # noqa: E731

@@ -1,4 +1,4 @@
-"""speed.attention_fp32 and grouped attention's gathers: the faster forms compute the same thing.
+"""train.attention_fp32 and grouped attention's gathers: the faster forms compute the same thing.
 
 - `attention()` is F.scaled_dot_product_attention outside a Precision.autocast()
   block, fp32 inside one with attention_fp32 on, autocast's bf16 with it off;

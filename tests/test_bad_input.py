@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hasten.cli import main
-from hasten.config import SpeedConfig
+from hasten.config import AlgoConfig, SpeedConfig
 from hasten.rewards import RewardError, RewardFunction
 from hasten.rewards.scoring import RewardScorer
 
@@ -120,7 +120,8 @@ def test_sys_exit_in_the_reward_pool_is_a_reward_error(pool):
 
 def test_sys_exit_in_a_gated_reward_is_a_reward_error():
     gate = RewardFunction("exits_in_worker", exits_in_worker)
-    scorer = RewardScorer([gate], SpeedConfig(gate_reward="exits_in_worker", reward_cache=False))
+    scorer = RewardScorer([gate], SpeedConfig(reward_cache=False),
+                          AlgoConfig(gate_reward="exits_in_worker"))
     with pytest.raises(RewardError, match=r"function 'exits_in_worker' called sys.exit\(5\)"):
         scorer.start(["p"] * 2, ["c"] * 2, {}, [[1]] * 2).join()
 

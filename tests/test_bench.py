@@ -159,11 +159,11 @@ def test_variants_run_before_each_seeds_peer():
     from hasten.bench.b5 import B5Options, add_variants, plan_runs
 
     b5 = B5Options(seeds=[0, 1])
-    plans = add_variants(plan_runs(b5, ["trl"], Path("d")), [("bf16", [("speed.precision", "bf16")])],
+    plans = add_variants(plan_runs(b5, ["trl"], Path("d")), [("bf16", [("train.precision", "bf16")])],
                          Path("d"), [0, 1])
     assert [(p.label, p.seed) for p in plans] == [("hasten", 0), ("hasten bf16", 0), ("trl gc=off", 0),
                                                   ("hasten", 1), ("hasten bf16", 1), ("trl gc=off", 1)]
-    assert plans[1].overrides == [("speed.precision", "bf16")] and plans[0].overrides == []
+    assert plans[1].overrides == [("train.precision", "bf16")] and plans[0].overrides == []
 
 
 def test_trl_bf16_is_passed_to_grpo_config():
@@ -331,8 +331,8 @@ def test_quick_b1_at_two_contention_levels(capsys):
     (["--workloads", "B5", "--profiles", "fastest"], "unknown profile"),
     (["--workloads", "B5", "--b5-minutes", "0"], "--b5-minutes"),
     (["--workloads", "B5", "--b5-variant", "bf16"], "--b5-variant"),
-    (["--workloads", "B5", "--b5-variant", "bf16:speed.precision"], "--b5-variant"),
-    (["--workloads", "B5", "--b5-variant", ":speed.precision=bf16"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", "bf16:train.precision"], "--b5-variant"),
+    (["--workloads", "B5", "--b5-variant", ":train.precision=bf16"], "--b5-variant"),
 ])
 def test_bad_contention_and_b5_arguments(capsys, argv, message):
     assert main(argv) == 2

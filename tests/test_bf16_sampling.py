@@ -1,4 +1,4 @@
-"""speed.generation_precision=bf16 (rollout/lean.py): sampled rollouts on bf16 matmuls, greedy calls on
+"""generation.precision=bf16 (rollout/lean.py): sampled rollouts on bf16 matmuls, greedy calls on
 the fp32 weights, and the learner's truncated importance-sampling correction against the bf16 sampler."""
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def test_training_corrects_and_logs_the_bf16_sampler(data, monkeypatch):
     from hasten.train.trainer import train
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)  # the CI machine may lack it
-    summary = train(config(data, "bf16", **{"speed.generation_precision": "bf16"}), log=lambda _: None)
+    summary = train(config(data, "bf16", **{"generation.precision": "bf16"}), log=lambda _: None)
     records = run_metrics(summary)
     assert len(records) == 3
     for record in records:
         assert 0 < record["bf16_sampler/logp_abs_diff"] < 0.1
-        assert record["bf16_sampler/ratio_max"] <= 2.0 + 1e-6  # the TIS cap (speed.vllm_importance_sampling_cap)
+        assert record["bf16_sampler/ratio_max"] <= 2.0 + 1e-6  # the TIS cap (algo.vllm_importance_sampling_cap)
         assert torch.isfinite(torch.tensor(record["loss"]))
     plain = train(config(data, "fp32"), log=lambda _: None)
     fp32_records = run_metrics(plain)
@@ -131,5 +131,5 @@ def test_bf16_sampling_refuses_what_it_cannot_honour(data, monkeypatch, extra, c
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(UserError, match=culprit):
-        train(config(data, "refused", **{"speed.generation_precision": "bf16", **extra}), log=lambda _: None)
+        train(config(data, "refused", **{"generation.precision": "bf16", **extra}), log=lambda _: None)
     assert not (data / "runs" / "refused").exists()

@@ -3,11 +3,14 @@ one-line `config error:` message, exit code 2, and no run directory."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import yaml
 
 from hasten.cli import main
-from hasten.config import ConfigError, load_config, parse_override, save_config
+from hasten.config import Config, ConfigError, load_config, parse_override, save_config, set_key
 
 
 def test_defaults_are_valid():
@@ -54,11 +57,11 @@ def test_mixed_type_switches_take_their_numbers_and_booleans_from_the_command_li
     """`int | str` and `bool | str` keys (a number or auto, true/false or auto): the command line's text is
     the number or boolean it spells, as in a YAML file; a word stays a word and meets the key's check."""
     texts = ["speed.token_budget=1024", "speed.fast_linear=false", "speed.decode_attention=true",
-             "speed.attention_fp32=false"]
+             "train.attention_fp32=false"]
     cfg = load_config(overrides=[parse_override(text) for text in texts])
     assert cfg.speed.token_budget == 1024 and type(cfg.speed.token_budget) is int
     assert cfg.speed.fast_linear is False and cfg.speed.decode_attention is True
-    assert cfg.speed.attention_fp32 is False
+    assert cfg.train.attention_fp32 is False
     assert load_config(overrides=[parse_override("speed.token_budget=0")]).speed.token_budget == 0
     assert load_config(overrides=[parse_override("speed.token_budget=auto")]).speed.token_budget == "auto"
     with pytest.raises(ConfigError, match=r"speed.token_budget must be >= 0 \(0 = off\) or auto \(got '1.5'\)"):
@@ -166,9 +169,9 @@ def test_weights_must_match_reward_count(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("variant, differences", [
-    ("b1-int8.yaml", {"speed.generation_precision": "int8"}),
-    ("b1-bf16.yaml", {"speed.precision": "bf16", "speed.generation_precision": "bf16"}),
-    ("b1-moments.yaml", {"speed.optimizer_moments": "bf16"}),
+    ("b1-int8.yaml", {"generation.precision": "int8"}),
+    ("b1-bf16.yaml", {"train.precision": "bf16", "generation.precision": "bf16"}),
+    ("b1-moments.yaml", {"train.optimizer_moments": "bf16"}),
 ])
 def test_b1_variant_configs_differ_from_b1_only_in_their_switches(variant, differences):
     # `hasten bench --config configs/b1-*.yaml` compares against B1's own settings: a variant that drifted
@@ -180,3 +183,56 @@ def test_b1_variant_configs_differ_from_b1_only_in_their_switches(variant, diffe
     base, other = (dataclasses.asdict(load_config(root / name)) for name in ("b1.yaml", variant))
     assert {f"{section}.{key}": value for section, values in other.items() for key, value in values.items()
             if value != base[section][key]} == differences
+
+
+# ------------------------------------------------------------- keys that left speed (config_yaml.MOVED)
+
+
+def test_an_old_speed_name_sets_the_new_key_with_one_line(tmp_path, capsys, monkeypatch):
+    """YAML, overrides and profiles take an old name: it sets the new key, and one line per old name per process
+    names the new key."""
+    from hasten import config_yaml
+
+    monkeypatch.setattr(config_yaml, "_TOLD", set())
+    path = tmp_path / "old.yaml"
+    path.write_text("speed:\n  precision: bf16\n  dynamic_sampling: true\n  generation_precision: bf16\n")
+    cfg = load_config(path, [("speed.precision", "fp16"), ("speed.gate_threshold", 0.7)])
+    assert (cfg.train.precision, cfg.algo.dynamic_sampling, cfg.generation.precision) == ("fp16", True, "bf16")
+    assert cfg.algo.gate_threshold == 0.7
+    lines = capsys.readouterr().err.splitlines()
+    assert lines.count("config: speed.precision is now train.precision (the old name still works for now)") == 1
+    assert sorted(lines) == sorted(f"config: {old} is now {config_yaml.MOVED[old]} (the old name still works "
+                                   "for now)" for old in ("speed.precision", "speed.dynamic_sampling",
+                                                          "speed.generation_precision", "speed.gate_threshold"))
+    load_config(overrides=[("speed.precision", "bf16")])
+    assert capsys.readouterr().err == ""  # once per process
+
+
+def test_moved_keys_keep_the_count_and_leave_speed():
+    from hasten.config_yaml import MOVED
+
+    cfg = Config()
+    assert sum(len(dataclasses.fields(getattr(cfg, section.name))) for section in dataclasses.fields(cfg)) == 212
+    for old, new in MOVED.items():
+        section, name = new.split(".")
+        assert not hasattr(cfg.speed, old.split(".")[1]) and hasattr(getattr(cfg, section), name), old
+    with pytest.raises(AttributeError, match="speed.precision is not a speed key; it is now train.precision"):
+        cfg.speed.precision = "bf16"  # a plain setattr would add an attribute nothing reads
+    with pytest.raises(ConfigError, match="unknown key 'speed.precisionn'"):
+        set_key(cfg, "speed.precisionn", "bf16")
+
+
+def test_the_python_api_takes_an_old_speed_name(capsys):
+    from hasten.api import GRPOConfig
+
+    pairs = GRPOConfig(output_dir="x", speed={"optimizer_moments": "bf16"}).overrides(8, 0)
+    assert ("speed.optimizer_moments", "bf16") in pairs
+    cfg = load_config(overrides=pairs)
+    assert cfg.train.optimizer_moments == "bf16"
+
+
+def test_no_shipped_config_uses_an_old_name():
+    from hasten.config_yaml import MOVED, read_file
+
+    for path in sorted(Path(__file__).parent.parent.glob("configs/*.yaml")):
+        assert not [key for key, _ in read_file(path) if key in MOVED], path

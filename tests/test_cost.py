@@ -142,7 +142,7 @@ def test_b8_qwen_shapes_have_the_published_parameter_counts():
 
 
 def test_an_int8_generate_floor_reads_int8_weights_and_an_fp32_cache():
-    # speed.generation_precision=int8: one byte per weight, while the KV cache stays fp32 (rollout/lean.py)
+    # generation.precision=int8: one byte per weight, while the KV cache stays fp32 (rollout/lean.py)
     weights = TOY.body + TOY.head
     assert cost.decode_step_bytes(TOY, rows=3, context=5, precision="int8") == (
         weights * 1 + 3 * 5 * cost.kv_bytes_per_position(TOY, "fp32"))

@@ -73,36 +73,32 @@ def test_profiles_decide_from_the_models_device(monkeypatch):
     fake_gpus(monkeypatch)
     on_gpu = load_config(overrides=[("model.device", "cuda")])
     on_cpu = load_config(overrides=[("model.device", "cpu")])  # a GPU machine, the model pinned to its CPU
-    assert resolve("balanced", on_gpu)["speed.precision"] == "bf16"
+    # the learning precision is auto in every profile but baseline: the plan resolves it against the device
+    # and the model (tests/test_learning_precision.py: bf16_fp32head only where bf16 is native)
+    assert resolve("balanced", on_gpu)["train.precision"] == "auto"
+    assert resolve("baseline", on_gpu)["train.precision"] == "fp32"
     assert resolve("balanced", on_gpu)["speed.compile"] is True
-    assert resolve("balanced", on_cpu)["speed.precision"] == "fp32"
     assert resolve("balanced", on_cpu)["speed.compile"] is False
-    fake_gpus(monkeypatch, bf16=False)  # before Ampere: no native bf16, stay fp32
-    assert resolve("balanced", on_gpu)["speed.precision"] == "fp32"
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_balanced_samples_in_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, native_bf16):
+def test_profiles_sample_in_auto_or_int8_where_the_cpu_has_no_bf16(monkeypatch, native_bf16):
     import hasten.device
 
     monkeypatch.setattr(hasten.device, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: None)
     on_cpu = load_config(overrides=[("model.device", "cpu")])
-    expected = "bf16" if native_bf16 else "fp32"
-    assert resolve("balanced", on_cpu)["speed.generation_precision"] == expected
-    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == ("bf16" if native_bf16 else "int8")
+    assert resolve("balanced", on_cpu)["generation.precision"] == "auto"  # the engine factory resolves it
+    assert resolve("aggressive", on_cpu)["generation.precision"] == ("auto" if native_bf16 else "int8")
     monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: "no fbgemm")
-    assert resolve("aggressive", on_cpu)["speed.generation_precision"] == expected  # never a refused setting
-    for name in ("baseline", "conservative"):
-        assert resolve(name, on_cpu)["speed.generation_precision"] == "fp32"
+    assert resolve("aggressive", on_cpu)["generation.precision"] == "auto"  # never a refused setting
+    assert resolve("baseline", on_cpu)["generation.precision"] == "fp32"
+    assert resolve("conservative", on_cpu)["generation.precision"] == "auto"
     hf_engine = load_config(overrides=[("model.device", "cpu"), ("speed.engine", "hf")])
-    assert resolve("balanced", hf_engine)["speed.generation_precision"] == "fp32"  # the lean engine's option
-    explicit = load_config(overrides=[("model.device", "cpu"), ("speed.generation_precision", "fp32")],
+    assert resolve("aggressive", hf_engine)["generation.precision"] == "auto"  # int8 is the lean engine's option
+    explicit = load_config(overrides=[("model.device", "cpu"), ("generation.precision", "fp32")],
                            profile="balanced")
-    assert explicit.speed.generation_precision == "fp32"  # an explicit value wins over the profile
-    fake_gpus(monkeypatch)
-    on_gpu = load_config(overrides=[("model.device", "cuda")])
-    assert resolve("balanced", on_gpu)["speed.generation_precision"] == "fp32"  # not measured on a GPU
+    assert explicit.generation.precision == "fp32"  # an explicit value wins over the profile
 
 
 def test_peak_memory_on_the_cpu_is_the_resident_set():

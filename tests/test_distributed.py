@@ -62,7 +62,7 @@ def test_config_that_does_not_split_over_ranks_is_one_error(monkeypatch, tmp_pat
     with pytest.raises(ConfigError, match="prompts_per_step=3 groups do not split"):
         distributed.check_config(load_config(overrides=[("train.prompts_per_step", 3)]))
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        distributed.check_config(load_config(overrides=[("speed.dynamic_sampling", True)]))
+        distributed.check_config(load_config(overrides=[("algo.dynamic_sampling", True)]))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
         distributed.check_config(load_config(overrides=[("train.prompts_per_step", 2),
                                                         ("generation.num_generations", 2),

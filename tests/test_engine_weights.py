@@ -164,7 +164,7 @@ def test_shared_with_low_precision_sampling_is_a_config_error(model, tokenizer, 
     from hasten.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="engine_weights=shared.*generation_precision") as error:
-        load_config(overrides=[("speed.engine_weights", "shared"), ("speed.generation_precision", precision)])
+        load_config(overrides=[("speed.engine_weights", "shared"), ("generation.precision", precision)])
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="engine_weights=shared.*vLLM"):
         load_config(overrides=[("speed.engine_weights", "shared"), ("speed.engine", "vllm")])

@@ -95,7 +95,7 @@ def test_context_routes_large_linears_and_restores_them(model, route_small_layer
 
 
 def test_autocast_keeps_the_linears_in_the_autocast_dtype(model, route_small_layers):
-    # speed.precision=bf16: routing would run the decoder's matmuls in fp32 through oneDNN, unseen.
+    # train.precision=bf16: routing would run the decoder's matmuls in fp32 through oneDNN, unseen.
     linear = next(m for m in model.modules() if type(m) is torch.nn.Linear)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with onednn_linears(model) as routed:

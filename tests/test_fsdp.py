@@ -38,7 +38,7 @@ def test_what_does_not_run_sharded_is_one_config_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key, value, culprit in [("speed.engine", "hf", "speed.engine=hf"), ("model.lora", True, "model.lora"),
                                 ("speed.token_budget", 64, "speed.token_budget"),
-                                ("speed.async_steps", 1, "speed.async_steps")]:
+                                ("algo.async_steps", 1, "algo.async_steps")]:
         # config.validate_ranks: loading the config under torchrun already says so, before any work
         with pytest.raises(ConfigError, match=f"train.distributed=fsdp does not run with {culprit}"):
             load_config(overrides=[("train.distributed", "fsdp"), (key, value)])

@@ -124,7 +124,7 @@ def test_every_profile_and_engine_resolves_on_a_named_gpu(monkeypatch, meta_poli
                for line in plans)
     if ranks > 1:  # balanced asked for dynamic sampling under torchrun: the plan line says it was left out
         balanced = outcomes[Cell(device, ranks, distributed, "balanced", "auto")]
-        assert balanced == "refused" or "speed.dynamic_sampling" in balanced
+        assert balanced == "refused" or "algo.dynamic_sampling" in balanced
 
 
 def test_the_walk_covers_every_profile_engine_and_world_size():

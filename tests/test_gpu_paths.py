@@ -214,12 +214,12 @@ def test_profile_under_torchrun_on_cuda_resolves(monkeypatch, profile, distribut
     fake_gpus(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(overrides=[("model.device", "cuda"), ("train.distributed", distributed)], profile=profile)
-    assert cfg.speed.dynamic_sampling is False and cfg.speed.curriculum != "success_rate"
+    assert cfg.algo.dynamic_sampling is False and cfg.algo.curriculum != "success_rate"
     assert cfg.speed.compile is (distributed == "ddp")
     from hasten.profiles import held_back_notes
 
     notes = held_back_notes(cfg)
-    assert any(note.startswith("speed.dynamic_sampling") for note in notes)
+    assert any(note.startswith("algo.dynamic_sampling") for note in notes)
     assert any(note.startswith("speed.compile") for note in notes) is (distributed == "fsdp")
 
 
@@ -227,7 +227,7 @@ def test_profile_in_one_process_keeps_its_choices(monkeypatch):
     fake_gpus(monkeypatch)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config(overrides=[("model.device", "cuda")], profile="balanced")
-    assert cfg.speed.dynamic_sampling is True and cfg.speed.compile is True
+    assert cfg.algo.dynamic_sampling is True and cfg.speed.compile is True
     from hasten.profiles import held_back_notes
 
     assert held_back_notes(cfg) == []
@@ -238,7 +238,7 @@ def test_the_users_own_choice_is_still_an_error(monkeypatch):
     fake_gpus(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        load_config(overrides=[("model.device", "cuda"), ("speed.dynamic_sampling", True)], profile="balanced")
+        load_config(overrides=[("model.device", "cuda"), ("algo.dynamic_sampling", True)], profile="balanced")
 
 
 def test_plan_line_says_what_the_profile_left_out():
@@ -248,8 +248,8 @@ def test_plan_line_says_what_the_profile_left_out():
     learning = LearningPlan.__new__(LearningPlan)
     object.__setattr__(learning, "describe", lambda: "packed learning pass")
     plan = Plan("cuda:0", "lean", "native", learning, False, False, 0,
-                held_back=("speed.dynamic_sampling (not under torchrun yet)",))
-    assert "profile left out for this launch: speed.dynamic_sampling (not under torchrun yet)" in plan.describe()
+                held_back=("algo.dynamic_sampling (not under torchrun yet)",))
+    assert "profile left out for this launch: algo.dynamic_sampling (not under torchrun yet)" in plan.describe()
 
 
 # ------------------------------------------------------------------ wrong choices

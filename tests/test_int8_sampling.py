@@ -1,4 +1,4 @@
-"""speed.generation_precision=int8 (kernels/int8.py, rollout/lean.py): sampled rollouts on smoothed int8
+"""generation.precision=int8 (kernels/int8.py, rollout/lean.py): sampled rollouts on smoothed int8
 matmuls, greedy calls on the fp32 weights, and the learner's truncated importance-sampling correction
 (train/learner.py's Correction), equal to TRL 1.16's token_truncate correction on crafted tensors."""
 
@@ -190,7 +190,7 @@ def data(letters_task):
 def test_training_corrects_and_logs_the_int8_sampler(data):
     from hasten.train.trainer import train
 
-    summary = train(letters_config(data, "int8", **{"train.steps": 3, "speed.generation_precision": "int8"}),
+    summary = train(letters_config(data, "int8", **{"train.steps": 3, "generation.precision": "int8"}),
                     log=lambda _: None)
     records = run_metrics(summary)
     assert len(records) == 3
@@ -205,12 +205,12 @@ def test_int8_sampling_refuses_what_it_cannot_honour(data, monkeypatch):
     from hasten.train.trainer import train
 
     with pytest.raises(UserError, match="speed.engine=hf"):
-        train(letters_config(data, "hf", **{"speed.generation_precision": "int8", "speed.engine": "hf"}),
+        train(letters_config(data, "hf", **{"generation.precision": "int8", "speed.engine": "hf"}),
               log=lambda _: None)
     with pytest.raises(UserError, match="async_steps"):
-        train(letters_config(data, "async", **{"speed.generation_precision": "int8", "speed.async_steps": 1}),
+        train(letters_config(data, "async", **{"generation.precision": "int8", "algo.async_steps": 1}),
               log=lambda _: None)
     monkeypatch.setattr(int8, "unavailable_reason", lambda: "no fbgemm here")
     with pytest.raises(UserError, match="no fbgemm here"):
-        train(letters_config(data, "refused", **{"speed.generation_precision": "int8"}), log=lambda _: None)
+        train(letters_config(data, "refused", **{"generation.precision": "int8"}), log=lambda _: None)
     assert not (data / "runs" / "refused").exists()

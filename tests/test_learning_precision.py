@@ -137,11 +137,11 @@ def test_a_run_defaults_to_auto_and_a_config_built_in_code_to_fp32():
     from hasten.config import Config, load_config
 
     loaded = load_config(overrides=[("model.name", "tiny")])
-    assert (loaded.speed.precision, loaded.speed.generation_precision) == ("auto", "auto")
-    assert (Config().speed.precision, Config().speed.generation_precision) == ("fp32", "fp32")
-    given = load_config(overrides=[("model.name", "tiny"), ("speed.precision", "fp32")])
-    assert given.speed.precision == "fp32" and given.speed.generation_precision == "auto"
-    assert load_config(overrides=[("model.name", "tiny")], profile="baseline").speed.precision == "fp32"
+    assert (loaded.train.precision, loaded.generation.precision) == ("auto", "auto")
+    assert (Config().train.precision, Config().generation.precision) == ("fp32", "fp32")
+    given = load_config(overrides=[("model.name", "tiny"), ("train.precision", "fp32")])
+    assert given.train.precision == "fp32" and given.generation.precision == "auto"
+    assert load_config(overrides=[("model.name", "tiny")], profile="baseline").train.precision == "fp32"
 
 
 @pytest.mark.parametrize("native, hidden, engine, expected", [
@@ -153,6 +153,6 @@ def test_auto_sampling_is_bf16_only_where_the_lean_engine_gains(monkeypatch, mod
 
     monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
     cfg = tiny_config(engine=engine)
-    cfg.speed.generation_precision = "auto"
+    cfg.generation.precision = "auto"
     model.config.hidden_size = hidden  # what the rule reads; the tiny model's shapes are not touched
     assert auto_generation_precision(cfg, Policy(model, tokenizer, "tiny")) == expected

@@ -248,9 +248,9 @@ def test_logit_chunks_are_bounded_in_bytes():
 
 @pytest.mark.parametrize("overrides, copy_bytes, moment_bytes", [
     ([], 4, 8),
-    ([("speed.optimizer_moments", "bf16")], 4, 4),
-    ([("speed.generation_precision", "bf16")], 2, 8),
-    ([("speed.generation_precision", "int8"), ("speed.optimizer_moments", "bf16")], 2, 4),
+    ([("train.optimizer_moments", "bf16")], 4, 4),
+    ([("generation.precision", "bf16")], 2, 8),
+    ([("generation.precision", "int8"), ("train.optimizer_moments", "bf16")], 2, 4),
     ([("speed.engine_weights", "shared")], 0, 8),
 ])
 def test_auto_budget_counts_the_copy_and_moments_at_their_precision(monkeypatch, overrides, copy_bytes, moment_bytes):

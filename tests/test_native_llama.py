@@ -352,3 +352,25 @@ def test_lora_keeps_no_full_size_gradient_or_optimizer_buffers(tokenizer):
     policy.model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
     for name, parameter in policy.model.named_parameters():
         assert (parameter.grad is not None) == ("lora_" in name), name
+
+
+def test_speed_model_impl_learns_the_same(pair, tokenizer):
+    """speed.model_impl=native and =hf: one Learner.step on either implementation of the same weights gives the
+    same loss and gradients (within fp32 reordering)."""
+    from conftest import learner_step
+    from hasten.rollout.factory import use_native_model
+
+    hf, native = pair
+    rollout = rollout_of(hf, tokenizer, num_generations=4)
+    advantages = torch.linspace(-1.0, 1.0, rollout.num_samples)
+    models = {"hf": hf, "native": native}
+    assert {impl: use_native_model(_config(model_impl=impl), lambda text: None) for impl in models} == {
+        "hf": False, "native": True}  # the key picks exactly these two implementations
+    results = {impl: learner_step(model, tokenizer, rollout, advantages, lambda cfg: None)
+               for impl, model in models.items()}
+    assert results["native"][0]["loss"] == pytest.approx(results["hf"][0]["loss"], abs=1e-6)
+    gradients = {impl: dict(zip([name for name, _ in model.named_parameters()], results[impl][1]))
+                 for impl, model in models.items()}  # by name: the two list their parameters in their own order
+    assert set(gradients["hf"]) == set(gradients["native"])
+    for name, gradient in gradients["hf"].items():
+        assert torch.allclose(gradient, gradients["native"][name], atol=1e-5, rtol=1e-4), name

@@ -47,13 +47,13 @@ def test_baseline_and_conservative_plans_name_what_runs(data):
 
 
 def test_the_sampler_correction_is_decided_once_from_the_config(data):
-    stale = LearningPlan.resolve(configured(data, **{"speed.async_steps": 1}), sharded=False, model_config=TINY)
+    stale = LearningPlan.resolve(configured(data, **{"algo.async_steps": 1}), sharded=False, model_config=TINY)
     assert stale.correction == Correction(stale=True) and "stale-weight ratios" in stale.describe()
     other = configured(data)
-    other.speed.generation_precision = "bf16"  # another implementation samples: truncated importance weights
+    other.generation.precision = "bf16"  # another implementation samples: truncated importance weights
     weighted = LearningPlan.resolve(other, sharded=False, model_config=TINY).correction
-    assert weighted.cap == other.speed.vllm_importance_sampling_cap and weighted.sampler == "bf16_sampler"
-    other.speed.vllm_importance_sampling_correction = False
+    assert weighted.cap == other.algo.vllm_importance_sampling_cap and weighted.sampler == "bf16_sampler"
+    other.algo.vllm_importance_sampling_correction = False
     assert LearningPlan.resolve(other, sharded=False, model_config=TINY).correction.cap is None
     checkpointed = configured(data, **{"speed.gradient_checkpointing": True})
     chosen = LearningPlan.resolve(checkpointed, sharded=False, model_config=TINY).logprob_pass  # plain kernels under checkpointing

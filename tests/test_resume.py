@@ -228,14 +228,14 @@ def test_lora_grpo_resumes_bit_identically(data, monkeypatch):
     assert_same_run(run, reference)
 
 
-@pytest.mark.parametrize("extra", [{"speed.generation_precision": "int8"}, {"speed.optimizer_moments": "bf16"}],
+@pytest.mark.parametrize("extra", [{"generation.precision": "int8"}, {"train.optimizer_moments": "bf16"}],
                          ids=["int8-sampling", "bf16-moments"])
 def test_low_precision_runs_resume_bit_identically(data, monkeypatch, extra):
     # int8 sampling smooths each step's quantization by the activations the last step saw (the engine's
     # state, in the checkpoint); bf16 moments round with the optimizer's own generator (its state too).
     from hasten.kernels import int8
 
-    if "speed.generation_precision" in extra and int8.unavailable_reason() is not None:
+    if "generation.precision" in extra and int8.unavailable_reason() is not None:
         pytest.skip("no int8 kernels in this torch build")
 
     def make(name):

@@ -268,3 +268,24 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
     assert drafts[0].tolist() == [7, 8, 9, 5]  # "5 6" occurred at 0: what followed it
     assert drafts[1].tolist() == [4, 4, 4, 4]  # no earlier occurrence: the last token repeated
     assert drafts[2].tolist() == [3, 3, 3, 3]  # "3 3" at 0, then periodic
+
+
+@pytest.mark.parametrize("settings", [
+    {"speculative": "ngram", "speculative_tokens": 3, "ngram_size": 1},
+    {"speculative": "draft", "speculative_tokens": 2, "draft_model": "layers:1"},
+])
+def test_speculative_settings_from_the_config_keep_the_exact_distribution(tokenizer, settings):
+    """Whatever speed.speculative_tokens, speed.ngram_size or speed.draft_model say, the engine the config builds
+    samples the policy's own distribution (tests/test_speed_exact.py names this test for those keys)."""
+    from hasten.models import load_policy
+    from hasten.rollout.factory import make_engine
+
+    policy = load_policy(ModelConfig(name="tiny"), log=lambda text: None)
+    with torch.no_grad():  # peaked, as above: few sequences carry the mass
+        policy.model.lm_head.weight.mul_(4.0)
+    prompt = encode(tokenizer, ["abab"])[0]
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3)
+    table = exact_sequence_probs(policy.model, prompt, sampling, tokenizer.eos_token_id)
+    engine = make_engine(_config(**settings), policy, log=lambda text: None)
+    assert isinstance(engine, SpeculativeEngine)
+    assert sequence_statistic(engine, prompt, sampling, table, 3000, seed=1) < 2.5 * len(table)

@@ -15,8 +15,9 @@ import torch
 from conftest import rollout_of
 
 from hasten.algo import group_advantages
-from hasten.config import Config, ConfigError, SpeedConfig, load_config
+from hasten.config import Config, ConfigError, SpeedConfig, load_config, set_key
 from hasten.models import Policy, Reference
+from hasten.config_yaml import MOVED
 from hasten.profiles import PROFILES, TRADES, resolve
 from hasten.kernels import compile as speed_compile
 from hasten.train.packing import pack_ratio
@@ -25,12 +26,14 @@ from hasten.train import learner as learner_module
 from hasten.train.learner import Learner
 
 
-def make_learner(model, tokenizer, reference=False, **speed):
+def make_learner(model, tokenizer, reference=False, precision="fp32", **speed):
+    """A learner on `model` with train.precision and these speed.* keys (through the config's own setter)."""
     cfg = Config()
     cfg.train.lr = 1e-2
     cfg.train.lr_schedule = "constant"
+    cfg.train.precision = precision
     for key, value in speed.items():
-        setattr(cfg.speed, key, value)
+        set_key(cfg, f"speed.{key}", value)
     if reference:
         cfg.algo.beta = 0.1
     policy = Policy(model, tokenizer, "tiny")
@@ -249,19 +252,34 @@ def test_compiled_layers_give_the_eager_loss(short_model, tokenizer):
 
 def test_baseline_switches_every_acceleration_off():
     cfg = load_config(profile="baseline")
-    speed = cfg.speed
+    speed, algo, train = cfg.speed, cfg.algo, cfg.train
     assert (speed.engine, speed.packed_learning, speed.keep_freed_memory) == ("hf", False, False)
     assert speed.reward_workers == 0 and not speed.reward_cache and not speed.prefetch
-    assert speed.optimizer == "for_loop" and speed.precision == "fp32" and not speed.compile
-    assert not speed.dynamic_sampling and speed.curriculum == "off" and speed.gate_reward is None
+    assert speed.optimizer == "for_loop" and train.precision == "fp32" and not speed.compile
+    assert not algo.dynamic_sampling and algo.curriculum == "off" and algo.gate_reward is None
     assert speed.nan_guard  # a safety net, on in every profile
 
 
 def test_conservative_is_the_code_defaults():
-    defaults = SpeedConfig()
+    defaults = Config()
     for key, value in resolve("conservative", Config()).items():
-        assert getattr(defaults, key.split(".")[1]) == value, key
+        section, name = key.split(".")
+        assert getattr(getattr(defaults, section), name) == value, key
     assert TRADES["conservative"] == "" and TRADES["baseline"] == ""
+
+
+def test_profiles_that_trade_name_the_moved_keys_they_change():
+    """A profile sets a key that left `speed` (it changes learning) away from its default only where its TRADES
+    line names that key by its new name; the exact profiles set none away from the default."""
+    defaults = Config()
+    for name in PROFILES:
+        told = TRADES[name] + (TRADES["balanced"] if "balanced's" in TRADES[name] else "")
+        for key, value in resolve(name, Config()).items():
+            assert key not in MOVED, f"profile {name} uses the old name {key}"
+            section, field_name = key.split(".")
+            if key in MOVED.values() and value != getattr(getattr(defaults, section), field_name):
+                assert key in told, f"profile {name} changes {key} without naming it in TRADES"
+    assert "algo.dynamic_sampling" in TRADES["balanced"] and "algo.curriculum" in TRADES["aggressive"]
 
 
 def test_profiles_apply_between_yaml_and_overrides(tmp_path):
@@ -270,11 +288,11 @@ def test_profiles_apply_between_yaml_and_overrides(tmp_path):
                     "speed:\n  engine: lean\n")
     cfg = load_config(path, [("speed.reward_workers", 4)], profile="aggressive")
     assert cfg.generation.num_generations == 4 and cfg.generation.max_new_tokens == 48  # 8 / 2, 64 * 3/4
-    assert cfg.speed.curriculum == "success_rate" and cfg.speed.curriculum_warmup_steps == 10
+    assert cfg.algo.curriculum == "success_rate" and cfg.algo.curriculum_warmup_steps == 10
     assert cfg.speed.reward_workers == 4  # the command line wins
     assert load_config(path, profile="baseline").speed.engine == "hf"  # the profile wins over the file
     short = load_config(path, [("train.steps", 8), ("generation.num_generations", 6)], profile="aggressive")
-    assert short.speed.curriculum_warmup_steps == 2  # the rule reads the run's own steps (8 // 4)
+    assert short.algo.curriculum_warmup_steps == 2  # the rule reads the run's own steps (8 // 4)
     assert short.generation.num_generations == 6  # an explicit value is never rewritten by a profile
     assert "trades quality" in TRADES["aggressive"] and TRADES["balanced"]
     assert set(PROFILES) == set(TRADES) == {"baseline", "conservative", "balanced", "aggressive"}
@@ -305,10 +323,10 @@ def test_compare_runs_every_profile_end_to_end(tmp_path, capsys, monkeypatch):
     assert rows["baseline"]["speedup"] == 1.0
     assert rows["balanced"]["speedup"] == pytest.approx(rows["baseline"]["median_step"] / rows["balanced"]["median_step"])
     assert rows["baseline"]["settings"]["speed"]["engine"] == "hf"
-    assert rows["balanced"]["settings"]["speed"]["dynamic_sampling"] is True
-    assert "dropped and refilled" in rows["balanced"]["quality"]
+    assert rows["balanced"]["settings"]["algo"]["dynamic_sampling"] is True
+    assert "algo.dynamic_sampling" in rows["balanced"]["quality"]
     table = "\n".join(out[:-1])
-    assert "speed-up" in table and "held-out acc" in table and "dropped and refilled" in table
+    assert "speed-up" in table and "held-out acc" in table and "algo.dynamic_sampling" in table
 
 
 def test_compare_rejects_an_unknown_profile_before_running(capsys):
@@ -324,11 +342,11 @@ def test_ablation_switches_off_each_balanced_feature_alone():
     switched, inert = features(cuda=False)
     balanced, baseline = resolve("balanced", Config()), resolve("baseline", Config())
     assert switched == {key: baseline[key] for key in switched}  # each variant takes baseline's value
-    assert {"speed.engine", "speed.packed_learning", "speed.reward_workers", "speed.dynamic_sampling",
+    assert {"speed.engine", "speed.packed_learning", "speed.reward_workers", "algo.dynamic_sampling",
             "speed.optimizer", "speed.prefetch", "speed.keep_freed_memory", "speed.reward_cache"} <= set(switched)
     from hasten.kernels.allocator import resolve as resolve_allocator
 
     # listed, not run: tf32 without CUDA; the allocator where neither tcmalloc nor mimalloc loads (auto = glibc)
     inert_here = ["speed.allocator"] if resolve_allocator("auto") == "glibc" else []
-    assert sorted(inert) == sorted(["speed.tf32", *inert_here])
+    assert sorted(inert) == sorted(["train.tf32", *inert_here])
     assert all(balanced[key] != value for key, value in switched.items())

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hasten.config import ConfigError, SpeedConfig
+from hasten.config import AlgoConfig, ConfigError, SpeedConfig
 from hasten.rewards import RewardError, RewardFunction, score_rewards
 from hasten.rewards.reward_cache import RewardCache
 from hasten.rewards.scoring import RewardScorer
@@ -159,7 +159,8 @@ def test_gate_skips_exactly_the_failing_samples():
         return [10.0] * len(completions)
 
     rewards = [RewardFunction("gate", gate), RewardFunction("expensive", expensive, slow=True)]
-    scorer = RewardScorer(rewards, SpeedConfig(gate_reward="gate", gate_failed_reward=-1.0, reward_workers=2))
+    scorer = RewardScorer(rewards, SpeedConfig(reward_workers=2),
+                          AlgoConfig(gate_reward="gate", gate_failed_reward=-1.0))
     pending = scorer.start(PROMPTS, COMPLETIONS, COLUMNS, IDS)
     result = pending.join()
     scorer.close()
@@ -172,8 +173,8 @@ def test_gate_skips_exactly_the_failing_samples():
 
 
 def test_unknown_gate_is_a_config_error():
-    with pytest.raises(ConfigError, match="speed.gate_reward 'syntax'"):
-        RewardScorer(functions(), SpeedConfig(gate_reward="syntax"))
+    with pytest.raises(ConfigError, match="algo.gate_reward 'syntax'"):
+        RewardScorer(functions(), SpeedConfig(), AlgoConfig(gate_reward="syntax"))
 
 
 def uneven(prompts, completions, **kwargs):
@@ -192,3 +193,16 @@ def test_a_function_failing_only_together_is_named_by_its_first_failing_samples(
                                           r"though each passes alone \(sample \2: prompt \".*\"\): ValueError: too many"):
         scored(scorer)
     scorer.close()
+
+
+def test_a_small_cache_evicts_without_changing_a_score():
+    """speed.reward_cache_size only bounds the LRU: a cache of one entry scores what a large one and no cache do."""
+    results = []
+    for size in (1, 50000):
+        scorer = RewardScorer(functions(length={"deterministic": True}, vowels={"deterministic": True}),
+                              SpeedConfig(reward_cache=True, reward_cache_size=size, reward_workers=0))
+        results.append([scored(scorer) for _ in range(3)])  # the second and third rounds read the cache
+        scorer.close()
+    for small, large in zip(*results):
+        same(small, plain())
+        same(large, plain())

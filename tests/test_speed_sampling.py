@@ -137,7 +137,7 @@ def test_the_learner_never_sees_a_zero_variance_group(tmp_path, monkeypatch):
         "rewards.extra": [f"{tmp_path / 'rewards.py'}:half_flat"], "train.steps": 3, "train.prompts_per_step": 4,
         "generation.num_generations": 4, "generation.max_new_tokens": 6, "eval.num_examples": 0,
         "output.dir": str(tmp_path / "runs"), "output.progress": "off", "output.plot": False,
-        "speed.dynamic_sampling": True, "speed.dynamic_sampling_max_rounds": 3,
+        "algo.dynamic_sampling": True, "algo.dynamic_sampling_max_rounds": 3,
     }.items()))
     summary = train(cfg, log=lambda text: None)
     records = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]

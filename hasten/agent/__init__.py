@@ -71,9 +71,9 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
             if not isinstance(row.get("prompt"), list):
                 raise ConfigError(f"config error: tools and environments need chat prompts (a list of messages); "
                                   f"task {task.name} {name} row {index} has a {type(row.get('prompt')).__name__}")
-    if cfg.speed.dynamic_sampling or cfg.speed.async_steps:
-        raise ConfigError("config error: tools and environments do not run with speed.dynamic_sampling or "
-                          "speed.async_steps yet; turn those off")
+    if cfg.algo.dynamic_sampling or cfg.algo.async_steps:
+        raise ConfigError("config error: tools and environments do not run with algo.dynamic_sampling or "
+                          "algo.async_steps yet; turn those off")
     choice = cfg.generation.tool_template  # a missing template file: one line now, before the model loads
     if choice not in ("auto", "hermes") and not Path(choice).is_file():
         raise ConfigError(f"config error: generation.tool_template: '{choice}' is not auto, hermes or a file")

@@ -1,11 +1,11 @@
-"""Dynamic sampling (speed.dynamic_sampling, DAPO): never train on a group whose rewards are all equal.
+"""Dynamic sampling (algo.dynamic_sampling, DAPO): never train on a group whose rewards are all equal.
 
 A group whose G samples all got the same reward has advantage 0 everywhere:
 it adds no policy-gradient signal, yet it still dilutes token-normalized
 losses and costs a learning pass. DAPO drops such groups and generates more
 prompts until the batch is full again. Here each refill round generates and
 scores just the missing number of prompts (the next rows of the same
-stream), at most speed.dynamic_sampling_max_rounds rounds per step: the cap
+stream), at most algo.dynamic_sampling_max_rounds rounds per step: the cap
 on extra generation. What is still missing after the cap stays missing (the
 step trains on fewer groups), and a step left with no group skips its update.
 

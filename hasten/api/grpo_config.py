@@ -329,9 +329,9 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
             *self._output(steps), *self._eval(num_eval_rows, steps),
         ]
         if self._precision_mode() is not None:
-            pairs.append(("speed.precision", self._precision_mode()))
+            pairs.append(("train.precision", self._precision_mode()))
         if self.tf32:
-            pairs.append(("speed.tf32", True))
+            pairs.append(("train.tf32", True))
         if self.gradient_checkpointing is not None:
             pairs.append(("speed.gradient_checkpointing", self.gradient_checkpointing))
         if self.torch_compile:

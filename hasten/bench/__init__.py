@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     b5.add_argument("--profiles", default="", help="B5, B7: comma list of hasten profiles, one more hasten run each")
     b5.add_argument("--b5-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="one more hasten run per seed with these config keys, e.g. "
-                         "bf16:speed.precision=bf16,speed.generation_precision=bf16 (repeatable)")
+                         "bf16:train.precision=bf16,generation.precision=bf16 (repeatable)")
     b5.add_argument("--b5-minutes", type=float, default=15.0, help="training-time budget per run (default 15)")
     b5.add_argument("--b5-mark-minutes", type=float,
                     help="a checkpoint after the first step past every M training minutes (default 1; --quick 0 = "

@@ -43,11 +43,11 @@ def hasten_engines(policy, notes: list[str] | None = None, hf_policy=None) -> di
             notes.append(f"LeanEngine did not build: {type(error).__name__}: {error}")
     from ..device import cpu_has_native_bf16
 
-    if "lean" in engines and cpu_has_native_bf16():  # speed.generation_precision=bf16 (AMX / AVX512-BF16 only)
+    if "lean" in engines and cpu_has_native_bf16():  # generation.precision=bf16 (AMX / AVX512-BF16 only)
         engines["lean bf16"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="bf16")
     from ..device import cpu_int8_unavailable_reason
 
-    if "lean" in engines and cpu_int8_unavailable_reason() is None:  # speed.generation_precision=int8
+    if "lean" in engines and cpu_int8_unavailable_reason() is None:  # generation.precision=int8
         engines["lean int8"] = LeanEngine(policy.model, policy.pad_token_id, [], sample_precision="int8")
     from ..rollout import vllm_engine
 

@@ -124,7 +124,7 @@ def matmul_at_shapes(config, quick: bool = False) -> dict[str, dict[str, dict[st
                 rates["onednn"] = _best_rate(lambda: fast_linear._onednn(x, weight), flops, budget, repeats)
             x16, weight16 = x.bfloat16(), weight.bfloat16()
             rates["bf16"] = _best_rate(lambda: F.linear(x16, weight16), flops, budget, repeats)
-            if count == rows[1] and int8_matmul is not None:  # decode: speed.generation_precision=int8's kernel
+            if count == rows[1] and int8_matmul is not None:  # decode: generation.precision=int8's kernel
                 prepared8 = int8_matmul.prepare(weight)  # no name: plain int8, no statistics carried
                 rates["int8"] = _best_rate(lambda: int8_matmul(x, prepared8), flops, budget, repeats)
             per_shape[f"{name} {k}x{n}"] = {kernel: round(rate, 1) for kernel, rate in rates.items()}

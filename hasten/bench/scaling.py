@@ -180,8 +180,8 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
         prompt_per_sample=side == "trl",
         logits_chunk=effective_logit_chunk(cfg.speed.logit_chunk_tokens, shape.vocab) if side == "hasten" else 0,
         checkpointing=cfg.speed.gradient_checkpointing,
-        copy_bytes=COPY_BYTES[cfg.speed.generation_precision] if side == "hasten" and engine_copy(shape, cfg) else 0,
-        moment_bytes=MOMENT_BYTES[cfg.speed.optimizer_moments] if side == "hasten" else MOMENT_BYTES["fp32"],
+        copy_bytes=COPY_BYTES[cfg.generation.precision] if side == "hasten" and engine_copy(shape, cfg) else 0,
+        moment_bytes=MOMENT_BYTES[cfg.train.optimizer_moments] if side == "hasten" else MOMENT_BYTES["fp32"],
         token_budget=budget)
 
 
@@ -191,7 +191,7 @@ def engine_copy(shape: cost.Shape, cfg) -> bool:
     from ..device import machine_bytes
     from ..rollout.shared_weights import resolve
 
-    choice, _ = resolve(cfg.speed.engine_weights, shape.parameters(tied=True), cfg.speed.generation_precision,
+    choice, _ = resolve(cfg.speed.engine_weights, shape.parameters(tied=True), cfg.generation.precision,
                         machine_bytes())
     return choice == "copy"
 
@@ -426,7 +426,7 @@ def cell_rows(cell: Cell, cfg, shape: cost.Shape, opts) -> list[Row]:
     hasten = cell.side == "hasten"
     from .workloads import learning_precision
 
-    precisions = (cfg.speed.generation_precision, learning_precision(cfg)) if hasten else ("fp32", "fp32")
+    precisions = (cfg.generation.precision, learning_precision(cfg)) if hasten else ("fp32", "fp32")
     # The floor counts the completions' work alone (no prompt tokens, no KV read of the prompt): a lower bound
     phases = [step_work(size, shape, 0.0, step["completion_tokens"], cell.length, 0.0, precisions, cfg.model.lora)
               for step in measured]

@@ -196,12 +196,12 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float, lo
 
 
 def learning_precision(cfg, device: str = "cpu") -> str:
-    """The learning precision a run of `cfg` resolves to on `device` (speed.precision=auto by the hardware)."""
+    """The learning precision a run of `cfg` resolves to on `device` (train.precision=auto by the hardware)."""
     import torch
 
     from ..kernels.precision import resolve_precision
 
-    return resolve_precision(cfg.speed.precision, torch.device(device))[0]
+    return resolve_precision(cfg.train.precision, torch.device(device))[0]
 
 
 def step_work(size: ModelSize, shape: cost.Shape, prompt_tokens: float, completion_tokens: float, steps: float,
@@ -237,11 +237,11 @@ def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
     steps = rounds * len(levels)  # each process takes one step per level per round
     per_step = cfg.train.prompts_per_step
     learning = side.learner.optimization.precision.mode  # the learning precision as the plan resolved it
-    precisions = (cfg.speed.generation_precision, learning)
+    precisions = (cfg.generation.precision, learning)
     result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
                           f"max {cfg.generation.max_new_tokens} new tokens, "
                           f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {learning}, "
-                          f"generation {cfg.speed.generation_precision})")
+                          f"generation {cfg.generation.precision})")
     result.settings["hasten"] = hasten_settings(cfg)
     rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
     prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]

@@ -16,7 +16,7 @@ changing lr and weight decay. `_fused_adamw_` is internal to torch, so
 the fp16 GradScaler, which needs a torch.optim optimizer) hasten uses
 torch.optim.AdamW.
 
-speed.optimizer_moments=bf16 keeps `exp_avg` and `exp_avg_sq` in bf16 (half of AdamW's state, a quarter
+train.optimizer_moments=bf16 keeps `exp_avg` and `exp_avg_sq` in bf16 (half of AdamW's state, a quarter
 of what a full fine-tune holds per parameter besides activations). Each parameter's step runs the same
 fused kernel on fp32 copies of its two moments, made one slice of ROUNDING_CHUNK elements at a time (a few
 MB of extra memory, and the slice stays in cache between the update and the rounding), and stores them back
@@ -102,7 +102,7 @@ class FusedAdamW:
         self._pre_hooks: dict[int, Callable] = {}
         if moments not in ("fp32", "bf16"):
             raise ValueError(f"moments must be fp32 or bf16, got {moments!r}")
-        self.moments = moments  # speed.optimizer_moments: the dtype exp_avg and exp_avg_sq are kept in
+        self.moments = moments  # train.optimizer_moments: the dtype exp_avg and exp_avg_sq are kept in
         self.rounding = torch.Generator().manual_seed(seed)  # bf16's stochastic rounding (CPU draws)
 
     def register_step_pre_hook(self, hook: Callable) -> _Handle:
@@ -216,7 +216,7 @@ class FusedAdamW:
             stored, wanted = entry["exp_avg"].dtype, self._zero_state(param)["exp_avg"].dtype
             if stored != wanted:
                 raise ValueError(f"optimizer state holds {stored} moments where this run keeps {wanted} "
-                                 f"(speed.optimizer_moments must match the checkpoint's)")
+                                 f"(train.optimizer_moments must match the checkpoint's)")
         if "rounding" in saved:
             self.rounding.set_state(saved["rounding"])
 
@@ -253,7 +253,7 @@ def make_adamw(parameters: list[torch.nn.Parameter], choice: str, lr: float, bet
     """AdamW with the kernel speed.optimizer picks. The fused kernel is called directly
     (FusedAdamW above: the same update, without torch.optim's ~1 s import of torch._dynamo),
     except under the fp16 GradScaler, which steps torch.optim optimizers only. bf16 moments
-    (speed.optimizer_moments) exist in FusedAdamW only: config.validate refuses the rest."""
+    (train.optimizer_moments) exist in FusedAdamW only: config.validate refuses the rest."""
     device = parameters[0].device if parameters else torch.device("cpu")
     kernel = adamw_kernel(choice, device)
     common = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
@@ -261,6 +261,6 @@ def make_adamw(parameters: list[torch.nn.Parameter], choice: str, lr: float, bet
         if available(device.type):
             return FusedAdamW(parameters, **common, moments=moments)
     if moments != "fp32":
-        raise ValueError(f"speed.optimizer_moments={moments} needs the fused AdamW kernel, which "
+        raise ValueError(f"train.optimizer_moments={moments} needs the fused AdamW kernel, which "
                          f"{'the fp16 GradScaler cannot step' if precision == 'fp16' else 'is not used here'}")
     return torch.optim.AdamW(parameters, **common, **kernel)

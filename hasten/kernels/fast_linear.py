@@ -17,7 +17,7 @@ gradient, as with F.linear.
 Left out on purpose:
 - small layers (LoRA's A and B, rank 16): thin matmuls where oneDNN's setup
   cost dominates;
-- the block under CPU autocast (speed.precision=bf16/fp16): there the linears
+- the block under CPU autocast (train.precision=bf16/fp16): there the linears
   must run in bf16 (far faster than either fp32 library on AMX), and an autograd Function would keep
   them fp32 unseen; the context then routes nothing;
 - anything not fp32 on the CPU, or a torch build without oneDNN: the context
@@ -158,7 +158,7 @@ def onednn_linears(model: torch.nn.Module, enabled: bool = True):
     unavailable). The original forward is restored even if the block raises.
     """
     routed: list[torch.nn.Module] = []
-    # Under autocast (speed.precision=bf16/fp16) the linears must run in the autocast dtype: an
+    # Under autocast (train.precision=bf16/fp16) the linears must run in the autocast dtype: an
     # autograd Function is not autocast-aware, so routing them here would silently keep them fp32.
     if enabled and available() and not torch.is_autocast_enabled("cpu"):
         for module in model.modules():

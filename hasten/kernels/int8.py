@@ -1,4 +1,4 @@
-"""int8 linears for sampling (speed.generation_precision=int8): weights int8 per output channel, activations
+"""int8 linears for sampling (generation.precision=int8): weights int8 per output channel, activations
 quantized per call, int32 accumulation, fp32 out, with SmoothQuant's per-channel smoothing.
 
 The kernel is fbgemm's dynamic quantized linear (`quantized::linear_dynamic`), which PyTorch ships for x86:

@@ -1,4 +1,4 @@
-"""Mixed precision (speed.precision, speed.tf32): autocast, the fp16 GradScaler.
+"""Mixed precision (train.precision, train.tf32): autocast, the fp16 GradScaler.
 
 precision:
     fp32  no autocast (the default: exact, and the only safe choice on CPUs
@@ -15,7 +15,7 @@ bf16 is emulated and slower.
 tf32: on CUDA, lets fp32 matmuls and convolutions use TF32 tensor cores
 (Ampere and newer); it changes numerics slightly and does nothing on a CPU.
 
-attention_fp32 (speed.attention_fp32: auto | true | false): under autocast,
+attention_fp32 (train.attention_fp32: auto | true | false): under autocast,
 `attention()` runs scaled_dot_product_attention on fp32 copies of q, k, v
 instead of autocast's bf16. auto = on the CPU only. torch 2.13's CPU flash
 attention backward in bf16 is slower than in fp32 at B1's completion blocks
@@ -130,7 +130,7 @@ def resolve_precision(setting: str, device: torch.device, hidden_size: int | Non
 
 
 def resolve_attention_fp32(setting: bool | str, device: torch.device) -> bool:
-    """speed.attention_fp32: true | false | auto (on for CPU autocast, off on CUDA)."""
+    """train.attention_fp32: true | false | auto (on for CPU autocast, off on CUDA)."""
     if setting == "auto":
         return device.type == "cpu"
     return bool(setting)

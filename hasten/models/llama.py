@@ -134,7 +134,7 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0
                    **kwargs):
     """query (N, H, L, D), key/value (N, Hkv, L, D), mask (N, 1, L, L) bool -> (N, L, H, D), None."""
     out = attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                    enable_gqa=query.shape[1] != key.shape[1])  # fp32 under CPU autocast (speed.attention_fp32)
+                    enable_gqa=query.shape[1] != key.shape[1])  # fp32 under CPU autocast (train.attention_fp32)
     return out.transpose(1, 2), None
 
 

@@ -1,9 +1,9 @@
-"""Early termination (speed.gate_reward): a cheap gate decides which samples get the other rewards.
+"""Early termination (algo.gate_reward): a cheap gate decides which samples get the other rewards.
 
 The gate function (e.g. "does the code parse") runs first, on every sample.
-A sample whose gate score is below speed.gate_threshold fails: no other
+A sample whose gate score is below algo.gate_threshold fails: no other
 reward function sees it (their columns hold NaN, "did not apply"), and its
-total reward is the fixed speed.gate_failed_reward. A gate that returns None
+total reward is the fixed algo.gate_failed_reward. A gate that returns None
 for a sample does not judge it, so it passes.
 
 This changes what is learned only for failing samples, whose total becomes

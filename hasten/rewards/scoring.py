@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, SpeedConfig
+from ..config import AlgoConfig, ConfigError, SpeedConfig
 from .runner import (
     RewardError,
     RewardFunction,
@@ -70,9 +70,12 @@ def flagged(function: RewardFunction, flag: str) -> bool:
 
 
 class RewardScorer:
-    """Scores reward functions per speed.* settings; one per run (it owns the pool and the cache)."""
+    """Scores reward functions per speed.* settings and algo's gate; one per run (it owns the pool and the cache).
 
-    def __init__(self, functions: list[RewardFunction], speed: SpeedConfig):
+    The gate (algo.gate_reward) changes what is learned, so it is an `algo` key; None = no gate."""
+
+    def __init__(self, functions: list[RewardFunction], speed: SpeedConfig, algo: AlgoConfig | None = None):
+        algo = algo if algo is not None else AlgoConfig()
         self.functions = functions
         names = [f.name for f in functions]
         for key in ("slow_rewards", "cache_rewards"):
@@ -80,11 +83,11 @@ class RewardScorer:
             if unknown:
                 raise ConfigError(f"config error: speed.{key} names {', '.join(unknown)}, "
                                   f"not a reward function of this run ({', '.join(names)})")
-        if speed.gate_reward is not None and speed.gate_reward not in names:
-            raise ConfigError(f"config error: speed.gate_reward '{speed.gate_reward}' is not a reward function "
+        if algo.gate_reward is not None and algo.gate_reward not in names:
+            raise ConfigError(f"config error: algo.gate_reward '{algo.gate_reward}' is not a reward function "
                               f"of this run ({', '.join(names)})")
-        self.speed = speed
-        self.gate = names.index(speed.gate_reward) if speed.gate_reward is not None else None
+        self.speed, self.algo = speed, algo
+        self.gate = names.index(algo.gate_reward) if algo.gate_reward is not None else None
         self.slow = [speed.reward_workers > 0 and (flagged(f, "slow") or f.name in speed.slow_rewards)
                      for f in functions]
         self.cached = [speed.reward_cache and (flagged(f, "deterministic") or f.name in speed.cache_rewards)
@@ -117,7 +120,7 @@ class RewardScorer:
         if self.gate is not None:
             self._lookup(self.gate, keys, todo, values)
             self._call_inline([self.gate], batch, todo, values, keys)
-            passed = passed_samples(values[self.gate], self.speed.gate_threshold)
+            passed = passed_samples(values[self.gate], self.algo.gate_threshold)
             todo = [indices if index == self.gate else [i for i in indices if passed[i]]
                     for index, indices in enumerate(todo)]
         others = [index for index in range(len(self.functions)) if index != self.gate]
@@ -187,7 +190,7 @@ class RewardScorer:
         weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32)  # (F,)
         total = torch.nansum(per_function * weights, dim=1)  # (N,)
         if pending.passed is not None:
-            total = apply_gate(total, pending.passed, self.speed.gate_failed_reward)
+            total = apply_gate(total, pending.passed, self.algo.gate_failed_reward)
             pending.metrics["rewards/gate_failed"] = 1 - sum(pending.passed) / max(count, 1)
         if self.cache is not None:
             pending.metrics["reward_cache/hit_rate"] = self.cache.hit_rate

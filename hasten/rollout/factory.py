@@ -43,22 +43,22 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
-    if cfg.speed.generation_precision == "auto":  # resolved here, once, where the model is known
-        cfg.speed.generation_precision = auto_generation_precision(cfg, policy)
-    if cfg.speed.generation_precision == "bf16":
+    if cfg.generation.precision == "auto":  # resolved here, once, where the model is known
+        cfg.generation.precision = auto_generation_precision(cfg, policy)
+    if cfg.generation.precision == "bf16":
         from ..device import cpu_has_native_bf16
 
         device = next(policy.model.parameters()).device
         if device.type == "cpu" and not cpu_has_native_bf16():
-            raise ConfigError("config error: speed.generation_precision=bf16: this CPU has no native bf16 "
+            raise ConfigError("config error: generation.precision=bf16: this CPU has no native bf16 "
                               "(avx512_bf16 or amx_bf16 in /proc/cpuinfo), where it would be slower than fp32")
-    if cfg.speed.generation_precision == "int8":
+    if cfg.generation.precision == "int8":
         from ..kernels.int8 import unavailable_reason
 
         device = next(policy.model.parameters()).device
         reason = "the model is on " + device.type if device.type != "cpu" else unavailable_reason()
         if reason is not None:
-            raise ConfigError(f"config error: speed.generation_precision=int8 runs on the CPU's int8 kernels ({reason}); "
+            raise ConfigError(f"config error: generation.precision=int8 runs on the CPU's int8 kernels ({reason}); "
                               "use fp32 or bf16")
     if choice == "vllm" and cfg.speed.vllm_server:  # generation in another process: only HTTP here
         from ..rollout.vllm_server import VLLMServerEngine
@@ -81,15 +81,15 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             log(f"speed.engine=auto: using the hf engine ({reason})")
         else:
             engine = LeanEngine(policy.model, policy.pad_token_id, policy.eos_token_ids,
-                                cfg.speed.generation_precision, cfg.speed.shared_prefix,
+                                cfg.generation.precision, cfg.speed.shared_prefix,
                                 weights=engine_weights(cfg, policy, log),
                                 decode_attention=resolve_decode_attention(cfg.speed.decode_attention,
                                                                           _device(policy.model), log))
             return speculative(cfg, policy, engine, log)
-    if cfg.speed.generation_precision != "fp32":  # auto fell back: no silent fp32
-        raise ConfigError(f"config error: speed.generation_precision={cfg.speed.generation_precision} (set by "
+    if cfg.generation.precision != "fp32":  # auto fell back: no silent fp32
+        raise ConfigError(f"config error: generation.precision={cfg.generation.precision} (set by "
                           f"--profile balanced/aggressive on this CPU, or by you) needs the lean engine, which cannot run this "
-                          f"model; add --speed.generation_precision=fp32")
+                          f"model; add --generation.precision=fp32")
     if cfg.speed.decode_attention is True:  # auto fell back: the kernel asked for cannot run
         raise ConfigError("config error: speed.decode_attention=true needs the lean engine, which cannot run this "
                           "model (see above); use decode_attention=auto or false")
@@ -100,7 +100,7 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
 
 
 def auto_generation_precision(cfg: Config, policy: Policy) -> str:
-    """speed.generation_precision=auto: bf16 where the lean engine samples with its own copy on a CPU with
+    """generation.precision=auto: bf16 where the lean engine samples with its own copy on a CPU with
     native bf16 and a model wide enough for bf16 to pay (kernels.precision's rule), fp32 elsewhere.
 
     bf16 sampling is importance-weighted (train/learner.py's Correction), and measured on B5 to learn as fp32
@@ -131,7 +131,7 @@ def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = pri
         return setting
     parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
     device = next(policy.model.parameters()).device
-    choice, why = resolve(setting, sum(parameters.values()), cfg.speed.generation_precision,
+    choice, why = resolve(setting, sum(parameters.values()), cfg.generation.precision,
                           machine_bytes(str(device)))
     log(f"speed.engine_weights=auto: {choice} ({why})")
     return choice

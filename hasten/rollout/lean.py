@@ -55,7 +55,7 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   the weights are synced, and the fused matrices are built from that; the
   policy keeps its adapters for training. A decode step then costs what
   it costs without LoRA; the merge runs once per update.
-- speed.generation_precision=bf16|int8 (off by default; changes learning):
+- generation.precision=bf16|int8 (off by default; changes learning):
   sampled rollouts run the matmuls on bf16 copies of the fused weights (inputs
   cast to bf16, outputs back to fp32) or on int8 ones (kernels/int8.py: int8
   weights per output channel, activations quantized per call, VNNI dot
@@ -170,8 +170,8 @@ class Matmul:
     version check. `_linear_pointwise` is internal to torch:
     the constructor probes it and falls back to F.linear (also for non-CPU).
 
-    bf16 (speed.generation_precision=bf16) packs bf16 copies the same way, with outputs
-    bit-identical to F.linear's. int8 (speed.generation_precision=int8) keeps fbgemm's packed int8
+    bf16 (generation.precision=bf16) packs bf16 copies the same way, with outputs
+    bit-identical to F.linear's. int8 (generation.precision=int8) keeps fbgemm's packed int8
     weights (kernels/int8.py): a quarter of the fp32 bytes, and VNNI dot products. Both take fp32
     inputs and give fp32 outputs, so the residual stream, norms, attention and sampling stay fp32.
     """
@@ -301,7 +301,7 @@ class LeanEngine:
         # (kernels/decode_attention.py) where it takes this model's heads and cache, else torch's (GroupCache).
         self.decode_attention = decode_attention and fused_decode_attention.supports(
             self.head_dim, self.num_heads // self.num_kv_heads, weight.dtype, weight.device)
-        # speed.generation_precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
+        # generation.precision: sampled rollouts may run bf16 or int8 matmuls (the learner corrects
         # with truncated importance sampling); greedy calls (evaluation) always run the fp32 weights.
         self.sample_precision = sample_precision
         fp32 = SharedMatmul(weight.device) if weights == "shared" else Matmul(weight.dtype, weight.device)
@@ -335,7 +335,7 @@ class LeanEngine:
             self.layers, self.head = [], None
 
     def ready_for(self, sampling: SamplingParams) -> None:
-        """Weights current and in the call's precision: speed.generation_precision (bf16 | int8) for sampled
+        """Weights current and in the call's precision: generation.precision (bf16 | int8) for sampled
         calls, fp32 for greedy ones (evaluation) and otherwise."""
         self.use_precision("fp32" if sampling.greedy else self.sample_precision)
         self.sync_weights()

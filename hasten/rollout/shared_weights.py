@@ -14,7 +14,7 @@ its low-rank path (x @ A^T) @ B^T * scale, read live: peft's unmerged forward wi
 (sampling is eval). The adapters refused are lean.py's (`_check_adapters`): plain LoRA only.
 
 The `auto` rule: `shared` when the fp32 copy (4 bytes per parameter) would take more than 1/8 of the
-machine's memory, `copy` otherwise (docs/speedups.md says why 1/8); with speed.generation_precision
+machine's memory, `copy` otherwise (docs/speedups.md says why 1/8); with generation.precision
 bf16 or int8 the engine's copy is already low precision and small, so `auto` is `copy` (and `shared`
 with them is a config error: config.validate).
 """
@@ -32,7 +32,7 @@ def resolve(setting: str, parameters: int, generation_precision: str, machine_by
     if setting != "auto":
         return setting, "as set"
     if generation_precision not in ("fp32", "auto"):  # auto: the factory resolves it first; else as fp32
-        return "copy", f"speed.generation_precision={generation_precision}: the copy is low precision"
+        return "copy", f"generation.precision={generation_precision}: the copy is low precision"
     copy_bytes = 4 * parameters
     choice = "shared" if copy_bytes * COPY_SHARE > machine_bytes else "copy"
     relation = ">" if choice == "shared" else "<="

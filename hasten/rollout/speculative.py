@@ -248,7 +248,7 @@ class SpeculativeEngine:
         if sampling.repetition_penalty != 1.0:
             raise ValueError("speculative decoding does not apply repetition_penalty; set it to 1 or speculative=off")
         engine, k = self.engine, self.k
-        # speed.generation_precision=bf16: the verify forward runs LeanEngine's bf16 matmuls as its own sampled
+        # generation.precision=bf16: the verify forward runs LeanEngine's bf16 matmuls as its own sampled
         # generate would, so the rollout is exact for that bf16 policy and its log-probs are that policy's.
         engine.ready_for(sampling)
         prompt_ids, prompt_mask = left_pad(prompts, engine.pad_token_id)  # (B, P)

@@ -1,4 +1,4 @@
-"""Curriculum (speed.curriculum, speed.curriculum_warmup_steps): easy prompts first.
+"""Curriculum (algo.curriculum, algo.curriculum_warmup_steps): easy prompts first.
 
 For the first warmup_steps steps, prompts are drawn from the easiest part of
 the training data, a pool that grows linearly from the easiest quarter to

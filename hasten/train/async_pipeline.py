@@ -1,4 +1,4 @@
-"""One-step off-policy pipeline (speed.async_steps=1): generate step t+1 while step t learns.
+"""One-step off-policy pipeline (algo.async_steps=1): generate step t+1 while step t learns.
 
 The "Async-GRPO" row of the code-GRPO seed: generation, rewards and
 learning overlap. At step t:
@@ -22,7 +22,7 @@ What it buys depends on the hardware. On a GPU with a second device or a
 vLLM server the halves run on different silicon and overlap; on a 2-core
 CPU they compete for the same cores (docs/results/speedups-notes.md has the measurement).
 What it changes: learning is one update off-policy, so it is not the
-synchronous run's result (speed.async_steps=0 is, bit for bit).
+synchronous run's result (algo.async_steps=0 is, bit for bit).
 
 Checkpoints stay exact: `state_dict()` waits for the batch in flight and
 stores it (rows as indices, rollout, scores), so a resumed run learns from

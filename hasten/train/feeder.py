@@ -23,14 +23,14 @@ from ..rollout.prompts import encode_prompt
 
 
 def make_feeder(cfg, rows: list[dict[str, Any]], tokenizer) -> Feeder:
-    """The run's prompt source: plain shuffle or curriculum (speed.curriculum), prefetched or not."""
+    """The run's prompt source: plain shuffle or curriculum (algo.curriculum), prefetched or not."""
     from ..tasks.curriculum import CurriculumSampler
     from ..tasks.sampler import PromptSampler
 
-    if cfg.speed.curriculum == "off":
+    if cfg.algo.curriculum == "off":
         sampler = PromptSampler(rows, cfg.train.seed, cfg.train.shuffle)
     else:
-        sampler = CurriculumSampler(rows, cfg.train.seed, cfg.speed.curriculum, cfg.speed.curriculum_warmup_steps,
+        sampler = CurriculumSampler(rows, cfg.train.seed, cfg.algo.curriculum, cfg.algo.curriculum_warmup_steps,
                                     cfg.train.prompts_per_step)
     return Feeder(sampler, tokenizer, cfg.train.prompts_per_step, cfg.speed.prefetch,
                   cfg.generation.chat_template_kwargs)

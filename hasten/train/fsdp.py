@@ -38,7 +38,7 @@ this module changes where the weights live and how gradients meet:
     reference    the KL reference (algo.beta > 0) is copied before sharding: a full frozen
                  copy on every rank
 
-Left out: LoRA, speed.async_steps, speed.compile and fp16's GradScaler under
+Left out: LoRA, algo.async_steps, speed.compile and fp16's GradScaler under
 FSDP (config errors), SFT under FSDP, and prefetch / overlap tuning.
 One process (no torchrun) has nothing to shard: the switch is then inert.
 """

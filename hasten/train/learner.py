@@ -205,18 +205,18 @@ def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") 
     # the lean engine's copy counts where speed.engine_weights resolves to copy (the factory's rule), at the
     # bytes of the precision it samples in; AdamW's moments at theirs
     engine_copy = resolve_engine_weights(cfg.speed.engine_weights, parameter_count(model_config),
-                                         cfg.speed.generation_precision, machine_bytes(device))[0] == "copy"
+                                         cfg.generation.precision, machine_bytes(device))[0] == "copy"
     return resolve_budget(setting, model_config, cfg.speed.gradient_checkpointing, device=device,
                           lora=cfg.model.lora, logit_chunk=cfg.speed.logit_chunk_tokens,
-                          copy_bytes=COPY_BYTES[cfg.speed.generation_precision] if engine_copy else 0,
-                          moment_bytes=MOMENT_BYTES[cfg.speed.optimizer_moments])
+                          copy_bytes=COPY_BYTES[cfg.generation.precision] if engine_copy else 0,
+                          moment_bytes=MOMENT_BYTES[cfg.train.optimizer_moments])
 
 
 @dataclass(frozen=True)
 class Correction:
     """How the learner treats the log-probs the batch was sampled with; one per run, chosen at construction.
 
-    stale: the batch was sampled from older weights (speed.async_steps), so the clipped ratio is taken
+    stale: the batch was sampled from older weights (algo.async_steps), so the clipped ratio is taken
     against its sampling log-probs, not the current policy's detached ones; the gap is logged (async/*).
     cap: another implementation of these weights sampled (speed.engine=vllm, or the lean engine's bf16 or
     int8 matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap), truncated
@@ -231,14 +231,14 @@ class Correction:
 
     @classmethod
     def for_run(cls, cfg: Config) -> Correction:
-        speed = cfg.speed
+        speed, algo, generation = cfg.speed, cfg.algo, cfg.generation
         # auto is resolved by the engine factory before this is read; unresolved (no engine made), it is fp32
-        other_sampler = speed.engine == "vllm" or speed.generation_precision not in ("fp32", "auto")
-        cap = speed.vllm_importance_sampling_cap if other_sampler and speed.vllm_importance_sampling_correction else None
+        other_sampler = speed.engine == "vllm" or generation.precision not in ("fp32", "auto")
+        cap = algo.vllm_importance_sampling_cap if other_sampler and algo.vllm_importance_sampling_correction else None
         if not other_sampler:
-            return cls(stale=bool(speed.async_steps))
-        sampler = "vllm" if speed.engine == "vllm" else f"{speed.generation_precision}_sampler"
-        return cls(stale=bool(speed.async_steps), cap=cap, sampler=sampler)
+            return cls(stale=bool(algo.async_steps))
+        sampler = "vllm" if speed.engine == "vllm" else f"{generation.precision}_sampler"
+        return cls(stale=bool(algo.async_steps), cap=cap, sampler=sampler)
 
     def trackers(self) -> tuple[OffPolicyStats | None, OffPolicyStats | None]:
         """A step's (staleness, sampler) statistics, None where that correction is off."""
@@ -279,7 +279,7 @@ class LearningPlan:
     @classmethod
     def resolve(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearningPlan:
         hidden = getattr(model_config, "hidden_size", None) if model_config is not None else None
-        precision, reason = resolve_precision(cfg.speed.precision, torch.device(device), hidden)
+        precision, reason = resolve_precision(cfg.train.precision, torch.device(device), hidden)
         return cls(LearnerSettings.from_config(cfg, sharded, model_config, device),
                    LogprobPass.choose(cfg, precision), Correction.for_run(cfg), precision, reason)
 
@@ -392,7 +392,7 @@ class Learner:
                 if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
                     continue
                 fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
-                with self.optimization.autocast():  # speed.precision: a no-op in fp32
+                with self.optimization.autocast():  # train.precision: a no-op in fp32
                     stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0 or bonus,
                                               entropy_grad=bonus, router_aux=router_coef > 0)
                 if iteration == 0:

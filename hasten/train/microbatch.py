@@ -45,12 +45,12 @@ AUTO_FLOOR = 1024  # ... and never a budget below this many tokens (matmuls too 
 AUTO_CPU_TOKENS = 2048  # ... and on a CPU at most this many: larger micro-batches ran slower there (above)
 RUNTIME_BYTES = 1 << 29  # the interpreter, torch and its libraries (bench/cost.py's RUNTIME_BYTES)
 LOGIT_CHUNK_BYTES = 512 << 20  # one (chunk, vocabulary) fp32 tensor of the packed pass's logits at most
-# Bytes per parameter of the lean engine's sampling copy (speed.engine_weights=copy) by speed.generation_precision.
+# Bytes per parameter of the lean engine's sampling copy (speed.engine_weights=copy) by generation.precision.
 # int8: one byte for the projections and the head, down_proj in bf16 (fp32 without native bf16): under 2 at
 # every supported shape (down_proj is ~20% of the parameters), so 2 bounds it.
 # auto: counted as fp32 wherever it is read before the engine factory resolved it (the larger copy: a safe bound)
 COPY_BYTES = {"fp32": 4, "bf16": 2, "int8": 2, "auto": 4}
-MOMENT_BYTES = {"fp32": 8, "bf16": 4}  # AdamW's exp_avg + exp_avg_sq per trained parameter (speed.optimizer_moments)
+MOMENT_BYTES = {"fp32": 8, "bf16": 4}  # AdamW's exp_avg + exp_avg_sq per trained parameter (train.optimizer_moments)
 
 
 def effective_logit_chunk(setting: int, vocab: int) -> int:

@@ -106,10 +106,10 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0  # 0 = no clipping
     kernel: str = "auto"  # speed.optimizer: auto | fused | foreach | for_loop
-    moments: str = "fp32"  # speed.optimizer_moments: fp32 | bf16
+    moments: str = "fp32"  # train.optimizer_moments: fp32 | bf16
     precision: str = "fp32"  # fp32 | bf16 | bf16_fp32head | fp16 (resolved: never auto)
     tf32: bool = False
-    attention_fp32: bool | str = "auto"  # speed.attention_fp32 (kernels/precision.py)
+    attention_fp32: bool | str = "auto"  # train.attention_fp32 (kernels/precision.py)
 
     @classmethod
     def for_training(cls, cfg: Config, precision: str | None = None) -> OptimizerSettings:
@@ -119,13 +119,13 @@ class OptimizerSettings:
         None (the game's small MLP, whose learning bf16 was never measured on): the setting, auto as fp32."""
         train = cfg.train
         if precision is None:
-            precision = "fp32" if cfg.speed.precision == "auto" else cfg.speed.precision
+            precision = "fp32" if cfg.train.precision == "auto" else cfg.train.precision
         return cls(lr=train.lr, total_steps=train.steps * cfg.algo.num_iterations, warmup_steps=train.warmup_steps,
                    lr_schedule=train.lr_schedule, warmup_from_zero=train.warmup_from_zero, min_lr_ratio=train.min_lr_ratio, weight_decay=train.weight_decay,
                    betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
-                   kernel=cfg.speed.optimizer, moments=cfg.speed.optimizer_moments, precision=precision,
-                   tf32=cfg.speed.tf32,
-                   attention_fp32=cfg.speed.attention_fp32)
+                   kernel=cfg.speed.optimizer, moments=cfg.train.optimizer_moments, precision=precision,
+                   tf32=cfg.train.tf32,
+                   attention_fp32=cfg.train.attention_fp32)
 
     @classmethod
     def for_sft(cls, cfg: Config, total_steps: int, device: torch.device) -> OptimizerSettings:

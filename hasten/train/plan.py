@@ -26,7 +26,7 @@ class Plan:
     learning: LearningPlan  # the learner's settings, pass and correction
     sharded: bool  # train.distributed=fsdp under torchrun
     adaptive_threads: bool  # speed.adaptive_threads where it applies (one CPU process, threads not pinned)
-    async_steps: int  # speed.async_steps: batches sampled ahead of the update
+    async_steps: int  # algo.async_steps: batches sampled ahead of the update
     threads: int = 0  # torch's intra-op threads when the run starts (0: not known)
     cores: int = 0  # the cores this process may run on
     decode_attention: bool = False  # the lean engine's decode attention runs the fused kernel (speed.decode_attention)
@@ -49,7 +49,7 @@ class Plan:
         import torch
 
         return cls(device, engine_kind, "native" if native else "transformers",
-                   LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.speed.async_steps,
+                   LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.algo.async_steps,
                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
                    bool(getattr(engine, "decode_attention", False)), tuple(held_back_notes(cfg)))
 

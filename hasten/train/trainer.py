@@ -162,7 +162,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     engine = make_engine(cfg, policy, log)
     plan = Plan.resolve(cfg, policy, engine, governor.enabled)
     log(plan.describe_eval() if evaluating else plan.describe())
-    return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed), RewardLogs(state),
+    return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed, cfg.algo), RewardLogs(state),
                    threads=governor, plan=plan, agent=agent)
 
 
@@ -215,12 +215,12 @@ def collect(session: Session, engine: Engine, feeder: Feeder, step: int) -> Coll
     rounds: list[ScoredBatch] = [generate_and_score(session, engine, feeder, cfg.train.prompts_per_step, seed)]
     batch: ScoredBatch | None = rounds[0]
     dynamic: dict[str, float] = {}
-    if cfg.speed.dynamic_sampling:  # DAPO: drop flat groups, refill from the same stream (a capped loop)
+    if cfg.algo.dynamic_sampling:  # DAPO: drop flat groups, refill from the same stream (a capped loop)
         def draw(count: int, round_index: int) -> ScoredBatch:
             rounds.append(generate_and_score(session, engine, feeder, count, seed + 1_000_000_007 * round_index))
             return rounds[-1]
 
-        batch, dynamic = refill(rounds[0], draw, cfg.speed.dynamic_sampling_max_rounds, session.policy.pad_token_id)
+        batch, dynamic = refill(rounds[0], draw, cfg.algo.dynamic_sampling_max_rounds, session.policy.pad_token_id)
     return Collected(rounds, batch, dynamic)
 
 
@@ -228,7 +228,7 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
               collected: Collected | None = None) -> dict[str, float]:
     """One GRPO step; returns its metrics record.
 
-    collected: the step's batch when it was generated elsewhere (speed.async_steps: in the
+    collected: the step's batch when it was generated elsewhere (algo.async_steps: in the
     background, from older weights; the learner's Correction takes its ratios against the sampling log-probs).
     """
     cfg = session.cfg
@@ -334,8 +334,8 @@ class GRPOJob:
         self.feeder = make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
         self.total_steps, self.eval_at_start, self.eval_every = cfg.train.steps, cfg.eval.at_start, cfg.eval.every
         self.resume_command = "hasten train --resume"
-        self.pipeline = None  # speed.async_steps=1: the next batch is generated while this one learns
-        if cfg.speed.async_steps:
+        self.pipeline = None  # algo.async_steps=1: the next batch is generated while this one learns
+        if cfg.algo.async_steps:
             from .async_pipeline import AsyncRollouts
 
             self.pipeline = AsyncRollouts(session.policy, lambda policy: make_engine(cfg, policy, log),
