@@ -53,8 +53,8 @@ from typing import Callable, TextIO
 from .console import view
 
 MODES = ("auto", "live", "plain", "off")
-PLAIN_EVERY_S = 10.0  # a plain-mode line at most, and at least, this often: the longest silence in a log
-PIPED_EVERY_S = 30.0  # progress=auto off a terminal: a line at least this often while a phase runs
+PLAIN_EVERY_S = 8.0  # a plain-mode line at least this often: under 10 s of silence even when a busy box wakes the timer late
+PIPED_EVERY_S = 25.0  # progress=auto off a terminal: a line at least this often while a phase runs (under 30 s late)
 SETTLE_TOLERANCE = 0.3  # an ETA is shown when the newer half's mean time per unit is within 30% of the older's
 SETTLE_SAMPLES = 3  # ... and at least this many times were measured
 SETTLE_WINDOW = 6  # the newest times compared (halves of these)
