@@ -74,6 +74,7 @@ from ..errors import Interrupted
 from ..kernels.allocator import loaded as loaded_allocator
 from ..models.files import owner_note
 from ..tasks.sampler import as_random_state
+from ..ticker import Ticker
 from . import distributed
 from .integrity import LOCK_FILE, DamagedCheckpoint, RunLock, verify, write_manifest
 from .outputs import STATE_FILE, STATE_SUMMARY, CheckpointError, OutOfSpace, RunDir, RunDirError, quoted, start_error
@@ -568,7 +569,9 @@ def save(job: Job, run_dir: RunDir, step: int, final: bool) -> Path:
         (directory / STATE_SUMMARY).write_text(json.dumps(readable, indent=2) + "\n")
         write_manifest(directory)  # last: the sha256 of every file above, verified before a resume
 
-    return run_dir.save_files(write, None if final else step)
+    # a heartbeat while it writes: a large model's save takes tens of seconds on a busy box (issue 56)
+    with Ticker(f"saving {'the final checkpoint' if final else f'checkpoint-{step}'}", unit="s"):
+        return run_dir.save_files(write, None if final else step)
 
 
 def restore(job: Job, run_dir: RunDir, checkpoint: Path) -> int:
