@@ -18,7 +18,7 @@ holds. Protocol, over a SOCK_SEQPACKET socket pair (one message per send):
                         ("failed", reason) no process could be forked
                         ("status", pid, waitpid status) when a child ends
 
-The child itself is isolation._child: its own process group and alarm, the
+The child itself is agent/child.py's run_child: its own process group and alarm, the
 result as bounded text on its pipe. The server reaps its children (so a
 kill never hits a reused pid) and reports how each ended; it leaves when the
 trainer closes the socket or is gone (its parent changes).
@@ -33,12 +33,8 @@ import signal
 import socket
 import time
 import weakref
-from typing import TYPE_CHECKING
-
-from .isolation import _child
-
-if TYPE_CHECKING:
-    from .tools import Tool
+from .calls import Tool, ToolCall
+from .child import kill_group, run_child
 
 POLL_MS = 1000  # how often the server checks that the trainer is still there
 
@@ -164,19 +160,17 @@ def _serve(connection: socket.socket, tools: dict[str, Tool], parent: int) -> No
                     return
                 request = pickle.loads(data)
                 if request[0] == "kill" and request[1] in children:
-                    _kill_group(request[1])
+                    kill_group(request[1])
                 elif request[0] == "call":
                     _fork_child(connection, tools, request, children, (wake_read, wake_write))
             _reap(connection, children)
     finally:
         for pid in children:
-            _kill_group(pid)
+            kill_group(pid)
 
 
 def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tuple, children: set[int],
                 wake: tuple[int, int]) -> None:
-    from .tools import ToolCall
-
     _, name, arguments, deadline, limit = request
     read_fd, write_fd = os.pipe()
     try:
@@ -193,7 +187,7 @@ def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tupl
             for fd in wake:
                 os.close(fd)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit)
+            run_child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit)
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -220,9 +214,3 @@ def _reap(connection: socket.socket, children: set[int]) -> None:
         except OSError:
             return
 
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
