@@ -101,10 +101,10 @@ def test_quick_b2_speculative_rows_and_batch_sweep(capsys):
 
 @pytest.mark.parametrize("json_only, lines", [(True, 1), (False, None)])
 def test_json_only_prints_the_json_line_alone(capsys, monkeypatch, json_only, lines):
-    import hasten.bench
+    import hasten.bench.command
 
     result = Result("B3", "learning", [Row("packed", "hasten", "s", [1.0, 2.0])])
-    monkeypatch.setattr(hasten.bench, "run", lambda opts: ([result], {"model": "tiny"}, 1.0))
+    monkeypatch.setattr(hasten.bench.command, "run", lambda opts: ([result], {"model": "tiny"}, 1.0))
     assert main(["--quick", "--workloads", "B3"] + (["--json-only"] if json_only else [])) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["workloads"]["B3"]["rows"][0]["median"] == 1.5
@@ -228,9 +228,9 @@ def test_ratio_is_median_of_pairs_and_json_is_strict():
 
 @pytest.mark.parametrize("choice, expected", [("both", (False, True)), ("off", (False,)), ("on", (True,))])
 def test_trl_checkpointing_option_picks_the_trl_processes(choice, expected):
-    from hasten.bench import _options, _parser
+    from hasten.bench.command import options, parser
 
-    opts = _options(_parser().parse_args(["--trl-checkpointing", choice]))
+    opts = options(parser().parse_args(["--trl-checkpointing", choice]))
     assert opts.trl_checkpointing == expected
 
 

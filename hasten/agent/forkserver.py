@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 import weakref
+
 from .calls import Tool, ToolCall
 from .child import kill_group, run_child
 
