@@ -1,12 +1,44 @@
-"""Shared fixtures: the tiny model, a variant that ends completions early, rollouts."""
+"""Shared fixtures: the tiny model, a variant that ends completions early, rollouts; and the two test tiers.
+
+The tiers: `make check` runs the fast unit tier (`pytest -m "not slow"`), `make
+test` everything. A test is slow by one rule, pytest_collection_modifyitems
+below: its file or its own name is in SLOW (each with the reason), or it is
+the TRL side of the conformance mirror (TRL's control: tests/conformance).
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from hasten.models.tiny import tiny_model, tiny_tokenizer
 from hasten.rollout import KVCacheEngine, SamplingParams
+
+
+# file, or file::test (the test's name without its parameters) -> why it is in the slow tier
+SLOW = {
+    "test_smollm2.py": "the real default model (SmolLM2-135M)",
+}
+
+
+def slow_reason(item) -> str | None:
+    """Why `item` is in the slow tier, or None: the one rule that marks it."""
+    path = Path(str(item.path))
+    callspec = getattr(item, "callspec", None)
+    if "conformance" in path.parts and callspec is not None and callspec.params.get("lib") == "trl":
+        return "TRL's control run (tests/conformance)"
+    name = getattr(item, "originalname", item.name)
+    return SLOW.get(f"{path.name}::{name}") or SLOW.get(path.name)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        reason = slow_reason(item)
+        if reason is not None:
+            item.add_marker(pytest.mark.slow(reason=reason))
 
 
 @pytest.fixture(scope="session")
