@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..errors import UserError, exit_code
 from .contention import parse_levels
 from .measure import PEER_MODULES, PEERS, WORKLOADS, run
 
@@ -269,26 +269,22 @@ def main(argv: list[str] | None = None, process: bool = False) -> int:
     if argv and "--ablate" in argv:  # a different measurement with its own options (ablate.py)
         from .ablate import main as ablate_main
 
-        try:
-            return ablate_main(argv)
-        except UserError as error:
-            print(str(error).splitlines()[0], file=sys.stderr)
-            return 2
+        return exit_code(lambda: ablate_main(argv))
     try:
         args = parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a usage error argparse already printed
         return int(exit_request.code or 0)
-    try:
-        opts = options(args)
-        if process:
-            from ..config import load_config
-            from ..kernels.allocator import ensure
+    return exit_code(lambda: _measure_and_print(args, process))
 
-            ensure(load_config(opts.config, []).speed.allocator)
-        results, header, limits = run(opts)
-    except UserError as error:
-        print(str(error).splitlines()[0], file=sys.stderr)
-        return 2
+
+def _measure_and_print(args, process: bool) -> int:
+    opts = options(args)
+    if process:
+        from ..config import load_config
+        from ..kernels.allocator import ensure
+
+        ensure(load_config(opts.config, []).speed.allocator)
+    results, header, limits = run(opts)
     from .report import format_table, to_json
     from .results_page import write_report
 
