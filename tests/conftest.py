@@ -18,8 +18,27 @@ from hasten.rollout import KVCacheEngine, SamplingParams
 
 
 # file, or file::test (the test's name without its parameters) -> why it is in the slow tier
+SUBPROCESS_TRAINING = "`hasten train` in fresh processes"
+REEXECUTED = "training in a process re-executed on another allocator"
+AGENT_PROCESS = "the agent in a fresh process that must outlive os._exit and a segfault"
 SLOW = {
     "test_smollm2.py": "the real default model (SmolLM2-135M)",
+    "test_distributed.py": "training under torchrun, ranks in subprocesses",
+    "test_fsdp.py": "training under torchrun, ranks in subprocesses",
+    "test_operator.py": SUBPROCESS_TRAINING + " (locks, signals, resume)",
+    "test_operator_faults.py": SUBPROCESS_TRAINING + " (hang-ups, full disks, other users' files)",
+    "test_operator_cache.py": "the model cache converted and shared across processes and users",
+    "test_resume.py": SUBPROCESS_TRAINING + ", killed and resumed",
+    "test_docs_commands.py": "every command the docs show, trained one step each",
+    "test_allocator.py::test_cli_reexecutes_and_results_do_not_change": REEXECUTED,
+    "test_allocator.py::test_cli_reexecutes_onto_mimalloc_and_results_do_not_change": REEXECUTED,
+    "test_allocator.py::test_a_child_of_a_reexecuted_process_trains": REEXECUTED,
+    "test_allocator.py::test_sft_reexecutes_per_profile_and_losses_do_not_change": REEXECUTED,
+    "test_api.py::test_trl_quickstart_runs_with_only_the_import_changed": "TRL's quickstart trained in a subprocess",
+    "test_agent_api.py::test_cli_tools_from_a_file_run": SUBPROCESS_TRAINING,
+    "test_agent_api.py::test_environment_run_resumes_bit_identically": SUBPROCESS_TRAINING + ", stopped and resumed",
+    "test_agent_tools.py::test_exit_crash_and_endless_threads_cost_a_rollout_not_the_run": AGENT_PROCESS,
+    "test_agent_tools.py::test_thread_isolation_turns_os_exit_into_an_error": AGENT_PROCESS,
 }
 
 

@@ -447,7 +447,7 @@ def test_two_tools_with_one_name_are_an_error_naming_both():
         make_run_agent(Config(), task, [guess, another_guess()])
 
 
-def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path):
+def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     (tmp_path / "env.py").write_text(textwrap.dedent('''
         class BrokenReset:
             def reset(self, **row):
@@ -461,14 +461,16 @@ def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path):
                 """
                 return "ok"
         '''))
-    done = subprocess.run([sys.executable, "-m", "hasten.cli", "train", "--model.name=tiny", "--task.name=calculator",
-                           f"--output.dir={tmp_path / 'out'}", "--task.environment=env.py:BrokenReset",
-                           "--train.steps=1", "--train.prompts_per_step=1", "--generation.num_generations=2",
-                           "--eval.num_examples=0", "--generation.max_new_tokens=8", "--output.progress=off"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].endswith(
+    from hasten.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--model.name=tiny", "--task.name=calculator", f"--output.dir={tmp_path / 'out'}",
+                 "--task.environment=env.py:BrokenReset", "--train.steps=1", "--train.prompts_per_step=1",
+                 "--generation.num_generations=2", "--eval.num_examples=0", "--generation.max_new_tokens=8",
+                 "--output.progress=off"])
+    error = capsys.readouterr().err
+    assert code == 2, error[-2000:]
+    assert error.strip().splitlines()[-1].endswith(
         "environment error: BrokenReset.reset raised ValueError: no such level")
 
 

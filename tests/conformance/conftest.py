@@ -148,7 +148,7 @@ def _key(item) -> tuple[str, str] | None:
 
 CONTROL = Path(__file__).parent / "trl_control"
 _CACHED: list[str] = []  # the tests whose TRL outcome this session read from the stored control
-_RECORD: dict = {}  # set when some TRL tests run this session: {"path": the control file, "outcomes": {...}}
+_RECORD: dict = {}  # {"path": the control file} when this session runs TRL's side of some tests
 
 
 def trl_version() -> str | None:
@@ -186,23 +186,24 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=cached)
         items[:] = kept
     if version and len(cached) < sum(1 for item in items if (_key(item) or ("",))[0] == "trl"):
-        path = CONTROL / f"{version}.json"
-        earlier = json.loads(path.read_text())["outcomes"] if path.exists() else {}
-        _RECORD.update(path=path, outcomes=earlier)
+        _RECORD["path"] = CONTROL / f"{version}.json"
 
 
 def pytest_sessionfinish(session):
     """Add this session's TRL outcomes to the stored control (a test's latest outcome replaces its earlier).
 
-    A failure on TRL is not stored: it is this run's failure, and the next run tries TRL again."""
+    A failure on TRL is not stored: it is this run's failure, and the next run tries TRL again. The file
+    is read again here, so sessions that ran TRL's side of different files at once each add theirs."""
     if not _RECORD:
         return
-    ran = {test: result["trl"] for test, result in _OUTCOMES.items() if result.get("trl") in ("passed", "skipped")}
-    outcomes = {**_RECORD["outcomes"], **ran}
-    if outcomes != _RECORD["outcomes"]:
-        _RECORD["path"].parent.mkdir(exist_ok=True)
-        _RECORD["path"].write_text(json.dumps({"trl": _RECORD["path"].stem, "outcomes": dict(sorted(outcomes.items()))},
-                                              indent=1) + "\n")
+    path = _RECORD["path"]
+    ran = {test: result["trl"] for test, result in _OUTCOMES.items()
+           if test not in _CACHED and result.get("trl") in ("passed", "skipped")}
+    earlier = json.loads(path.read_text())["outcomes"] if path.exists() else {}
+    outcomes = {**earlier, **ran}
+    if outcomes != earlier:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"trl": path.stem, "outcomes": dict(sorted(outcomes.items()))}, indent=1) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
