@@ -141,16 +141,20 @@ def test_the_rule_checker_sees_relative_imports(tmp_path, monkeypatch, source, e
     assert expected in [module for module, _ in imports(path)]
 
 
-def test_the_checker_finds_an_upward_import_and_a_circle(monkeypatch):
-    """The rules can fail: a planted kernels -> train import is upward, and with train -> kernels a circle."""
-    planted = PACKAGE / "kernels" / "precision.py"
+def plant(monkeypatch, path: Path, line: str) -> None:
+    """The checker reads `path` with `line` added at its end."""
     original = Path.read_text
 
     def read_text(self, *args, **kwargs):
         text = original(self, *args, **kwargs)
-        return text + "\nfrom ..train import learner\n" if self == planted else text
+        return text + "\n" + line if self == path else text
 
     monkeypatch.setattr(Path, "read_text", read_text)
+
+
+def test_the_checker_finds_an_upward_import_and_a_circle(monkeypatch):
+    """The rules can fail: a planted kernels -> train import is upward, and with train -> kernels a circle."""
+    plant(monkeypatch, PACKAGE / "kernels" / "precision.py", "from ..train import learner\n")
     with pytest.raises(AssertionError):
         test_imports_go_only_downward()
     with pytest.raises(AssertionError):
@@ -159,14 +163,7 @@ def test_the_checker_finds_an_upward_import_and_a_circle(monkeypatch):
 
 def test_the_checker_finds_a_circle_through_type_checking(monkeypatch):
     """A circle only a type annotation closes (agent/tools -> isolation -> tools, as one was) is a circle."""
-    planted = PACKAGE / "agent" / "calls.py"
-    original = Path.read_text
-
-    def read_text(self, *args, **kwargs):
-        text = original(self, *args, **kwargs)
-        return text + "\nif TYPE_CHECKING:\n    from .tools import ToolRunner\n" if self == planted else text
-
-    monkeypatch.setattr(Path, "read_text", read_text)
+    plant(monkeypatch, PACKAGE / "agent" / "calls.py", "if TYPE_CHECKING:\n    from .tools import ToolRunner\n")
     with pytest.raises(AssertionError):
         test_no_import_circles()
 

@@ -104,24 +104,14 @@ def parser() -> argparse.ArgumentParser:
     b5.add_argument("--b5-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="one more hasten run per seed with these config keys, e.g. "
                          "bf16:speed.precision=bf16,speed.generation_precision=bf16 (repeatable)")
-    b5.add_argument("--b5-minutes", type=float, default=15.0, help="training-time budget per run (default 15)")
-    b5.add_argument("--b5-mark-minutes", type=float,
-                    help="a checkpoint after the first step past every M training minutes (default 1; --quick 0 = "
-                         "every step)")
-    b5.add_argument("--b5-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
-    b5.add_argument("--b5-keep-checkpoints", action="store_true", help="keep the weight files once scored")
+    _budget_arguments(b5, "b5", 15.0, "default 1; --quick 0 = every step")
     b5.add_argument("--b5-only-profiles", action="store_true",
                     help="hasten runs only for --profiles and --b5-variant, not for the config as it is")
     b7 = parser.add_argument_group("B7, agentic GRPO against TRL's tools= (b7.py; --seeds, --profiles as B5)")
     b7.add_argument("--b7-model", help="the model both sides start from: a name or a local checkpoint directory "
                                        "(default: --model)")
     b7.add_argument("--b7-config", help="the tool task trained (default: configs/agent-demo.yaml)")
-    b7.add_argument("--b7-minutes", type=float, default=30.0, help="training-time budget per run (default 30)")
-    b7.add_argument("--b7-mark-minutes", type=float,
-                    help="a checkpoint after the first step past every M training minutes "
-                         "(default 0: after every step)")
-    b7.add_argument("--b7-dir", help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
-    b7.add_argument("--b7-keep-checkpoints", action="store_true", help="keep the weight files once scored")
+    _budget_arguments(b7, "b7", 30.0, "default 0: after every step")
     b8 = parser.add_argument_group("B8, the scaling grid (scaling.py)")
     b8.add_argument("--b8-lengths", help="comma list of completion lengths (default 64,256,1024; --quick 4,8)")
     b8.add_argument("--b8-models", help="comma list of smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, tiny, qwen-tiny "
@@ -135,6 +125,17 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--ablate", action="store_true",
                         help="instead: each speed feature off alone from the balanced profile (see --ablate --help)")
     return parser
+
+
+def _budget_arguments(group, prefix: str, minutes: float, mark_default: str) -> None:
+    """B5's and B7's time budget, checkpoint marks and where their checkpoints go."""
+    group.add_argument(f"--{prefix}-minutes", type=float, default=minutes,
+                       help=f"training-time budget per run (default {minutes:g})")
+    group.add_argument(f"--{prefix}-mark-minutes", type=float,
+                       help=f"a checkpoint after the first step past every M training minutes ({mark_default})")
+    group.add_argument(f"--{prefix}-dir",
+                       help="where checkpoints, curves.json and the PNG go (default: a new temp directory)")
+    group.add_argument(f"--{prefix}-keep-checkpoints", action="store_true", help="keep the weight files once scored")
 
 
 def options(args) -> Any:
