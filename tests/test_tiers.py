@@ -25,8 +25,11 @@ def test_every_slow_entry_names_a_file_and_test_that_exist():
             assert test in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, key
 
 
-def test_the_rule_marks_the_real_model_and_trls_control_and_nothing_else():
+def test_the_rule_marks_the_real_model_the_conformance_mirror_and_listed_tests_only():
     assert slow_reason(item("test_smollm2.py", "test_two_grpo_steps_through_the_cli"))
     assert slow_reason(item("conformance/test_trl_conformance.py", "test_training", lib="trl"))
-    assert slow_reason(item("conformance/test_trl_conformance.py", "test_training", lib="hasten")) is None
+    assert slow_reason(item("conformance/test_trl_conformance.py", "test_training", lib="hasten"))
+    assert slow_reason(item("conformance/test_coverage.py", "test_coverage_names_only_existing_tests")) is None
+    assert slow_reason(item("test_agent_api.py", "test_cli_tools_from_a_file_run"))
+    assert slow_reason(item("test_agent_api.py", "test_calculator_tool_answers_and_refuses_code")) is None
     assert slow_reason(item("test_losses.py", "test_grpo_loss")) is None
