@@ -43,7 +43,8 @@ SLOW = {
     **{f"test_bench_b8.py::{name}": QUICK_BENCH for name in (
         "test_quick_grid_runs_every_cell_to_the_fixed_length_and_writes_the_report",
         "test_a_cell_over_the_memory_budget_or_the_step_cap_says_why",
-        "test_quick_grid_against_trl_generates_the_same_tokens", "test_a_model_whose_full_fine_tune_does_not_fit_trains_lora",
+        "test_quick_grid_against_trl_generates_the_same_tokens",
+        "test_a_model_whose_full_fine_tune_does_not_fit_trains_lora",
         "test_trl_side_trains_lora_with_hastens_adapter_settings_to_the_fixed_length",
         "test_activation_checkpointing_is_chosen_for_a_cell_only_where_it_is_needed")},
     **{f"test_bench.py::{name}": QUICK_BENCH for name in (
