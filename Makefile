@@ -1,11 +1,12 @@
-# hasten's front door. `make demo` trains the default model; `make test` runs the tests.
+# hasten's front door. `make demo` trains the default model; `make test` runs the tests, all of them;
+# `make check` the fast unit tier (no real model, no training in subprocesses, no TRL control).
 # Both create ./.venv from nothing when it is missing.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hasten-installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test check trl-control clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +25,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+check: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+# TRL's side of tests/conformance again, into tests/conformance/trl_control/<trl version>.json
+trl-control: $(STAMP)
+	HASTEN_TRL_CONTROL=1 $(BIN)/python -m pytest tests/conformance -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

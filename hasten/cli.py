@@ -34,7 +34,7 @@ import argparse
 import json
 import sys
 
-EXIT_USER_ERROR = 2
+from .errors import EXIT_USER_ERROR, exit_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -294,23 +294,13 @@ def _dispatch(argv: list[str]) -> int:
 
         return rft_main(argv, process=_PROCESS_ENTRY)
     if argv[:1] == ["vllm-serve"]:  # generation for a trainer elsewhere (rollout/vllm_server.py)
-        from .errors import USER_ERRORS
         from .rollout.vllm_server import main as serve_main
 
-        try:
-            return serve_main(argv[1:])
-        except USER_ERRORS as exc:
-            print(str(exc).splitlines()[0], file=sys.stderr)
-            return EXIT_USER_ERROR
+        return exit_code(lambda: serve_main(argv[1:]))
     if argv[:1] == ["compare"]:  # its own parser too; user errors exit 2 like everywhere else
         from .compare import main as compare_main
-        from .errors import USER_ERRORS
 
-        try:
-            return compare_main(argv[1:])
-        except USER_ERRORS as exc:
-            print(str(exc).splitlines()[0], file=sys.stderr)
-            return EXIT_USER_ERROR
+        return exit_code(lambda: compare_main(argv[1:]))
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
@@ -318,16 +308,8 @@ def _dispatch(argv: list[str]) -> int:
         return EXIT_USER_ERROR
     if extra and args.command in ("tasks", "models", "play", "config"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .errors import USER_ERRORS, Interrupted, report_interrupted
-
     try:
-        return COMMANDS[args.command](args, extra)
-    except USER_ERRORS as exc:
-        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Interrupted as stop:
-        report_interrupted(stop, "hasten train --resume")
-        return stop.exit_code
+        return exit_code(lambda: COMMANDS[args.command](args, extra))
     except PermissionError as exc:  # another user's files (a run, a checkpoint, the cache): one line, not a bug
         from pathlib import Path
 

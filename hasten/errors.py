@@ -2,8 +2,15 @@
 
 Config keys, task data rows, reward files and model names raise subclasses
 of UserError with a one-line message naming the culprit; the CLI prints that
-line and exits with code 2. Anything else is a bug and keeps its traceback.
+line and exits with code 2 (exit_code, which every command of the CLI runs
+under). Anything else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+EXIT_USER_ERROR = 2
 
 
 class UserError(ValueError):
@@ -42,3 +49,18 @@ def report_interrupted(stop: Interrupted, resume_command: str) -> None:
 
         print(f"{stop}; stopped at once (resume from the last checkpoint with: {resume_command} RUN_DIR)",
               file=sys.stderr)
+
+
+def exit_code(command: Callable[[], int], resume_command: str = "hasten train --resume") -> int:
+    """Run one command of the CLI and return its exit code: a user error prints its one line and gives
+    EXIT_USER_ERROR; a run stopped by a signal says how to resume and gives 128 + the signal."""
+    import sys
+
+    try:
+        return command()
+    except USER_ERRORS as exc:
+        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Interrupted as stop:
+        report_interrupted(stop, resume_command)
+        return stop.exit_code

@@ -1,12 +1,78 @@
-"""Shared fixtures: the tiny model, a variant that ends completions early, rollouts."""
+"""Shared fixtures: the tiny model, a variant that ends completions early, rollouts; and the two test tiers.
+
+The tiers: `make check` runs the fast unit tier (`pytest -m "not slow"`), `make
+test` everything. A test is slow by one rule, pytest_collection_modifyitems
+below: its file or its own name is in SLOW (each with the reason), or it is
+a test of the TRL conformance mirror (tests/conformance), either library's side.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from hasten.models.tiny import tiny_model, tiny_tokenizer
 from hasten.rollout import KVCacheEngine, SamplingParams
+
+
+# file, or file::test (the test's name without its parameters) -> why it is in the slow tier
+SUBPROCESS_TRAINING = "`hasten train` in fresh processes"
+REEXECUTED = "training in a process re-executed on another allocator"
+AGENT_PROCESS = "the agent in a fresh process that must outlive os._exit and a segfault"
+QUICK_BENCH = "a --quick benchmark run that trains each side in its own processes (B5, B7, B8)"
+SLOW = {
+    "test_smollm2.py": "the real default model (SmolLM2-135M)",
+    "test_distributed.py": "training under torchrun, ranks in subprocesses",
+    "test_fsdp.py": "training under torchrun, ranks in subprocesses",
+    "test_operator.py": SUBPROCESS_TRAINING + " (locks, signals, resume)",
+    "test_operator_faults.py": SUBPROCESS_TRAINING + " (hang-ups, full disks, other users' files)",
+    "test_operator_cache.py": "the model cache converted and shared across processes and users",
+    "test_resume.py": SUBPROCESS_TRAINING + ", killed and resumed",
+    "test_docs_commands.py": "every command the docs show, trained one step each",
+    "test_allocator.py::test_cli_reexecutes_and_results_do_not_change": REEXECUTED,
+    "test_allocator.py::test_cli_reexecutes_onto_mimalloc_and_results_do_not_change": REEXECUTED,
+    "test_allocator.py::test_a_child_of_a_reexecuted_process_trains": REEXECUTED,
+    "test_allocator.py::test_sft_reexecutes_per_profile_and_losses_do_not_change": REEXECUTED,
+    "test_api.py::test_trl_quickstart_runs_with_only_the_import_changed": "TRL's quickstart trained in a subprocess",
+    "test_agent_api.py::test_cli_tools_from_a_file_run": SUBPROCESS_TRAINING,
+    "test_agent_api.py::test_environment_run_resumes_bit_identically": SUBPROCESS_TRAINING + ", stopped and resumed",
+    "test_agent_tools.py::test_exit_crash_and_endless_threads_cost_a_rollout_not_the_run": AGENT_PROCESS,
+    "test_agent_tools.py::test_thread_isolation_turns_os_exit_into_an_error": AGENT_PROCESS,
+    **{f"test_bench_b8.py::{name}": QUICK_BENCH for name in (
+        "test_quick_grid_runs_every_cell_to_the_fixed_length_and_writes_the_report",
+        "test_a_cell_over_the_memory_budget_or_the_step_cap_says_why",
+        "test_quick_grid_against_trl_generates_the_same_tokens",
+        "test_a_model_whose_full_fine_tune_does_not_fit_trains_lora",
+        "test_trl_side_trains_lora_with_hastens_adapter_settings_to_the_fixed_length",
+        "test_activation_checkpointing_is_chosen_for_a_cell_only_where_it_is_needed")},
+    **{f"test_bench.py::{name}": QUICK_BENCH for name in (
+        "test_quick_b5_variant_trains_with_its_own_keys", "test_quick_b5_hasten_side",
+        "test_b5_only_profiles_skips_the_config_run")},
+    **{f"test_bench_b7.py::{name}": QUICK_BENCH for name in (
+        "test_quick_b7_hasten_side_runs_the_tool_task", "test_quick_b7_against_trl_uses_one_tool_setup")},
+}
+
+
+def slow_reason(item) -> str | None:
+    """Why `item` is in the slow tier, or None: the one rule that marks it."""
+    path = Path(str(item.path))
+    callspec = getattr(item, "callspec", None)
+    if "conformance" in path.parts and callspec is not None and "lib" in callspec.params:
+        # TRL's side is the control (stored: tests/conformance/trl_control); hasten's side trains through the
+        # TRL-style API, an integration mirror rather than a unit test
+        return f"the TRL conformance mirror, {callspec.params['lib']}'s side"
+    name = getattr(item, "originalname", item.name)
+    return SLOW.get(f"{path.name}::{name}") or SLOW.get(path.name)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        reason = slow_reason(item)
+        if reason is not None:
+            item.add_marker(pytest.mark.slow(reason=reason))
 
 
 @pytest.fixture(scope="session")

@@ -161,11 +161,16 @@ def test_cli_tools_from_a_file_run(tmp_path):
     ("--task.environment=bad.py:NoReset", "NoReset has no reset"),
     ("--generation.tool_template=missing.jinja", "generation.tool_template: 'missing.jinja' is not auto"),
 ])
-def test_cli_bad_tool_input_is_one_line_exit_2(tmp_path, override, message):
+def test_cli_bad_tool_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, override, message):
+    """The command line in this process (a fresh one adds only its start-up: test_cli_tools_from_a_file_run)."""
+    from hasten.cli import main
+
     (tmp_path / "bad.py").write_text("def bare(a):\n    return a\n\nclass NoReset:\n    pass\n")
-    done = run_cli(tmp_path, "--task.name=calculator", override, "--train.steps=1")
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--model.name=tiny", f"--output.dir={tmp_path / 'out'}", "--task.name=calculator", override,
+                 "--train.steps=1"])
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert code == 2, lines
     assert message in lines[-1] and len(lines) == 1
     assert not (tmp_path / "out").exists()
 

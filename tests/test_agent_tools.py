@@ -9,7 +9,10 @@ past a 1 s timeout must cost about one timeout, not eight.
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import math
+import operator
 import os
 import resource
 import signal
@@ -83,29 +86,38 @@ def record(x: int) -> str:
 RECORDED: list[int] = []
 
 
-def run_calls(names_and_arguments, isolation, timeout, tools, limit=16384, seconds=None):
-    """One turn's results; `seconds` (a list) gets how long the turn took (the server's start not counted)."""
+def run_calls(names_and_arguments, isolation, timeout, tools, limit=16384):
+    """One turn's results."""
     server = start_fork_server([make_tool(tool) for tool in tools]) if isolation == "forkserver" else None
     runner = ToolRunner(timeout, "thread" if isolation == "thread" else "process", server)
     try:
-        started = time.monotonic()
-        results = runner.run([[ToolCall(name, arguments) for name, arguments in names_and_arguments]],
+        return runner.run([[ToolCall(name, arguments) for name, arguments in names_and_arguments]],
                              [{tool.__name__: make_tool(tool) for tool in tools}], limit)[0]
-        if seconds is not None:
-            seconds.append(time.monotonic() - started)
-        return results
     finally:
         runner.close()
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_a_turn_of_hanging_calls_waits_one_timeout_not_one_per_call(isolation):
-    seconds = []
-    results = run_calls([("sleepy", {"seconds": 60})] * 8, isolation, 2.0, [sleepy], seconds=seconds)
-    # was 8 x 2 s, one call after another; now one timeout plus the time to start the calls (process: 8 forks
-    # of this test process, 0.1-0.5 s each on a loaded 2-core machine)
-    assert seconds[0] < 8.0
-    assert [r.content for r in results] == ["error: sleepy timed out after 2 s"] * 8
+def test_a_turn_of_hanging_calls_waits_one_timeout_not_one_per_call(tmp_path, isolation):
+    """Four calls that never return: each is in flight while the others start (each sees all four started
+    before its own deadline, which one call after another would never allow), and each is timed out."""
+    def hang(folder: str, x: int) -> str:
+        """Say this call started, note when all four have, then never return.
+
+        Args:
+            folder: Where the calls meet.
+            x: This call's number.
+        """
+        (Path(folder) / f"started-{x}").touch()
+        while len(list(Path(folder).glob("started-*"))) < 4:
+            time.sleep(0.01)
+        (Path(folder) / f"met-{x}").touch()
+        time.sleep(60)
+        return "returned"
+
+    results = run_calls([("hang", {"folder": str(tmp_path), "x": n}) for n in range(4)], isolation, 3.0, [hang])
+    assert [r.content for r in results] == ["error: hang timed out after 3 s"] * 4
+    assert sorted(path.name for path in tmp_path.glob("met-*")) == [f"met-{n}" for n in range(4)]
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
@@ -171,7 +183,7 @@ def test_process_isolation_runs_calls_at_once_and_keeps_state_in_the_child(tmp_p
 
 
 @pytest.mark.parametrize("isolation", ["process", "forkserver"])
-def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings(isolation):
+def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings(tmp_path, isolation):
     def crash(x: int) -> str:
         """Segfault.
 
@@ -195,15 +207,33 @@ def test_process_isolation_turns_a_crash_an_exit_and_the_gil_into_error_strings(
         Args:
             x: Anything.
         """
-        return str(9 ** 9 ** 8 % 7)
+        (tmp_path / "spin.pid").write_text(str(os.getpid()))
+        text = str(9 ** 9 ** 8 % 7)
+        (tmp_path / "spin.finished").touch()
+        return text
 
-    seconds = []
     results = run_calls([("crash", {"x": 1}), ("leave", {"x": 1}), ("spin", {"x": 1})], isolation, 1.0,
-                        [crash, leave, spin], seconds=seconds)
-    assert seconds[0] < 8.0  # spin would hold the GIL for minutes
+                        [crash, leave, spin])
     assert [r.content for r in results] == ["error: crash crashed (SIGSEGV)",
                                             "error: leave ended its process (exit code 0) without returning a result",
                                             "error: spin timed out after 1 s"]
+    # spin was cut off at its deadline, not waited for: it never finished, and its process is killed
+    assert not (tmp_path / "spin.finished").exists()
+    assert wait_until_ended(int((tmp_path / "spin.pid").read_text()))
+
+
+def wait_until_ended(pid: int) -> bool:
+    """Whether process `pid` is gone or a zombie (killed, not yet reaped), polling briefly for the fork
+    server, which reaps its children after the trainer asks for the kill."""
+    for _ in range(500):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_make_agent_starts_a_fork_server_that_the_agent_closes(tokenizer):
@@ -333,10 +363,28 @@ def test_thread_isolation_turns_os_exit_into_an_error(tmp_path):
 
 @pytest.mark.parametrize("expression", ["(((9**99)**99)**99)**4", "9**9**9**9", "(10**1000)*(10**1000)*(10**1000)",
                                         "(2**4000)**2", "1" * 5000, "10.0**400", "(" * 300 + "1" + ")" * 300])
-def test_calculator_refuses_work_it_cannot_bound(expression):
-    started = time.process_time()
+def test_calculator_refuses_work_it_cannot_bound(expression, monkeypatch):
+    """Refused before the work is done: no operation whose integer result would pass MAX_BITS ever reaches
+    Python (a spy in place of the operators sees every one; it declines one that would, instead of running it,
+    so a missing bound fails here rather than holding the GIL; (((9**99)**99)**99)**4 once held it 4.6 s)."""
+    from hasten.agent import builtin_tools
+
+    unbounded = []
+
+    def spy(real, size):
+        def run(left, right):
+            if isinstance(left, int) and isinstance(right, int) and size(left, right) > builtin_tools.MAX_BITS:
+                unbounded.append((real.__name__, left.bit_length(), right.bit_length()))
+                raise ValueError("the spy declined it")
+            return real(left, right)
+        return run
+
+    spied = dict(builtin_tools.OPERATORS)  # the result's size in bits, estimated the generous way
+    spied[ast.Pow] = spy(operator.pow, lambda a, b: b * math.log2(abs(a)) if b > 0 and abs(a) > 1 else 0)
+    spied[ast.Mult] = spy(operator.mul, lambda a, b: a.bit_length() + b.bit_length() - 1)
+    monkeypatch.setattr(builtin_tools, "OPERATORS", spied)
     assert calculator(expression).startswith("error: ")
-    assert time.process_time() - started < 0.5  # (((9**99)**99)**99)**4 held the GIL for 4.6 s
+    assert unbounded == []
 
 
 def test_calculator_still_computes_large_exact_results():
@@ -399,7 +447,7 @@ def test_two_tools_with_one_name_are_an_error_naming_both():
         make_run_agent(Config(), task, [guess, another_guess()])
 
 
-def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path):
+def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     (tmp_path / "env.py").write_text(textwrap.dedent('''
         class BrokenReset:
             def reset(self, **row):
@@ -413,14 +461,16 @@ def test_cli_environment_whose_reset_raises_is_one_line_exit_2(tmp_path):
                 """
                 return "ok"
         '''))
-    done = subprocess.run([sys.executable, "-m", "hasten.cli", "train", "--model.name=tiny", "--task.name=calculator",
-                           f"--output.dir={tmp_path / 'out'}", "--task.environment=env.py:BrokenReset",
-                           "--train.steps=1", "--train.prompts_per_step=1", "--generation.num_generations=2",
-                           "--eval.num_examples=0", "--generation.max_new_tokens=8", "--output.progress=off"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].endswith(
+    from hasten.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--model.name=tiny", "--task.name=calculator", f"--output.dir={tmp_path / 'out'}",
+                 "--task.environment=env.py:BrokenReset", "--train.steps=1", "--train.prompts_per_step=1",
+                 "--generation.num_generations=2", "--eval.num_examples=0", "--generation.max_new_tokens=8",
+                 "--output.progress=off"])
+    error = capsys.readouterr().err
+    assert code == 2, error[-2000:]
+    assert error.strip().splitlines()[-1].endswith(
         "environment error: BrokenReset.reset raised ValueError: no such level")
 
 

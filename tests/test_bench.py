@@ -101,10 +101,10 @@ def test_quick_b2_speculative_rows_and_batch_sweep(capsys):
 
 @pytest.mark.parametrize("json_only, lines", [(True, 1), (False, None)])
 def test_json_only_prints_the_json_line_alone(capsys, monkeypatch, json_only, lines):
-    import hasten.bench
+    import hasten.bench.command
 
     result = Result("B3", "learning", [Row("packed", "hasten", "s", [1.0, 2.0])])
-    monkeypatch.setattr(hasten.bench, "run", lambda opts: ([result], {"model": "tiny"}, 1.0))
+    monkeypatch.setattr(hasten.bench.command, "run", lambda opts: ([result], {"model": "tiny"}, 1.0))
     assert main(["--quick", "--workloads", "B3"] + (["--json-only"] if json_only else [])) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["workloads"]["B3"]["rows"][0]["median"] == 1.5
@@ -228,9 +228,9 @@ def test_ratio_is_median_of_pairs_and_json_is_strict():
 
 @pytest.mark.parametrize("choice, expected", [("both", (False, True)), ("off", (False,)), ("on", (True,))])
 def test_trl_checkpointing_option_picks_the_trl_processes(choice, expected):
-    from hasten.bench import _options, _parser
+    from hasten.bench.command import options, parser
 
-    opts = _options(_parser().parse_args(["--trl-checkpointing", choice]))
+    opts = options(parser().parse_args(["--trl-checkpointing", choice]))
     assert opts.trl_checkpointing == expected
 
 
@@ -365,26 +365,29 @@ def test_header_has_matmul_rates_at_the_model_shapes_and_wait_variables():
 # ------------------------------------------------------------------ B5: time to accuracy
 
 
-def test_training_clock_excludes_saving_and_saves_at_marks_and_at_the_end(tmp_path):
-
+def test_training_clock_excludes_saving_and_saves_at_marks_and_at_the_end(tmp_path, monkeypatch):
+    """On a fake clock that only a save moves (by 0.05 s): the clock pauses for exactly the save."""
+    import hasten.bench.b5
     from hasten.bench.b5 import TrainingClock
 
-    saved = []
+    saved, now = [], [100.0]
+    monkeypatch.setattr(hasten.bench.b5.time, "perf_counter", lambda: now[0])
 
     def save(target):
         saved.append(target.name)
-        time.sleep(0.05)
+        now[0] += 0.05
 
     clock = TrainingClock(minutes=10, mark_minutes=5, directory=tmp_path)
     assert not clock.after_step(1, {"seconds": 0.1}, save, last=False)  # before the first mark: no save
     assert clock.after_step(2, {"seconds": 0.1}, save, last=True)  # the end: saved, stop
-    assert saved == ["step-2"] and clock.paused >= 0.05
-    assert [c["step"] for c in clock.checkpoints] == [2] and clock.checkpoints[0]["save_seconds"] >= 0.05
+    assert saved == ["step-2"] and clock.paused == pytest.approx(0.05) and clock.seconds() == pytest.approx(0.0)
+    assert [c["step"] for c in clock.checkpoints] == [2] and clock.checkpoints[0]["save_seconds"] == pytest.approx(0.05)
     every = TrainingClock(minutes=10, mark_minutes=0, directory=tmp_path)  # mark 0: after every step
     for step in (1, 2, 3):
         every.after_step(step, {}, save, last=False)
     assert [c["step"] for c in every.checkpoints] == [1, 2, 3]
     spent = TrainingClock(minutes=1e-9, mark_minutes=5, directory=tmp_path)  # budget spent: save and stop
+    now[0] += 1.0  # a step's training time
     assert spent.after_step(1, {}, save, last=False) and [c["step"] for c in spent.checkpoints] == [1]
 
 

@@ -78,9 +78,16 @@ def test_missing_file_and_directory(tmp_path):
 
 
 def test_hub_dataset_unreachable_is_one_error(monkeypatch):
-    pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the libraries read those variables once, at import (an earlier test imported them): offline now, at once,
+    # instead of trying the network until it times out
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(TaskError, match=r"cannot load hub dataset 'someone/some-data' split 'test' \(") as error:
         load_rows("someone/some-data:test")
     assert "\n" not in str(error.value)

@@ -172,13 +172,20 @@ def test_a_second_sigint_stops_at_once(data):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # step 2 abandoned
 
 
-def test_resume_refuses_a_finished_run_and_changed_settings(data, uninterrupted):
-    finished = hasten(["train", "--resume", str(uninterrupted)], data)
-    assert finished.returncode == 2 and "finished at step 5; nothing to resume" in finished.stderr
-    changed = hasten(["train", "--resume", str(uninterrupted / "checkpoint-3"), "--train.lr=1"], data)
-    assert changed.returncode == 2 and "drop --train.lr" in changed.stderr
-    missing = hasten(["train", "--resume", str(data)], data)
-    assert missing.returncode == 2 and "no full-state checkpoint" in missing.stderr
+def test_resume_refuses_a_finished_run_and_changed_settings(data, uninterrupted, capsys, monkeypatch):
+    from hasten.cli import main
+
+    monkeypatch.chdir(data)  # in this process: a refusal comes before anything a fresh process would change
+
+    def refused(args: list[str]) -> str:
+        code = main(args)
+        error = capsys.readouterr().err
+        assert code == 2, error
+        return error
+
+    assert "finished at step 5; nothing to resume" in refused(["train", "--resume", str(uninterrupted)])
+    assert "drop --train.lr" in refused(["train", "--resume", str(uninterrupted / "checkpoint-3"), "--train.lr=1"])
+    assert "no full-state checkpoint" in refused(["train", "--resume", str(data)])
     assert not (data / ".lock").exists()  # not a run directory: nothing written there
 
 

@@ -18,7 +18,7 @@ holds. Protocol, over a SOCK_SEQPACKET socket pair (one message per send):
                         ("failed", reason) no process could be forked
                         ("status", pid, waitpid status) when a child ends
 
-The child itself is isolation._child: its own process group and alarm, a
+The child itself is agent/child.py's run_child: its own process group and alarm, a
 parent-death signal, the result as bounded text on its pipe. The server
 reaps its children (so a kill never hits a reused pid) and reports how each
 ended. A call is one unit: when its child ends, whatever it started in its
@@ -39,14 +39,11 @@ import signal
 import socket
 import time
 import weakref
-from typing import TYPE_CHECKING
 
-from .isolation import _child
+from .calls import Tool, ToolCall
+from .child import kill_group, run_child
 
 PR_SET_CHILD_SUBREAPER = 36
-
-if TYPE_CHECKING:
-    from .tools import Tool
 
 POLL_MS = 1000  # how often the server checks that the trainer is still there
 
@@ -179,21 +176,19 @@ def _serve(connection: socket.socket, tools: dict[str, Tool], parent: int) -> No
                     return
                 request = pickle.loads(data)
                 if request[0] == "kill" and request[1] in children:
-                    _kill_group(request[1])
+                    kill_group(request[1])
                 elif request[0] == "call":
                     _fork_child(connection, tools, request, children, (wake_read, wake_write))
             _reap(connection, children)
             _kill_strays(children)
     finally:
         for pid in children:
-            _kill_group(pid)
+            kill_group(pid)
         _end_all()
 
 
 def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tuple, children: set[int],
                 wake: tuple[int, int]) -> None:
-    from .tools import ToolCall
-
     _, name, arguments, deadline, limit = request
     read_fd, write_fd = os.pipe()
     server = os.getpid()
@@ -211,7 +206,7 @@ def _fork_child(connection: socket.socket, tools: dict[str, Tool], request: tupl
             for fd in wake:
                 os.close(fd)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit, server)
+            run_child(tools[name], ToolCall(name, arguments), write_fd, deadline, limit, server)
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -234,7 +229,7 @@ def _reap(connection: socket.socket, children: set[int]) -> None:
             return
         pid = info.si_pid
         if pid in children:
-            _kill_group(pid)  # the call ended: what it started in its group ends with it
+            kill_group(pid)  # the call ended: what it started in its group ends with it
         _, status = os.waitpid(pid, 0)
         if pid not in children:
             continue  # a stray that came back to us (we are its subreaper) and was killed
@@ -278,8 +273,3 @@ def _end_all(seconds: float = 5.0) -> None:
             return
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass

@@ -8,18 +8,8 @@ proportion to its resident memory. Either way a child per call: no state is
 carried from one call to the next, and the tool cannot change the trainer's
 state, since what it writes stays in the child.
 
-The child:
-- starts its own process group, so the kill at the deadline takes whatever it
-  started too (threads, subprocesses), and a Ctrl-C meant for the trainer
-  does not reach it;
-- drops the trainer's signal handlers, and arms SIGALRM (default action:
-  terminate) for the deadline plus a second, so it ends even if the trainer
-  is gone, and even while it holds the GIL;
-- calls the tool, turns the result into text bounded by the turn's limit
-  (results.to_text) and writes one message on its pipe, `kind finished
-  length text` (kind R: a result, E: the error text; finished: when, on the
-  clock all processes share), then leaves with os._exit, so none of the
-  trainer's atexit handlers or buffers run twice.
+The child is agent/child.py's run_child: its own process group and alarm, the
+result as bounded text on its pipe.
 
 The trainer reads every child's pipe at once (one selector) until each has
 sent its whole message or its deadline passes, then kills each
@@ -33,27 +23,18 @@ named): each is that call's error string, never the run's.
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import faulthandler
 import os
 import selectors
 import signal
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from .results import CallResult, failure_text, timed_out, to_text
-
-if TYPE_CHECKING:
-    from .forkserver import ForkServer
-    from .tools import Tool, ToolCall
-
-HEADER = struct.Struct("<cdQ")  # kind (R | E), when the tool finished (time.monotonic), length of the UTF-8 text
-PR_SET_PDEATHSIG = 1
-GRACE = 1.0  # seconds past the deadline before the child's own alarm ends it (the trainer kills it first)
+from .calls import Tool, ToolCall
+from .child import HEADER, kill_group, run_child
+from .forkserver import ForkServer
+from .results import CallResult, timed_out
 
 
 @dataclass
@@ -127,7 +108,7 @@ class Children:
                 elif child.message is None and not child.oversized:  # it ended without a result: how?
                     child.status = self.server.status(child.pid, wait=2.0)
             elif child.pid:
-                _kill_group(child.pid)
+                kill_group(child.pid)
                 try:
                     child.status = os.waitpid(child.pid, 0)[1]
                 except ChildProcessError:  # reaped by someone else (SIGCHLD ignored, an os.wait()): status unknown
@@ -166,14 +147,6 @@ def _message(buffer: bytearray) -> tuple[bytes, float, str] | None:
     return kind, finished, bytes(buffer[HEADER.size:HEADER.size + length]).decode("utf-8", errors="replace")
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the child's process group (the child, zombie or not, still holds its id: no reuse race)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:  # already gone
-        pass
-
-
 def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int, int]:
     read_fd, write_fd = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # else the child's copy of unwritten output could be written twice
@@ -191,7 +164,7 @@ def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int,
     if pid == 0:
         try:
             os.close(read_fd)
-            _child(tool, call, write_fd, deadline, limit, parent)
+            run_child(tool, call, write_fd, deadline, limit, parent)
         finally:
             os._exit(0)  # never return into the trainer's code (tools.py's os._exit guard lets a child exit)
     os.close(write_fd)
@@ -200,33 +173,3 @@ def _fork(tool: Tool, call: ToolCall, deadline: float, limit: int) -> tuple[int,
     except OSError:
         pass
     return pid, read_fd
-
-
-def _child(tool: Tool, call: ToolCall, write_fd: int, deadline: float, limit: int, parent: int) -> None:
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        pass
-    # Dies with the process that forked it (the trainer's thread, or the fork server): a trainer killed
-    # outright leaves no call running. What the call starts is its group's, killed when the call ends.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(0)  # it died before the signal was armed
-    faulthandler.disable()  # a crash is reported as the call's error, not as a "Fatal Python error" in the log
-    signal.set_wakeup_fd(-1)  # the trainer's wakeup pipe is not this process's to write
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
-        signal.signal(number, signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()) + GRACE)
-    try:
-        if tool.is_async:
-            asyncio.events._set_running_loop(None)  # forked from inside a running loop (a notebook): not this one
-            value = asyncio.run(tool.fn(**call.arguments))
-        else:
-            value = tool.fn(**call.arguments)
-        kind, text = b"R", to_text(value, limit)
-    except BaseException as error:  # SystemExit included: it is the call's error, like any other
-        kind, text = b"E", failure_text(call.name, error)
-    data = text.encode("utf-8", errors="replace")
-    view = memoryview(HEADER.pack(kind, time.monotonic(), len(data)) + data)  # CLOCK_MONOTONIC: one clock for all
-    while view:
-        view = view[os.write(write_fd, view):]

@@ -46,12 +46,12 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError
 from ..userfiles import load_attribute as load_user_attribute, one_line
 from .builtin_tools import BUILTIN_TOOLS, set_call_deadline
+from .calls import Tool, ToolCall
 from .isolation import Children
 from .results import MIN_RESULT_CHARS, CallResult, failure_text, timed_out, to_text
 
@@ -64,23 +64,6 @@ ISOLATION = ("process", "thread")  # generation.tool_isolation
 
 class ToolError(UserError):
     """A tool the run cannot use (no type hints, no docstring, not callable); one line."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    fn: Callable[..., Any]
-    schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
-    is_async: bool
-    origin: str = ""  # where it came from (file.py:function, module.function, Class.method), for messages
-    in_trainer: bool = False  # hasten's bounded tools and environment methods: never in a child process
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
-    error: str | None = None  # the call could not be read; the model gets this back instead of a result
 
 
 def make_tool(fn: Callable[..., Any], origin: str | None = None) -> Tool:

@@ -1,8 +1,9 @@
-"""The workloads of `hasten bench` (docs/benchmarks.md B1-B4) and hasten's side of each.
+"""hasten's side of `hasten bench` (docs/benchmarks.md B1-B4): options, the B1 setup B1-B3 share, and B3.
 
 B1  one GRPO step with hasten's own prepare / Learner / grpo_step on
     configs/b1.yaml, alternated step by step with TRL processes (peers.py);
-    median step seconds over steps 2..N (step 1 pays one-off allocation).
+    median step seconds over steps 2..N (step 1 pays one-off allocation);
+    in b1.py.
 B2  decode: hasten's engines against transformers' generate (and vLLM
     when installed), with EOS unable to end a row; in b2.py, on the
     HastenSide built here.
@@ -11,8 +12,7 @@ B3  the learning pass on one fixed B1 rollout: log-probs + loss + backward,
     and off (the plain padded transformers pass, the peer).
 B4  startup, each in a fresh process: `hasten --help`; launch to the end of
     step 1 of `hasten train` (B1 config, eval off); hasten import + prepare +
-    Learner against TRL import + GRPOTrainer construction. B4 measures the
-    command line itself, so it lives next to `main` in __init__.py.
+    Learner against TRL import + GRPOTrainer construction; in b4.py.
 
 Every row carries the model work of each run (FLOPs, and bytes per phase) for the
 `limit` column; what counts is defined in report.py and cost.py.
@@ -20,14 +20,11 @@ Every row carries the model work of each run (FLOPs, and bytes per phase) for th
 
 from __future__ import annotations
 
-import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .machine import minor_faults
 from . import cost
 from .report import ModelSize, Result, Row, Work, generation_flops, learning_flops, model_size
 
@@ -219,149 +216,6 @@ def step_work(size: ModelSize, shape: cost.Shape, prompt_tokens: float, completi
                              generate),
             "learn": Work(learning_flops(size, prompt_tokens, completion_tokens, lora),
                           cost.learning_bytes(shape, lora, body_precision), body_precision, head_flops)}
-
-
-def run_b1(side: HastenSide, opts: BenchOptions) -> Result:
-    """Rounds of steps: per round, per contention level, neighbours on, a hasten step, a step of each TRL process.
-
-    Every side's step r at level L runs under the same neighbours, so rows pair
-    by round; each side's slowdown under contention is the median over rounds
-    of its busy / idle step seconds.
-    """
-    from ..train.feeder import make_feeder
-    from ..train.trainer import grpo_step
-    from .contention import Neighbours, label
-    from .peers import PeerError, TrlProcess
-
-    cfg, session, rounds, levels = side.cfg, side.session, opts.rounds("B1"), opts.contention
-    steps = rounds * len(levels)  # each process takes one step per level per round
-    per_step = cfg.train.prompts_per_step
-    learning = side.learner.optimization.precision.mode  # the learning precision as the plan resolved it
-    precisions = (cfg.generation.precision, learning)
-    result = Result("B1", f"one GRPO step ({per_step} prompts x {cfg.generation.num_generations} generations, "
-                          f"max {cfg.generation.max_new_tokens} new tokens, "
-                          f"{'LoRA' if cfg.model.lora else 'full fine-tune'}, learning {learning}, "
-                          f"generation {cfg.generation.precision})")
-    result.settings["hasten"] = hasten_settings(cfg)
-    rows, prompt_ids = side.prompts(per_step * steps)  # hasten's own sampler yields these same rows, in order
-    prompt_tokens = [sum(len(ids) for ids in prompt_ids[i * per_step:(i + 1) * per_step]) for i in range(steps)]
-
-    workers: dict[str, TrlProcess] = {}
-    records: dict[int, list[dict]] = {level: [] for level in levels}  # hasten's step records per level
-    flops: dict[int, list[float]] = {level: [] for level in levels}
-    works: dict[int, list[dict[str, Work]]] = {level: [] for level in levels}
-    shape, lora = side.shape, cfg.model.lora
-    peer_steps: dict[tuple[str, int], list[dict]] = {}
-    loads: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
-    with tempfile.TemporaryDirectory(prefix="hasten-bench-") as workdir:
-        if "trl" in opts.peers:
-            model_dir = peer_model_dir(cfg.model.name, Path(workdir))
-            for checkpointing in opts.trl_checkpointing:  # TRL's CPU best, then its default (--trl-checkpointing)
-                name = f"trl gc={'on' if checkpointing else 'off'}" + (" bf16" if opts.trl_bf16 else "")
-                spec = trl_spec(cfg, rows, session.rewards, model_dir, checkpointing, steps, opts.trl_bf16)
-                result.settings[name] = {"model": model_dir, **spec["config"]}
-                opts.log(f"B1: starting {name}")
-                try:
-                    workers[name] = TrlProcess(name, spec)
-                except PeerError as error:
-                    result.notes.append(str(error))
-        peer_steps = {(name, level): [] for name in workers for level in levels}
-        learner, sampler = side.learner, make_feeder(cfg, session.task.train_rows, session.policy.tokenizer)
-        recorder = session.engine = RecordingEngine(session.engine)
-        try:
-            step = 0
-            for round_index in range(rounds):  # A B B, A B B, ...: no two runs overlap
-                for level in levels:
-                    step += 1
-                    opts.log(f"B1: round {round_index + 1}/{rounds}{label(level)}")
-                    opts.progress(step - 1, steps)
-                    with Neighbours(level) as neighbours:
-                        faults = minor_faults()
-                        records[level].append(grpo_step(session, learner, sampler, step))
-                        records[level][-1]["page_faults"] = minor_faults() - faults
-                        for name in list(workers):
-                            try:
-                                peer_steps[name, level].append(workers[name].step())
-                            except PeerError as error:
-                                result.notes.append(str(error))
-                                workers.pop(name).close()
-                    loads[level].append((neighbours.load_before, neighbours.load_after))
-                    rollout = recorder.last
-                    flops[level].append(b1_flops(side.size, float(rollout.prompt_mask.sum()),
-                                                 float(rollout.completion_mask.sum()), lora))
-                    works[level].append(step_work(side.size, shape, float(rollout.prompt_mask.sum()),
-                                                  float(rollout.completion_mask.sum()), rollout.completion_ids.shape[1],
-                                                  float(rollout.prompt_mask.sum(1).min()), precisions, lora))
-            opts.progress(steps, steps)
-        finally:
-            session.engine = recorder.engine
-            sampler.close()  # the prefetch thread
-            for worker in workers.values():
-                worker.close()
-
-    measured = slice(1, None) if rounds > 1 else slice(None)  # rounds 2..R: round 1 pays one-off allocation
-    for level in levels:
-        level_records = records[level]
-        load = {"load_before": loads[level][0][0], "load_after": loads[level][-1][1]} if level else {}
-        result.rows.append(Row(
-            f"hasten{label(level)}", "hasten", "s/step", [r["time/step"] for r in level_records[measured]],
-            flops=flops[level][measured], phases=works[level][measured], precision=learning,
-            extra={
-                **{part: statistics.median(r[f"time/{part}"] for r in level_records[measured])
-                   for part in ("generate", "reward", "learn")},
-                "first_step": level_records[0]["time/step"],
-                "page_faults": int(statistics.median(r["page_faults"] for r in level_records[measured])),
-                "peak_rss_mib": round(level_records[-1]["memory/peak_mib"]),  # the bench process, so far
-                "reward_mean": statistics.mean(r["reward_mean"] for r in level_records),
-                "completion_length": statistics.mean(r["completion_length"] for r in level_records),
-                # speed.skip_zero_advantage: samples with no gradient left out of the pass (the limit counts them all)
-                "skipped_samples": statistics.mean(r.get("learn/skipped_samples", 0.0)
-                                                   for r in level_records[measured]),
-                **load,
-            },
-        ))
-        for name in dict.fromkeys(name for name, _ in peer_steps):  # in start order
-            messages = peer_steps[name, level]
-            if len(messages) < rounds:
-                continue
-            result.rows.append(Row(
-                f"{name}{label(level)}", "peer", "s/step", [m["seconds"] for m in messages[measured]],
-                baseline=f"hasten{label(level)}",
-                flops=[b1_flops(side.size, prompt_tokens[m["step"] - 1], m["completion_tokens"], lora)
-                       for m in messages[measured]],
-                phases=[step_work(side.size, shape, prompt_tokens[m["step"] - 1], m["completion_tokens"],
-                                  m["completion_tokens"] / max(m["num_samples"], 1),  # mean length <= steps taken
-                                  min(len(ids) for ids in prompt_ids[(m["step"] - 1) * per_step:m["step"] * per_step]),
-                                  ("bf16", "bf16") if opts.trl_bf16 else ("fp32", "fp32"), lora)
-                        for m in messages[measured]],
-                precision="bf16" if opts.trl_bf16 else "fp32",
-                extra={
-                    # TRL's step split as its process times it: generate(), then everything else (rewards,
-                    # log-probs, backward, optimizer): the plot's bars and the per-phase limits
-                    **{part: statistics.median(m[part] for m in messages[measured])
-                       for part in ("generate", "learn") if all(part in m for m in messages)},
-                    "first_step": messages[0]["seconds"],
-                    "page_faults": int(statistics.median(m["page_faults"] for m in messages[measured])),
-                    "peak_rss_mib": round(messages[-1]["peak_rss_mib"]),  # that TRL process, so far
-                    "reward_mean": statistics.mean(m["reward_mean"] for m in messages),
-                    "completion_length": statistics.mean(m["completion_tokens"] / max(m["num_samples"], 1)
-                                                         for m in messages),
-                    **load,
-                },
-            ))
-    if len(levels) > 1:
-        slowdowns = result.settings["contention"] = contention_slowdowns(result, levels)
-        result.notes.append("slowdown under contention (busy / idle step seconds, median over rounds): "
-                            + ", ".join(f"{pair} {value:.2f}x" for pair, value in slowdowns.items()))
-    result.notes.append(f"rounds 1..{rounds} run alternately (hasten, then each TRL process"
-                        f"{', at each contention level' if len(levels) > 1 else ''}); median over rounds "
-                        f"{'2' if rounds > 1 else '1'}..{rounds}; both sides get the same prompt rows; "
-                        "samples differ (different random streams), so completion lengths differ a little")
-    if any(r.get("learn/skipped_samples", 0.0) for level in levels for r in records[level]):
-        result.notes.append("the limit counts the model FLOPs of every sample; hasten's learning pass left out the "
-                            "samples that cannot have a gradient (skipped_samples, speed.skip_zero_advantage), "
-                            "TRL's ran them")
-    return result
 
 
 def contention_slowdowns(result: Result, levels: list[int]) -> dict[str, float]:

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-EXIT_USER_ERROR = 2
+from ..errors import EXIT_USER_ERROR, exit_code
 
 # main() was given process=True: this is the `hasten` process itself, which sft, datagen and test may
 # re-execute on the allocator their config asks for (kernels/allocator.py). False when called from Python.
@@ -197,13 +197,4 @@ def main(argv: list[str], process: bool = False) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    from ..errors import USER_ERRORS, Interrupted, report_interrupted
-
-    try:
-        return COMMANDS[args.command](args, extra)
-    except USER_ERRORS as exc:
-        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Interrupted as stop:
-        report_interrupted(stop, "hasten sft --resume")
-        return stop.exit_code
+    return exit_code(lambda: COMMANDS[args.command](args, extra), "hasten sft --resume")

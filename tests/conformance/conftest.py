@@ -6,6 +6,12 @@ hasten's. The terminal summary says how many of the tests that pass on TRL
 pass on hasten, and lists the ones hasten declares unsupported (those pass on
 hasten only by failing with its one-line "not supported" error).
 
+TRL's side is a control that changes only with TRL: its outcome per test is
+stored in trl_control/<trl version>.json and read from there, so a run trains
+on TRL only for a test the stored file lacks, or when TRL's installed version
+has no file yet, or when asked (HASTEN_TRL_CONTROL=1, `make trl-control`);
+each TRL run it does adds its outcomes to that file. hasten's side always runs.
+
 Models are built here, tiny and random (no hub downloads): causal LMs of the
 architectures TRL's tests name (Qwen2, Llama, Qwen3-MoE) and sequence-
 classification reward models (Qwen2, Llama), each saved with hasten's
@@ -15,7 +21,10 @@ offline byte-level ChatML tokenizer so both libraries load the same files.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import itertools
+import json
+import os
 import types
 from pathlib import Path
 
@@ -128,19 +137,73 @@ _UNSUPPORTED: dict[str, str] = {}
 
 
 def _key(item) -> tuple[str, str] | None:
+    """(library, "file::test[params]" without the library) for a conformance test, else None."""
     callspec = getattr(item, "callspec", None)
     if callspec is None or "lib" not in callspec.params or "conformance" not in str(item.path):
         return None
     name = callspec.params["lib"]
     rest = [part for part in callspec.id.split("-") if part != name]
-    return name, item.originalname + (f"[{'-'.join(rest)}]" if rest else "")
+    return name, f"{item.path.name}::{item.originalname}" + (f"[{'-'.join(rest)}]" if rest else "")
 
 
-def pytest_collection_modifyitems(items):
+CONTROL = Path(__file__).parent / "trl_control"
+_CACHED: list[str] = []  # the tests whose TRL outcome this session read from the stored control
+_RECORD: dict = {}  # {"path": the control file} when this session runs TRL's side of some tests
+
+
+def trl_version() -> str | None:
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def stored_control(version: str) -> dict[str, str]:
+    """The stored TRL outcomes for `version`, {} when none are stored or a fresh control is asked for."""
+    path = CONTROL / f"{version}.json"
+    if os.environ.get("HASTEN_TRL_CONTROL") == "1" or not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    assert data["trl"] == version, f"{path} holds trl {data['trl']}'s control"
+    return data["outcomes"]
+
+
+def pytest_collection_modifyitems(config, items):
+    version = trl_version()
+    stored = stored_control(version) if version else {}
+    kept, cached = [], []
     for item in items:
         key = _key(item)
         if key is not None and getattr(item.function, "unsupported", None):
             _UNSUPPORTED[key[1]] = item.function.unsupported
+        if key is not None and key[0] == "trl" and key[1] in stored:
+            _OUTCOMES.setdefault(key[1], {})["trl"] = stored[key[1]]
+            _CACHED.append(key[1])
+            cached.append(item)
+        else:
+            kept.append(item)
+    if cached:
+        config.hook.pytest_deselected(items=cached)
+        items[:] = kept
+    if version and len(cached) < sum(1 for item in items if (_key(item) or ("",))[0] == "trl"):
+        _RECORD["path"] = CONTROL / f"{version}.json"
+
+
+def pytest_sessionfinish(session):
+    """Add this session's TRL outcomes to the stored control (a test's latest outcome replaces its earlier).
+
+    A failure on TRL is not stored: it is this run's failure, and the next run tries TRL again. The file
+    is read again here, so sessions that ran TRL's side of different files at once each add theirs."""
+    if not _RECORD:
+        return
+    path = _RECORD["path"]
+    ran = {test: result["trl"] for test, result in _OUTCOMES.items()
+           if test not in _CACHED and result.get("trl") in ("passed", "skipped")}
+    earlier = json.loads(path.read_text())["outcomes"] if path.exists() else {}
+    outcomes = {**earlier, **ran}
+    if outcomes != earlier:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"trl": path.stem, "outcomes": dict(sorted(outcomes.items()))}, indent=1) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -162,7 +225,14 @@ def pytest_terminal_summary(terminalreporter):
         return
     write = terminalreporter.write_line
     terminalreporter.section("TRL conformance (tests/conformance)")
-    on_trl = [test for test, result in _OUTCOMES.items() if result.get("trl") == "passed"]
+    if _CACHED:
+        write(f"TRL's side of {len(_CACHED)} tests read from trl_control/{trl_version()}.json "
+              "(HASTEN_TRL_CONTROL=1 runs it again)")
+    if not any("hasten" in result for result in _OUTCOMES.values()):  # TRL's side alone (make trl-control)
+        passed = sum(result.get("trl") == "passed" for result in _OUTCOMES.values())
+        write(f"hasten's side not run (deselected): TRL passes {passed} of {len(_OUTCOMES)} tests")
+        return
+    on_trl = [test for test, result in _OUTCOMES.items() if result.get("trl") == "passed" and "hasten" in result]
     if on_trl:
         supported = [test for test in on_trl if _OUTCOMES[test].get("hasten") == "passed"
                      and test not in _UNSUPPORTED]

@@ -34,3 +34,19 @@ def test_every_added_conformance_test_is_in_coverage():
     named = {name for key, name in named_mirrors() if key == "more"}
     unlisted = sorted(f"more::{name}" for name in _tests(FILES["more"]) if name not in named)
     assert not unlisted, f"conformance tests COVERAGE.md does not list (map them to TRL's, or as additions): {unlisted}"
+
+
+def test_stored_trl_controls_name_only_existing_tests_and_store_no_failure():
+    """trl_control/<version>.json (conftest.py): each outcome is a test of this folder (file::name[params])
+    that exists, and is one TRL passed or skipped (a failure on TRL is never stored as the control)."""
+    import json
+
+    controls = sorted((HERE / "trl_control").glob("*.json"))
+    assert controls, "no stored TRL control: `make trl-control` writes one"
+    for path in controls:
+        data = json.loads(path.read_text())
+        assert data["trl"] == path.stem
+        for test, outcome in data["outcomes"].items():
+            file, _, name = test.partition("::")
+            assert name.split("[")[0] in _tests(file), f"{path.name}: {test} does not exist"
+            assert outcome in ("passed", "skipped"), f"{path.name}: {test} {outcome}"
