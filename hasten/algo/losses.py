@@ -37,9 +37,11 @@ r = 1 in value while its gradient is the policy gradient. When a different
 implementation sampled (vLLM), `importance_weights` w = min(pi_old / pi_sampler,
 cap) multiply each token's surrogate before the KL term (TRL's
 vllm_importance_sampling_correction); None leaves every loss unchanged.
-The entropy bonus (TRL's entropy_coef) is not a loss of the registry: it is
-`entropy_term` of each chunk, subtracted by the learner with the coefficient
-algo/entropy.py's control gives (the same for every loss type, as in TRL).
+The entropy bonus (TRL's entropy_coef) and a mixture-of-experts model's aux
+loss are not losses of the registry: they are optional fields of LossInputs,
+and `add_optional_terms` adds them to any registered loss (the same for every
+loss type, as in TRL), the bonus with the coefficient algo/entropy.py's
+control gives.
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ class LossInputs:
     # The chunk's whole loss mask when some of its samples were left out of the pass (they cannot have a
     # gradient: algo/zero_advantage.py); bnpo and the clip metrics count its tokens. None = completion_mask.
     chunk_mask: torch.Tensor | None = None
+    # Optional terms beyond the policy loss, built into the chunk's inputs (train/step_inputs.py) and added by
+    # add_optional_terms; None leaves the loss as the registry's function returns it.
+    entropies: torch.Tensor | None = None  # (N, T) token entropies with their gradient: the entropy bonus is on
+    entropy_mask: torch.Tensor | None = None  # (N, T) the tokens the bonus averages (loss mask x high-entropy mask)
+    entropy_coef: float = 0.0  # the bonus's coefficient this optimizer step (algo/entropy.py's control)
+    aux_loss: torch.Tensor | None = None  # a mixture-of-experts model's load-balancing loss (scalar, with grad)
+    aux_coef: float = 0.0  # algo.router_aux_loss_coef
 
     @property
     def chunk_tokens(self) -> torch.Tensor:
@@ -264,9 +273,20 @@ def entropy_term(entropies: torch.Tensor, mask: torch.Tensor, num_chunks: int) -
 
     entropies: (N, T) with grad; mask: (N, T) the loss mask, times the high-entropy mask when
     top_entropy_quantile < 1. TRL's bonus is this mean per micro-batch divided by the accumulation
-    steps, never a loss type's normaliser; the learner subtracts coefficient x this from the loss."""
+    steps, never a loss type's normaliser; add_optional_terms subtracts coefficient x this from the loss."""
     mask = mask.to(entropies.dtype)
     return (entropies * mask).sum() / mask.sum().clamp(min=1) / num_chunks
+
+
+def add_optional_terms(loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """The chunk's loss to backpropagate: the registry's `loss`, minus coefficient x the entropy bonus, plus
+    coefficient x the aux loss, each where its inputs are set. Both are divided by the chunks as TRL divides
+    them by its accumulation steps, never by a loss type's normaliser, so they are the same for every loss."""
+    if inputs.entropies is not None:
+        loss = loss - inputs.entropy_coef * entropy_term(inputs.entropies, inputs.entropy_mask, inputs.num_chunks)
+    if inputs.aux_loss is not None:
+        loss = loss + inputs.aux_coef * inputs.aux_loss / inputs.num_chunks
+    return loss
 
 
 def cispo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, Metrics]:

@@ -158,6 +158,13 @@ def sum_over_ranks(value: float) -> float:
     return float(tensor)
 
 
+def batch_totals(tokens: float, sequences: int, chunks: int) -> tuple[float, int, int]:
+    """A step's loss normalisers over the global batch from this rank's share: completion tokens and
+    sequences summed over ranks, so the rank losses add up to the one-process loss; chunks times the ranks
+    (every rank splits alike; bnpo averages every rank's chunks)."""
+    return sum_over_ranks(tokens), int(sum_over_ranks(sequences)), chunks * world_size()
+
+
 def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Each value averaged over ranks (every rank has the same keys: it ran the same code)."""
     if not _active() or not metrics:

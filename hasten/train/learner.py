@@ -13,11 +13,16 @@ No redundant passes:
 - the reference model runs only when beta > 0 (one no-grad pass per chunk,
   before any update); with LoRA it is the adapter-disabled policy.
 
-The entropy bonus (algo.entropy_coef, algo/entropy.py) is subtracted from each
-chunk's loss: the chunk's mean token entropy (losses.entropy_term) over the
-tokens the policy term learns from, with its gradient (the pass computes the
-entropy differentiably then, every iteration); the coefficient is the
-EntropyControl's, updated after each optimizer step.
+`step` is the update and nothing else: log-probs, the loss from the registry
+(LOSSES[algo.loss]), backward, the optimizer. Every optional feature is built
+once into each chunk's LossInputs by train/step_inputs.py: samples left out
+(speed.skip_zero_advantage), the old log-probs and importance weights fixed on
+a chunk's first pass (the Correction), the high-entropy mask, and the terms
+algo/losses.add_optional_terms adds: the entropy bonus (algo.entropy_coef: the
+chunk's mean token entropy with its gradient, over the tokens the policy term
+learns from; the coefficient is the EntropyControl's, updated after each
+optimizer step) and a mixture-of-experts model's aux loss. Rank sums are
+distributed.batch_totals and Optimization.step_shares.
 
 The log-prob pass is chosen once, at construction (`LogprobPass`): packed or
 padded, grouped attention and oneDNN linears on or off. The one choice left
@@ -31,15 +36,16 @@ train/optimization.py's, shared with the game and SFT loops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .. import ticker
-from ..algo import LOSSES, LossInputs, LossSettings
+from ..algo import LOSSES, LossSettings
 from ..algo.entropy import EntropyControl, EntropySettings
-from ..algo.losses import entropy_term, high_entropy_mask
+from ..algo.losses import add_optional_terms
 from ..algo.zero_advantage import learning_rows
 from ..config import Config
 from ..device import machine_bytes
@@ -55,6 +61,7 @@ from .logprobs import TokenStats, completion_logprobs
 from .microbatch import COPY_BYTES, MOMENT_BYTES, micro_batches, parameter_count, resolve_budget
 from .optimization import Optimization, OptimizerSettings
 from .packing import backbone_and_head, pack_ratio, packed_logprobs
+from .step_inputs import StepBatch, StepSums
 
 
 @dataclass(frozen=True)
@@ -306,20 +313,6 @@ PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "bf16_fp32head": "bf
                    "fp16": "fp16 autocast with a loss scaler"}
 
 
-@dataclass
-class StepSums:
-    """What a step adds up over its chunks and iterations before it reports."""
-
-    metrics: dict[str, float] = field(default_factory=lambda: {"clip_ratio/low": 0.0, "clip_ratio/high": 0.0})
-    entropy: float = 0.0
-    entropy_tokens: float = 0.0
-    loss: float = 0.0
-    policy_loss: float = 0.0  # the loss without the entropy bonus (reported when the bonus is on)
-    bonus_entropy: float = 0.0  # this optimizer step's entropy sum and tokens under the bonus (adaptive control)
-    bonus_tokens: float = 0.0
-    grad_norm: float = 0.0
-
-
 class Learner:
     def __init__(self, policy: Policy, plan: LearningPlan, optimization: Optimization,
                  reference: Reference | None = None):
@@ -358,127 +351,89 @@ class Learner:
         loss_mask: (B*G, T), the completion tokens the loss counts (default: all of them); the
         forward always sees whole completions (algo.mask_truncated_completions passes one).
         """
+        settings = self.settings
+        lr = self.optimization.lr  # the lr these updates use
+        batch = self._batch(rollout, advantages, loss_mask)  # chunks, the samples that run, global totals
+        sums = StepSums.for_step(reports_kl=batch.ref_logps is not None and settings.loss_settings.beta > 0)
+        count = ticker.tally("learning", settings.num_iterations * len(batch.passes), "micro-batch")
+        for iteration in range(settings.num_iterations):
+            sums.start_iteration()
+            coef = self.entropy_control.applied()  # the same for every chunk of this optimizer step (TRL)
+            for index, rows in enumerate(batch.passes):
+                count.done += 1
+                if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
+                    continue
+                stats = self._logprobs(rollout, rows, first=iteration == 0)  # (n, T) log-probs, entropies
+                inputs = batch.loss_inputs(index, stats, coef)  # old log-probs, weights, masks, optional terms
+                policy_loss, metrics = self.loss_fn(inputs, settings.loss_settings)  # LOSSES[algo.loss]
+                loss = add_optional_terms(policy_loss, inputs)  # - entropy bonus + aux loss, where on
+                self.optimization.backward(loss)
+                sums.add(inputs, policy_loss, loss, metrics, len(batch.chunks))
+            self._optimizer_step(batch, sums)
+        count.finish()
+        return self._report(sums, lr, batch)
+
+    def _batch(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None) -> StepBatch:
+        """The step's batch: chunks, the samples of each that can have a gradient (speed.skip_zero_advantage),
+        the reference's log-probs, the global normalisers, and what each chunk's loss inputs are built from."""
         if rollout.sampling is None:
             raise ValueError("the rollout does not say how it was sampled (Rollout.sampling)")
         settings = self.settings
-        lr = self.optimization.lr  # the lr these updates use
         mask = rollout.completion_mask if loss_mask is None else loss_mask  # (B*G, T)
         chunks = micro_batches(rollout, settings.accumulation_steps, settings.token_budget, settings.packed)
         chunks = [rows for rows in chunks if rows.numel()]  # dynamic sampling may leave fewer samples
-        # speed.skip_zero_advantage: each chunk's samples that can have a gradient (algo/zero_advantage.py)
         bonus = settings.entropy.enabled  # every token has an entropy gradient: no sample is skipped then
         router_coef = settings.router_aux_loss_coef  # > 0: a mixture-of-experts model's load-balancing loss joins
         passes = ([learning_rows(rows, advantages, mask, settings.loss_settings.beta, bonus or router_coef > 0)
                    for rows in chunks]
                   if settings.skip_zero_advantage else chunks)
-        learned = sum(rows.numel() for rows in passes)  # samples that go through the pass
         ref_logps = self._reference_logprobs(rollout, passes) if self.reference is not None else None
-        # The loss is normalised over the global batch: under torchrun this rank's rollout is its share
-        # (distributed.py), and the rank losses must add up to the one-process loss.
-        totals = (distributed.sum_over_ranks(float(mask.sum())), int(distributed.sum_over_ranks(rollout.num_samples)),
-                  len(chunks) * distributed.world_size())  # tokens, sequences, chunks (bnpo averages every rank's)
-        sums = StepSums()
-        if ref_logps is not None and settings.loss_settings.beta > 0:
-            sums.metrics["kl"] = 0.0  # every key a loss reports, so an all-skipped rank reports the same keys
-        trackers = self.correction.trackers()
-        # per chunk, fixed at iteration 0: (old log-probs, importance weights, high-entropy mask or None)
-        anchors: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = [None] * len(chunks)
-        count = ticker.tally("learning", settings.num_iterations * len(passes), "micro-batch")  # progress views read it
-        for iteration in range(settings.num_iterations):
-            sums.loss = sums.policy_loss = sums.bonus_entropy = sums.bonus_tokens = 0.0
-            coef = self.entropy_control.applied()  # the same for every chunk of this optimizer step (TRL)
-            for index, rows in enumerate(passes):
-                count.done += 1
-                if not rows.numel():  # no sample here can have a gradient; its clip metrics are 0
-                    continue
-                fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
-                with self.optimization.autocast():  # train.precision: a no-op in fp32
-                    stats = self.logprob_pass(self.policy.model, rollout, rows, with_entropy=iteration == 0 or bonus,
-                                              entropy_grad=bonus, router_aux=router_coef > 0)
-                if iteration == 0:
-                    old, weights = self.correction.anchor(stats.logps.detach(), rollout.sampling_logprobs[rows],
-                                                          mask[rows], trackers)
-                    keep = None
-                    if settings.top_entropy_quantile < 1.0:  # the high-entropy tokens alone learn (TRL)
-                        keep = high_entropy_mask(stats.entropy.detach(), mask[rows].to(old.device),
-                                                 settings.top_entropy_quantile).to(old.dtype)
-                        weights = keep if weights is None else weights * keep
-                    anchors[index] = (old, weights, keep)
-                    sums.entropy += float((stats.entropy.detach() * mask[rows]).sum())
-                    sums.entropy_tokens += float(mask[rows].sum())
-                old, weights, keep = anchors[index]
-                device = stats.logps.device
-                inputs = LossInputs(
-                    logps=stats.logps, old_logps=old, ref_logps=None if ref_logps is None else ref_logps[index],
-                    advantages=advantages[rows].to(device), completion_mask=mask[rows].to(device),
-                    total_tokens=totals[0], total_sequences=totals[1],
-                    max_completion_length=rollout.sampling.max_new_tokens, num_chunks=totals[2],
-                    importance_weights=weights,
-                    chunk_mask=None if rows is chunks[index] else mask[chunks[index]].to(device),
-                )
-                loss, metrics = self.loss_fn(inputs, settings.loss_settings)
-                sums.policy_loss += float(loss.detach())
-                if bonus:
-                    term = self._entropy_bonus(stats.entropy, inputs.completion_mask, keep, totals[2], sums)
-                    loss = loss - coef * term
-                if router_coef > 0:  # TRL's: + coef x the chunk's aux loss / the accumulation steps
-                    loss = loss + router_coef * stats.aux_loss / totals[2]
-                    sums.metrics["aux_loss"] = sums.metrics.get("aux_loss", 0.0) + float(stats.aux_loss.detach()) / len(chunks)
-                self.optimization.backward(loss)
-                sums.loss += float(loss.detach())
-                for key, value in metrics.items():
-                    sums.metrics[key] = sums.metrics.get(key, 0.0) + value / len(chunks)
-            if learned < rollout.num_samples and self.parameters:  # some samples were left out of the pass
-                self._zero_gradients_where_skipped(passes)
-            sums.loss = distributed.sum_over_ranks(sums.loss)
-            sums.grad_norm = self.optimization.step(sums.loss)
-            if bonus:
-                self.entropy_control.update(distributed.sum_over_ranks(sums.bonus_entropy),
-                                            distributed.sum_over_ranks(sums.bonus_tokens))
-                sums.metrics["entropy_coef"] = sums.metrics.get("entropy_coef", 0.0) + self.entropy_control.coef
-        count.finish()
-        return self._report(sums, lr, learned, rollout.num_samples, trackers)
+        # Under torchrun this rank's rollout is its share (distributed.py): the loss is the global batch's.
+        totals = distributed.batch_totals(float(mask.sum()), rollout.num_samples, len(chunks))
+        trackers = self.correction.trackers()  # this step's off-policy statistics, filled on the first passes
+        return StepBatch(rollout, advantages, mask, chunks, passes, totals, ref_logps,
+                         functools.partial(self.correction.anchor, trackers=trackers), trackers,
+                         settings.top_entropy_quantile, bonus, router_coef)
 
-    @staticmethod
-    def _entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None, num_chunks: int,
-                       sums: StepSums) -> torch.Tensor:
-        """The chunk's entropy term (with its gradient) over the tokens the policy term learns from (TRL's
-        effective mask: the loss mask times the high-entropy mask); their entropy is added to `sums`."""
-        tokens = mask.to(entropy.dtype) * (1.0 if keep is None else keep)  # (n, T)
-        sums.bonus_entropy += float((entropy.detach() * tokens).sum())
-        sums.bonus_tokens += float(tokens.sum())
-        return entropy_term(entropy, tokens, num_chunks)
+    def _logprobs(self, rollout: Rollout, rows: torch.Tensor, first: bool) -> TokenStats:
+        """The policy's pass over `rows` under train.precision: the entropies too on the first iteration (the
+        metric, the high-entropy mask) and, with their gradient, under the bonus; a MoE model's aux loss."""
+        fsdp.before_pass(self.policy.model)  # FSDP: the root's weights for the packed pass; else nothing
+        bonus = self.settings.entropy.enabled
+        with self.optimization.autocast():  # train.precision: a no-op in fp32
+            return self.logprob_pass(self.policy.model, rollout, rows, with_entropy=first or bonus,
+                                     entropy_grad=bonus, router_aux=self.settings.router_aux_loss_coef > 0)
 
-    def _report(self, sums: StepSums, lr: float, learned: int, samples: int,
-                trackers: tuple[OffPolicyStats | None, OffPolicyStats | None]) -> dict[str, float]:
+    def _optimizer_step(self, batch: StepBatch, sums: StepSums) -> None:
+        """One optimizer step on the iteration's gradients: zeros where skipped samples left none, the loss
+        summed over ranks, then the entropy control's update from the step's bonus tokens (every rank's)."""
+        if batch.learned < batch.rollout.num_samples and self.parameters:  # some samples were left out
+            self.optimization.zero_missing_gradients(ran_backward=any(rows.numel() for rows in batch.passes))
+        sums.loss, sums.grad_norm = self.optimization.step_shares(sums.loss)
+        if self.settings.entropy.enabled:
+            self.entropy_control.update(distributed.sum_over_ranks(sums.bonus_entropy),
+                                        distributed.sum_over_ranks(sums.bonus_tokens))
+            sums.metrics["entropy_coef"] = sums.metrics.get("entropy_coef", 0.0) + self.entropy_control.coef
+
+    def _report(self, sums: StepSums, lr: float, batch: StepBatch) -> dict[str, float]:
         """The step's metrics record, averaged over iterations and ranks."""
         iterations = self.settings.num_iterations
         out = distributed.mean_over_ranks({key: value / iterations for key, value in sums.metrics.items()})
         out.update(loss=sums.loss, grad_norm=sums.grad_norm, lr=lr)
         if self.settings.entropy.enabled:
             out["policy_loss"] = distributed.sum_over_ranks(sums.policy_loss)
-        entropy_tokens = distributed.sum_over_ranks(sums.entropy_tokens)
+        entropy_tokens = distributed.sum_over_ranks(batch.entropy_tokens)
         if entropy_tokens > 0:  # the tokens that went through the pass (all of them unless some were skipped)
-            out["entropy"] = distributed.sum_over_ranks(sums.entropy) / entropy_tokens
+            out["entropy"] = distributed.sum_over_ranks(batch.entropy) / entropy_tokens
         if self.settings.skip_zero_advantage:
             out["learn/skipped_samples"] = distributed.mean_over_ranks(
-                {"skipped": 1.0 - learned / max(samples, 1)})["skipped"]
-        for tracker in trackers:
+                {"skipped": 1.0 - batch.learned / max(batch.rollout.num_samples, 1)})["skipped"]
+        for tracker in batch.trackers:
             if tracker is not None:
                 out.update(tracker.metrics())
         if self.optimization.guard is not None:
             out["nan_guard/skipped"] = self.optimization.skipped_updates  # over the run so far
         return out
-
-    def _zero_gradients_where_skipped(self, passes: list[torch.Tensor]) -> None:
-        """After skipping: every parameter gets the gradient the plain pass gives it, zero where nothing
-        that ran touched it, not None (AdamW skips a parameter without a gradient: no moment decay, no
-        step count). With no pass at all, a zero loss goes through backward, so a GradScaler sees one."""
-        if not any(rows.numel() for rows in passes):
-            self.optimization.backward(sum(parameter.reshape(-1)[0] for parameter in self.parameters) * 0.0)
-        for parameter in self.parameters:
-            if parameter.grad is None:  # e.g. an expert that only skipped samples were routed to
-                parameter.grad = torch.zeros_like(parameter)
 
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout, chunks) -> list[torch.Tensor | None]:

@@ -13,7 +13,7 @@ A loop calls `autocast()` around its forward, `backward(loss)` per
 micro-batch and `step(loss)` once per optimizer step. Under torchrun `step`
 first sums the gradients over ranks (distributed.py): each rank's loss is
 its share of the global batch's, so the sum is the one-process gradient;
-`loss` must then be the global loss too (the loops sum it over ranks); with FSDP
+`loss` must then be the global loss too (`step_shares` sums a rank's share first); with FSDP
 (fsdp.py) backward has summed them already and the state is gathered whole.
 `state_dict()` holds
 everything a resumed run needs to continue bit-identically: AdamW's moments
@@ -198,6 +198,23 @@ class Optimization:
             self.precision.skip(self.optimizer)  # speed.nan_guard: as if this update never happened
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def step_shares(self, loss_share: float) -> tuple[float, float]:
+        """`step` for a loop whose ranks each hold a share of the loss: the shares summed over ranks first (the
+        global loss the NaN guard reads, as `step` sums the gradients); returns (global loss, gradient norm)."""
+        loss = distributed.sum_over_ranks(loss_share)
+        return loss, self.step(loss)
+
+    def zero_missing_gradients(self, ran_backward: bool) -> None:
+        """After a pass that left samples out: every parameter gets the gradient the full pass gives it, zero
+        where nothing that ran touched it, not None (AdamW skips a parameter without a gradient: no moment decay,
+        no step count). ran_backward False (no pass at all): a zero loss goes through backward, so a GradScaler
+        sees one."""
+        if not ran_backward:
+            self.backward(sum(parameter.reshape(-1)[0] for parameter in self.parameters) * 0.0)
+        for parameter in self.parameters:
+            if parameter.grad is None:  # e.g. an expert that only skipped samples were routed to
+                parameter.grad = torch.zeros_like(parameter)
 
     @property
     def skipped_updates(self) -> int:
