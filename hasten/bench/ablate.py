@@ -28,7 +28,7 @@ import time
 from ..compare import RunSpec, format_table, run_all, summarize
 from ..errors import UserError
 
-CUDA_ONLY = {"train.tf32", "train.precision", "speed.compile"}  # inert or harmful on this CPU; see docs/speedups.md
+CUDA_ONLY = {"train.tf32", "speed.compile"}  # inert or harmful on this CPU; see docs/speedups.md
 
 
 def inert_reason(key: str, cuda: bool) -> str | None:
