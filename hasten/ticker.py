@@ -64,6 +64,20 @@ FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # where the terminal reports 0 x 0 (t
 LIVE_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"  # tqdm's, less its unsettled ETA
 
 _mode = "auto"
+# When a progress line (a ticker's, or the step view's: train/progress.py) was last written, on the real clock.
+# Phases run back to back (a step, the final save, the final eval) each start their own timer; a plain or
+# piped line is due when the log, not the phase, has been silent for every_s, so two short phases in a row
+# never add up to more than that.
+_last_line = [time.monotonic()]
+
+
+def wrote_line() -> None:
+    _last_line[0] = time.monotonic()
+
+
+def silence(clock: Callable[[], float], own_last: float) -> float:
+    """Seconds since the last progress line: anyone's on the real clock, this writer's own on a test's."""
+    return clock() - (_last_line[0] if clock is time.monotonic else own_last)
 
 
 def configure(mode: str) -> None:
@@ -271,7 +285,7 @@ class Ticker:
                     self._bar.refresh()
                 except OSError:
                     self._turn_off()
-            elif self.mode in ("plain", "piped") and self._clock() - self._printed >= self.every_s:
+            elif self.mode in ("plain", "piped") and silence(self._clock, self._printed) >= self.every_s:
                 self._print_line()
 
     def text(self) -> str:
@@ -346,6 +360,7 @@ class Ticker:
             return
         self.lines += 1
         self._printed = self._clock()
+        wrote_line()
 
     def _turn_off(self) -> None:
         """The stream hung up: the ticker goes quiet, the work goes on."""

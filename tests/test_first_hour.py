@@ -337,3 +337,18 @@ def test_a_ticker_does_not_repeat_its_last_line_when_it_closes():
         clock.now += ticker.PLAIN_EVERY_S
         tick.tick()
     assert stream.getvalue().splitlines() == [f"loading model tiny: 00:{ticker.PLAIN_EVERY_S:02.0f} elapsed"]
+
+
+def test_back_to_back_phases_never_add_their_silences(monkeypatch):
+    """A save and an eval, each shorter than the piped interval, run one after the other: the second phase's
+    ticker speaks once the log (not the phase) has been silent for every_s."""
+    now = [1000.0]
+    monkeypatch.setattr(ticker.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    ticker.wrote_line()  # the step line
+    now[0] += 20  # the save: quiet, under every_s
+    with Ticker("evaluating", total=64, mode="plain", stream=stream, timer=False, clock=ticker.time.monotonic,
+                every_s=25) as tick:
+        now[0] += 6  # 26 s since the step line, 6 s into the eval
+        tick.tick()
+        assert stream.getvalue().startswith("evaluating"), "the eval's ticker waited for its own 25 s"

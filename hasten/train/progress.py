@@ -154,7 +154,7 @@ class Progress:
             if self.mode == "live":
                 self._now = "now: " + line
                 self._redraw()
-            elif now - self._printed >= self.every_s:
+            elif ticker.silence(self._clock, self._printed) >= self.every_s:
                 self._write(line + "\n")
 
     def close(self) -> None:
@@ -261,6 +261,7 @@ class Progress:
             self.stream.write(text)
             self.stream.flush()
             self._printed = self._clock()
+            ticker.wrote_line()
         except OSError:
             # The terminal hung up (EIO; its SIGHUP stops the run in train/loop.py) or the reader of a
             # pipe went away: the view stops, the run goes on. metrics.jsonl has every step.
