@@ -424,9 +424,9 @@ def cell_rows(cell: Cell, cfg, shape: cost.Shape, opts) -> list[Row]:
     size = ModelSize(shape.body, shape.head)
     name = f"{cell.side} {cell.model} L={cell.length}" + (" lora" if cell.mode.startswith("lora") else "")
     hasten = cell.side == "hasten"
-    from .workloads import learning_precision
+    from .workloads import run_precisions
 
-    precisions = (cfg.generation.precision, learning_precision(cfg)) if hasten else ("fp32", "fp32")
+    precisions = run_precisions(cfg, shape.hidden) if hasten else ("fp32", "fp32")
     # The floor counts the completions' work alone (no prompt tokens, no KV read of the prompt): a lower bound
     phases = [step_work(size, shape, 0.0, step["completion_tokens"], cell.length, 0.0, precisions, cfg.model.lora)
               for step in measured]

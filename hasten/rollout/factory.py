@@ -100,22 +100,32 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
 
 
 def auto_generation_precision(cfg: Config, policy: Policy) -> str:
+    """generation.precision=auto for this policy: sampling_precision's rule, on its device and width, where the
+    lean engine can run it (else the hf engine samples, in fp32)."""
+    from ..rollout.lean import check_supported
+
+    device = next(policy.model.parameters()).device
+    try:
+        check_supported(policy.model)
+    except ValueError:  # the hf engine will sample: fp32
+        return "fp32"
+    return sampling_precision(cfg, device, getattr(policy.model.config, "hidden_size", None))
+
+
+def sampling_precision(cfg: Config, device, hidden_size: int | None) -> str:
     """generation.precision=auto: bf16 where the lean engine samples with its own copy on a CPU with
     native bf16 and a model wide enough for bf16 to pay (kernels.precision's rule), fp32 elsewhere.
 
     bf16 sampling is importance-weighted (train/learner.py's Correction), and measured on B5 to learn as fp32
     sampling does (docs/precision.md). Not on a GPU (not measured there), not with vLLM or the hf engine
-    (they sample in their own precision), not with engine_weights=shared (it samples from the fp32 weights)."""
+    (they sample in their own precision), not with engine_weights=shared (it samples from the fp32 weights).
+    The bench calls it for a model it has the shape of (bench/scaling.py)."""
     from ..kernels.precision import auto_bf16_reason
-    from ..rollout.lean import check_supported
 
-    device = next(policy.model.parameters()).device
+    if cfg.generation.precision != "auto":
+        return cfg.generation.precision
     if (cfg.speed.engine not in ("auto", "lean") or cfg.speed.engine_weights == "shared" or device.type != "cpu"
-            or auto_bf16_reason(device, getattr(policy.model.config, "hidden_size", None)) is not None):
-        return "fp32"
-    try:
-        check_supported(policy.model)
-    except ValueError:  # the hf engine will sample: fp32
+            or auto_bf16_reason(device, hidden_size) is not None):
         return "fp32"
     return "bf16"
 
