@@ -87,7 +87,7 @@ class GenerationConfig:
     tool_isolation: str = "process"  # process: each user tool call in a child killed at the timeout (a hang, crash or os._exit is that call's error) | thread: in the trainer, TRL's contract (tools can share state with it) (docs/agentic.md)
     tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
     tool_kv_cache: bool = True  # lean engine: keep each conversation's K/V between turns (false: re-prefill)
-    precision: str = "fp32"  # auto (a run's default: bf16 where the lean engine samples on a CPU with native bf16, else fp32) | fp32 | bf16 | int8: the lean engine's sampling matmuls, TIS-corrected
+    precision: str = "fp32"  # auto (bf16 where the lean engine samples on a CPU with native bf16, else fp32; --profile balanced) | fp32 | bf16 | int8: the lean engine's sampling matmuls, TIS-corrected
 
 
 @dataclass
@@ -150,7 +150,7 @@ class TrainConfig:
     shuffle: bool = True  # prompts in a fresh seeded shuffle each epoch; false: in dataset order (TRL's shuffle_dataset)
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
-    precision: str = "fp32"  # learning pass: auto (a run's default: bf16_fp32head where bf16 is native and the model >= 256 wide, else fp32) | fp32 | bf16 autocast (learns less) | bf16_fp32head (bf16 body, fp32 head and log-softmax: docs/precision.md) | fp16 (with a GradScaler)
+    precision: str = "fp32"  # learning pass: auto (bf16_fp32head where bf16 is native and the model >= 256 wide, else fp32; --profile balanced) | fp32 | bf16 autocast (learns less) | bf16_fp32head (bf16 body, fp32 head and log-softmax: docs/precision.md) | fp16 (with a GradScaler)
     attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     optimizer_moments: str = "fp32"  # fp32 | bf16: AdamW's two moments kept in bf16 (stochastic rounding), half its state; changes numerics
@@ -575,7 +575,6 @@ def load_config(
     for key, value in pairs:
         _set(cfg, key, value)
     _apply_task_defaults(cfg, pairs)
-    _apply_machine_defaults(cfg, pairs)
     if profile is not None:  # after the run's own numbers, which a profile's rules read
         from .profiles import HELD_BACK, held_back, resolve as resolve_profile
 
@@ -586,20 +585,6 @@ def load_config(
         for key, value in overrides or []:  # the command line still wins over the profile
             _set(cfg, key, value)
     return validate(cfg)
-
-
-# A run's precisions default to `auto`: the plan picks bf16 learning with an fp32 head and bf16 sampling where
-# the hardware has native bf16 and the model is wide enough, fp32 elsewhere, and says so in its plan line
-# (kernels/precision.py, rollout/factory.py; docs/precision.md has the evidence that they learn as fp32 does).
-# The dataclass defaults stay fp32, so a Config built in code (tests, tools) computes exactly what it says.
-MACHINE_DEFAULTS: dict[str, Any] = {"train.precision": "auto", "generation.precision": "auto"}
-
-
-def _apply_machine_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:
-    given = {MOVED.get(key, key) for key, _ in pairs}  # an old name given counts as its new one
-    for key, value in MACHINE_DEFAULTS.items():
-        if key not in given:
-            _set(cfg, key, value)
 
 
 def _apply_task_defaults(cfg: Config, pairs: list[tuple[str, Any]]) -> None:

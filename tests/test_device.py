@@ -93,7 +93,7 @@ def test_profiles_sample_in_auto_or_int8_where_the_cpu_has_no_bf16(monkeypatch, 
     monkeypatch.setattr(hasten.device, "cpu_int8_unavailable_reason", lambda: "no fbgemm")
     assert resolve("aggressive", on_cpu)["generation.precision"] == "auto"  # never a refused setting
     assert resolve("baseline", on_cpu)["generation.precision"] == "fp32"
-    assert resolve("conservative", on_cpu)["generation.precision"] == "auto"
+    assert resolve("conservative", on_cpu)["generation.precision"] == "fp32"
     hf_engine = load_config(overrides=[("model.device", "cpu"), ("speed.engine", "hf")])
     assert resolve("aggressive", hf_engine)["generation.precision"] == "auto"  # int8 is the lean engine's option
     explicit = load_config(overrides=[("model.device", "cpu"), ("generation.precision", "fp32")],

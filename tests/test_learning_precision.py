@@ -133,15 +133,19 @@ def test_plan_line_says_the_precision_and_why(monkeypatch):
     assert precision_module.FP32_HEAD_MODES == ("bf16_fp32head",)
 
 
-def test_a_run_defaults_to_auto_and_a_config_built_in_code_to_fp32():
+def test_a_run_stays_fp32_unless_asked_and_balanced_asks_for_auto():
+    """B5 over 6 seeds put bf16_fp32head with bf16 sampling 0.018 below fp32's final accuracy, past the 0.01 a
+    default may lose (docs/precision.md): the default stays fp32; balanced, which trades, takes auto."""
     from hasten.config import Config, load_config
 
     loaded = load_config(overrides=[("model.name", "tiny")])
-    assert (loaded.train.precision, loaded.generation.precision) == ("auto", "auto")
+    assert (loaded.train.precision, loaded.generation.precision) == ("fp32", "fp32")
     assert (Config().train.precision, Config().generation.precision) == ("fp32", "fp32")
-    given = load_config(overrides=[("model.name", "tiny"), ("train.precision", "fp32")])
-    assert given.train.precision == "fp32" and given.generation.precision == "auto"
-    assert load_config(overrides=[("model.name", "tiny")], profile="baseline").train.precision == "fp32"
+    asked = load_config(overrides=[("model.name", "tiny"), ("train.precision", "auto")])
+    assert asked.train.precision == "auto" and asked.generation.precision == "fp32"
+    balanced = load_config(overrides=[("model.name", "tiny"), ("model.device", "cpu")], profile="balanced")
+    assert (balanced.train.precision, balanced.generation.precision) == ("auto", "auto")
+    assert load_config(overrides=[("model.name", "tiny")], profile="conservative").train.precision == "fp32"
 
 
 @pytest.mark.parametrize("native, hidden, engine, expected", [

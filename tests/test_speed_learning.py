@@ -261,7 +261,7 @@ def test_baseline_switches_every_acceleration_off():
 
 
 def test_conservative_is_the_code_defaults():
-    defaults = load_config()  # a run's defaults: the dataclasses' plus the precisions' auto (config.MACHINE_DEFAULTS)
+    defaults = load_config()  # a run's defaults
     for key, value in resolve("conservative", Config()).items():
         section, name = key.split(".")
         assert getattr(getattr(defaults, section), name) == value, key

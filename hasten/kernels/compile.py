@@ -60,6 +60,9 @@ def compile_model(model, mode: str = "default", log: Callable[[str], None] = pri
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eager
+    from .grouped_attention import keep_out_of_graphs
+
+    keep_out_of_graphs()  # its per-step layout would recompile the layers every step
     for layer in layers:
         layer.compile(mode=None if mode == "default" else mode, dynamic=True)
     log(f"speed.compile: {len(layers)} decoder layers compiled (mode {mode}, dynamic shapes)")

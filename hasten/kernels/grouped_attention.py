@@ -269,11 +269,6 @@ def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _Rows.apply(source, index)
 
 
-# speed.compile compiles each decoder layer, and this runs inside one. Its loops walk the step's layout (the
-# bucket tuples change every step), so a traced copy would be specialized to one step's buckets and Dynamo
-# would recompile per step until its limit, then run the whole layer eager. Kept out of the graph on purpose:
-# the layer's projections, norms and MLP compile around it, once.
-@torch.compiler.disable
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, hasten_layout: GroupedLayout | None = None,
                               **kwargs):
@@ -330,6 +325,20 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     out = take_rows(torch.cat(pieces), layout.output_source)  # (B*L, H, D)
     return out.view(batch, length, heads, dim), None  # (B, L, H, D), as transformers' sdpa returns
 
+
+
+
+def keep_out_of_graphs() -> None:
+    """speed.compile compiles each decoder layer, and grouped_attention_forward runs inside one. Its loops walk
+    the step's layout (the bucket tuples change every step), so a traced copy would be specialized to one
+    step's buckets and Dynamo would recompile per step until its limit, then run the whole layer eager. Kept
+    out of the graph on purpose: the layer's projections, norms and MLP compile around it, once. Done when
+    compiling (kernels/compile.py), not at import: torch.compiler.disable imports Dynamo, seconds of startup
+    a run that never compiles should not pay. Callers look the function up at each call (models/llama.py)."""
+    global grouped_attention_forward
+    if not getattr(grouped_attention_forward, "hasten_out_of_graphs", False):
+        grouped_attention_forward = torch.compiler.disable(grouped_attention_forward)
+        grouped_attention_forward.hasten_out_of_graphs = True
 
 def _causal_completions(layout: GroupedLayout, own_q, own_k, own_v, prompt_k, prompt_v, scaling, gqa):
     """The completions' attention as causal sequences: per slice [start, end) whose rows see p prompt keys,

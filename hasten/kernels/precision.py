@@ -5,6 +5,11 @@ precision:
           without native bf16; fp16 has no fast CPU kernels at all)
     bf16  autocast to bfloat16 on the model's device; weights, optimizer
           state and the loss stay fp32
+    bf16_fp32head  bf16's autocast for the body, the LM head and its
+          log-softmax in fp32 (fp32_head below): half bf16's log-prob error
+          against float64 (docs/precision.md has where the bits go)
+    auto  bf16_fp32head where bf16 is native and the model wide enough,
+          fp32 elsewhere (resolve_precision; --profile balanced sets it)
     fp16  autocast to float16 plus a GradScaler: the loss is scaled up before
           backward so small gradients do not flush to zero, gradients are
           unscaled before clipping, and a step whose gradients overflowed is
