@@ -102,7 +102,7 @@ class AlgoConfig:
     ref_model_sync_steps: int = 0  # > 0: every N optimizer steps the KL reference moves alpha of the way to the policy (TRL's sync_ref_model)
     ref_model_mixup_alpha: float = 0.6  # that alpha (TRL's ref_model_mixup_alpha)
     delta: float | None = None  # two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon_high); TRL's key
-    router_aux_loss_coef: float = 0.001  # mixture-of-experts models: + this x the router's load-balancing loss (TRL's key and default; 0 = off)
+    router_aux_loss_coef: float | None = None  # mixture-of-experts models: + this x the router's load-balancing loss (TRL's key; None = the model config's own coefficient, 0 when it declares none, as TRL; 0 = off)
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL from the sampler exceeds this
     sapo_temperature_pos: float = 1.0  # algo.loss=sapo: the gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # algo.loss=sapo: the gate's temperature for the others

@@ -121,7 +121,7 @@ class _GRPOFields(_TrainingFields):
     ref_model_mixup_alpha: float = 0.6  # algo.ref_model_mixup_alpha
     delta: float | None = None  # algo.delta
     off_policy_mask_threshold: float | None = None  # algo.off_policy_mask_threshold
-    router_aux_loss_coef: float = 0.001  # algo.router_aux_loss_coef (mixture-of-experts models only)
+    router_aux_loss_coef: float | None = None  # algo.router_aux_loss_coef (None: the model config's own, as TRL)
     sapo_temperature_pos: float = 1.0  # algo.sapo_temperature_pos
     sapo_temperature_neg: float = 1.05  # algo.sapo_temperature_neg
     vespo_k_pos: float = 2.0  # algo.vespo_k_pos, and the three below

@@ -111,6 +111,7 @@ class GRPOTrainer:
         random.seed(args.seed)
         torch.manual_seed(args.seed)  # LoRA's initialization, as TRL seeds before building the model
         policy = build_policy(model, self.config, processing_class, peft_config, log)
+        check_model_options(policy.model, args)
         cfg = self.config
         self.state = TrainerState(max_steps=cfg.train.steps * cfg.algo.num_iterations,
                                   num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
@@ -141,12 +142,12 @@ class GRPOTrainer:
 
     @property
     def aux_loss_enabled(self) -> bool:
-        """TRL's: the model is a mixture of experts (its config has output_router_logits) and
-        router_aux_loss_coef is not 0; the learner then adds coef x the router load-balancing loss and logs
-        it as aux_loss."""
-        from ..train.learner import is_mixture_of_experts
+        """TRL's: the model is a mixture of experts (its config has output_router_logits) and the coefficient
+        (router_aux_loss_coef, else the model config's own) is not 0; the learner then adds coef x the router
+        load-balancing loss and logs it as aux_loss."""
+        from ..train.learner import router_aux_coef
 
-        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
+        return router_aux_coef(getattr(self.model, "config", None), self.args.router_aux_loss_coef) != 0
 
     @property
     def reward_func_names(self) -> list[str]:
@@ -311,6 +312,17 @@ class GRPOTrainer:
             target.mkdir(parents=True, exist_ok=True)
             save_model_files(self.model, self.processing_class, target, state)
         return target
+
+
+def check_model_options(model, args: GRPOConfig) -> None:
+    """TRL's construction errors that depend on the loaded model, with TRL's words (ValueError subclasses)."""
+    from ..train.learner import is_mixture_of_experts
+
+    coef = args.router_aux_loss_coef
+    if coef and not is_mixture_of_experts(getattr(model, "config", None)):
+        raise APIError(f"`router_aux_loss_coef` is set to {coef} but {type(model).__name__} is not a "
+                       "Mixture-of-Experts model that returns its router logits, so there is no auxiliary loss to "
+                       "weight.")
 
 
 def tag_model(model, tags: list[str]) -> None:

@@ -186,7 +186,7 @@ class LearnerSettings:
                    cfg.train.gradient_accumulation_steps, token_budget(cfg, sharded, model_config, device),
                    speed.packed_learning,
                    speed.skip_zero_advantage and not sharded, speed.offload_reference, algo.top_entropy_quantile,
-                   entropy, algo.router_aux_loss_coef if is_mixture_of_experts(model_config) else 0.0)
+                   entropy, router_aux_coef(model_config, algo.router_aux_loss_coef))
 
 
 def is_mixture_of_experts(model_config) -> bool:
@@ -195,6 +195,17 @@ def is_mixture_of_experts(model_config) -> bool:
         return False
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return getattr(text, "output_router_logits", None) is not None
+
+
+def router_aux_coef(model_config, coef: float | None) -> float:
+    """The aux loss's coefficient, as TRL's: algo.router_aux_loss_coef, or when None the model config's own
+    router_aux_loss_coef (0 when it declares none: GLM-4 MoE returns no router loss at all); 0 for a dense model."""
+    if not is_mixture_of_experts(model_config):
+        return 0.0
+    if coef is None:
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        return float(getattr(text, "router_aux_loss_coef", None) or 0.0)
+    return coef
 
 
 def token_budget(cfg: Config, sharded: bool, model_config, device: str = "cpu") -> int:
