@@ -112,11 +112,13 @@ def test_environment_without_reset_is_an_error(tmp_path):
 
 
 def test_dict_of_environments_checks_the_environment_column(tmp_path):
-    rows = [{**row, "environment": "game"} for row in chat_rows()]
-    rows[2]["environment"] = "chess"
-    with pytest.raises(ToolError, match="row 2: environment='chess' is not one of game"):
-        GRPOTrainer(model="tiny", args=args_for(tmp_path), train_dataset=rows,
-                    environment_factory={"game": GuessingGame})
+    """As TRL: the trainer constructs, and the batch that holds the unknown name raises TRL's ValueError."""
+    rows = [{**row, "environment": "chess"} for row in chat_rows()]
+    trainer = GRPOTrainer(model="tiny", args=args_for(tmp_path), train_dataset=rows,
+                          environment_factory={"game": GuessingGame})
+    with pytest.raises(ToolError, match="environment='chess'`, which is not among the environments") as error:
+        trainer.train()
+    assert isinstance(error.value, ValueError) and "\n" not in str(error.value)
 
 
 def test_calculator_tool_answers_and_refuses_code():

@@ -65,7 +65,9 @@ def make_agent(cfg: Config, task: Any, tools: list[Callable] | None = None,
     environments = Environments(factory) if factory is not None else None
     _check_unique(resolved, environments)
     for name, rows in (("train", task.train_rows), ("eval", task.eval_rows)):
-        if environments is not None:
+        # A task's or task.environment's rows are checked before the model loads; the Python API's
+        # environment_factory meets an unknown name at batch time, as TRL (its trainer constructs, train raises)
+        if environments is not None and environment is None:
             environments.check_rows(rows, f"task {task.name} {name}")
         for index, row in enumerate(rows):
             if not isinstance(row.get("prompt"), list):

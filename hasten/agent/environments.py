@@ -39,6 +39,7 @@ class Environments:
         if not self.factories:
             raise ToolError("environment error: environment_factory is an empty dict")
         self.pool: dict[str | None, list[Any]] = {}
+        self.last: list[Any] = []  # the last batch's instances, one per rollout (TRL's trainer.environments)
         self.schemas: dict[str | None, dict[str, Tool]] = {}  # per environment: its methods as Tools (probe instance)
         for name, make in self.factories.items():
             label = _label(make, name)
@@ -60,8 +61,12 @@ class Environments:
             return
         for index, row in enumerate(rows):
             if row.get("environment") not in self.factories:
-                raise ToolError(f"environment error: {where} row {index}: environment={row.get('environment')!r} "
-                                f"is not one of {', '.join(map(str, self.factories))}")
+                raise ToolError(f"environment error: {where} row {index}: {self._unknown(row.get('environment'))}")
+
+    def _unknown(self, name: Any) -> str:
+        """TRL's words, which its users' `except ValueError` and tests match (ToolError is a ValueError)."""
+        return (f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.factories)}.")
 
     def take(self, rows: list[dict], num_generations: int) -> list[tuple[Any, str | None]]:
         """One instance per rollout (group-major), drawn from the pools, made when a pool runs short."""
@@ -69,12 +74,15 @@ class Environments:
         taken = []
         for row in rows:
             name = row.get("environment") if self.by_column else None
+            if name not in self.factories:  # rows the Python API left to batch time, as TRL checks them
+                raise ToolError(f"environment error: {self._unknown(name)}")
             for _ in range(num_generations):
                 pool, index = self.pool[name], cursor.get(name, 0)
                 if index == len(pool):
                     pool.append(self.factories[name]())
                 cursor[name] = index + 1
                 taken.append((pool[index], name))
+        self.last = [instance for instance, _ in taken]
         return taken
 
     def reset(self, instance: Any, name: str | None, row: dict) -> str | None:

@@ -85,6 +85,10 @@ class GRPOTrainer:
                            "environment_factory")
         placeholder = None
         if train_dataset is None and environment_factory is not None:  # the environment makes the prompts
+            if isinstance(environment_factory, dict):  # TRL's words: nothing would choose each row's environment
+                raise APIError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` "
+                               "with an `environment` column to route each example to its environment. Provide a "
+                               "dataset, or pass a single environment factory.")
             if args.max_steps <= 0:
                 raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
                                "args.max_steps must be set")
@@ -98,8 +102,8 @@ class GRPOTrainer:
                           fill_prompt=environment_factory is not None)
         rewards = build_rewards(reward_funcs, reward_processing_classes, args.chat_template_kwargs,
                                 optional=environment_factory is not None)
-        if environment_factory is None and args.reward_weights is not None and \
-                len(args.reward_weights) != len(rewards):  # TRL's words
+        # TRL's words; the weights are reward_funcs' alone (an environment's get_reward joins after, weight 1)
+        if args.reward_weights is not None and len(args.reward_weights) != len(rewards):
             raise APIError(f"Number of reward weights ({len(args.reward_weights)}) must match number of reward "
                            f"functions ({len(rewards)})")
         pairs = [("model.name", model_name(model)), ("task.name", "dataset"),
@@ -189,6 +193,46 @@ class GRPOTrainer:
             # made now, before any update, as TRL's
             session.reference = Reference(session.policy, cfg.speed.offload_reference)
         return None if session.reference is None else session.reference.frozen
+
+    @property
+    def tools(self) -> list:
+        """TRL's: the tools= callables, then each environment's methods bound to its first instance (two names
+        of one class: two instances, so both sets, as TRL lists them); [] without tools or environments."""
+        agent = self.session.agent
+        if agent is None or not hasattr(agent, "tools"):  # none, or a rollout_func's
+            return []
+        found = [tool.fn for tool in agent.tools.values()]
+        for methods in (agent.environments.schemas.values() if agent.environments is not None else ()):
+            found += [tool.fn for tool in methods.values() if tool.fn not in found]
+        return found
+
+    @property
+    def environments(self) -> list:
+        """TRL's: the last batch's environment instances, one per rollout ([] before the first batch)."""
+        agent = self.session.agent
+        return list(agent.environments.last) if getattr(agent, "environments", None) is not None else []
+
+    @property
+    def _env_tools(self) -> dict:
+        """TRL's private per-environment tools ({name: tools= callables + that environment's methods}), which
+        TRL's multiple-environments test reads."""
+        agent = self.session.agent
+        shared = [tool.fn for tool in agent.tools.values()]
+        return {name: shared + [tool.fn for tool in methods.values()]
+                for name, methods in agent.environments.schemas.items()}
+
+    @property
+    def _environment_pool(self) -> dict:
+        """TRL's private instance pools ({name: instances made so far}), which the same test reads."""
+        return self.session.agent.environments.pool
+
+    @property
+    def reward_weights(self):
+        """(number of reward functions,) float32 tensor, as TRL's: reward_weights (1 each when unset), then 1
+        for each environment class's get_reward."""
+        import torch
+
+        return torch.tensor([function.weight for function in self.session.rewards], dtype=torch.float32)
 
     @property
     def reward_funcs(self) -> list:

@@ -86,12 +86,15 @@ class Session:
     reference: Reference | None = None  # the KL reference when algo.beta > 0 (made before any update)
 
 
-def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
-    """The task's rewards (rewards.task_rewards), rewards.extra's files, then `given` (the Python API's)."""
+def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = None,
+                  owned: list[RewardFunction] | None = None) -> list[RewardFunction]:
+    """The task's rewards (rewards.task_rewards), rewards.extra's files, `given` (the Python API's), then
+    `owned`: the environments' get_reward functions, weight 1 each. rewards.weights covers all but those (TRL:
+    reward_weights are the reward_funcs'; an environment-owned reward is appended after them, weight 1)."""
     functions = list(task.reward_functions) if cfg.rewards.task_rewards else []
     functions += [load_reward(spec) for spec in cfg.rewards.extra]
     functions += list(given or [])
-    if not functions:
+    if not functions and not owned:
         raise ConfigError(
             f"config error: no reward functions (task '{task.name}' has none built in; add --reward file.py:function)"
         )
@@ -103,7 +106,7 @@ def build_rewards(cfg: Config, task: Task, given: list[RewardFunction] | None = 
                 f"{len(functions)} reward functions ({names})"
             )
         functions = [dataclasses.replace(f, weight=w) for f, w in zip(functions, cfg.rewards.weights)]
-    return functions
+    return functions + list(owned or [])
 
 
 def callable_name(obj: Any) -> str:
@@ -141,7 +144,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     # config.yaml records what the run uses: the API's callables by name (they cannot be reloaded from it)
     cfg.generation.api_tools = [callable_name(tool) for tool in tools or []]
     cfg.task.api_environment = callable_name(environment) if environment is not None else None
-    rewards = build_rewards(cfg, task, list(rewards or []) + (parts.reward_functions if parts else []))
+    rewards = build_rewards(cfg, task, rewards, parts.reward_functions if parts else None)
     if policy is None:
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
         check_engine_installed(cfg)  # speed.engine=vllm without vLLM: likewise

@@ -35,6 +35,31 @@ def glm4_moe(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tool_model(models, tmp_path_factory) -> str:
+    """The tiny Qwen2 with a tool-calling chat template (hasten's Hermes one, Qwen2.5's format), which TRL
+    requires of a tokenizer before it takes tools or environments."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hasten.agent import HERMES_TEMPLATE
+
+    path = tmp_path_factory.mktemp("tool-model") / "qwen2_tools"
+    shutil.copytree(models["qwen2"], path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    try:  # TRL parses tool calls with a response template it knows only for its own templates: Qwen's, the
+        # same <tool_call> format (hasten reads no response template, so its side is the same either way)
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.response_template = qwen3_template
+    except ImportError:  # no TRL: its side is skipped
+        pass
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 # ------------------------------------------------------------------ the MoE aux loss's coefficient
 
 
@@ -55,3 +80,99 @@ def test_aux_loss_coef_on_a_dense_model_raises(lib, models, tmp_path):
     with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
         lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
                         args=grpo_args(lib, tmp_path, router_aux_loss_coef=0.01))
+
+
+# ------------------------------------------------------------------ environments: rewards, tools, errors
+
+
+class ScoredEnvironment:  # owns its reward
+    def reset(self, **kwargs):
+        self.count = 0
+
+    def act(self, x: int) -> int:
+        """
+        Act.
+
+        Args:
+            x: A value.
+        """
+        self.count += x
+        return self.count
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class PlainEnvironment:  # no get_reward: scored by reward_funcs
+    def reset(self, **kwargs): ...
+
+    def play(self, x: int) -> int:
+        """
+        Play.
+
+        Args:
+            x: A value.
+        """
+        return x
+
+
+def zero_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def environment_args(lib, tmp_path, **fields):
+    return grpo_args(lib, tmp_path, max_steps=1, **fields)
+
+
+def test_environment_owned_reward_coexists_with_reward_funcs(lib, tool_model, tmp_path):
+    """test_environment_owned_reward_coexists_with_reward_funcs: reward_weights are reward_funcs' alone; the
+    environment's get_reward joins after them with weight 1, and is no tool."""
+    trainer = lib.GRPOTrainer(model=tool_model, reward_funcs=zero_reward, environment_factory=ScoredEnvironment,
+                              args=environment_args(lib, tmp_path, reward_weights=[0.5]))
+    assert trainer.reward_func_names == ["zero_reward", "ScoredEnvironment"]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+    assert len(trainer.reward_funcs) == 2
+    assert [tool.__name__ for tool in trainer.tools] == ["act"]
+
+
+def test_reward_weights_count_only_reward_funcs(lib, tool_model, tmp_path):
+    """TRL's count check is against reward_funcs, the environment's reward not counted."""
+    with pytest.raises(ValueError, match=r"Number of reward weights \(2\) must match number of reward functions \(1\)"):
+        lib.GRPOTrainer(model=tool_model, reward_funcs=zero_reward, environment_factory=ScoredEnvironment,
+                        args=environment_args(lib, tmp_path, reward_weights=[0.5, 1.0]))
+
+
+def test_environment_owned_reward_mixed_environments(lib, tool_model, tmp_path):
+    """test_environment_owned_reward_mixed_environments and test_train_with_multiple_environments' attributes:
+    one reward column per get_reward class (two names, one class: one column); each environment's tools."""
+    from datasets import Dataset
+
+    trainer = lib.GRPOTrainer(
+        model=tool_model, reward_funcs=zero_reward, args=grpo_args(lib, tmp_path),
+        train_dataset=Dataset.from_dict({"environment": ["scored", "scored2", "plain"]}),
+        environment_factory={"scored": ScoredEnvironment, "scored2": ScoredEnvironment, "plain": PlainEnvironment})
+    assert trainer.reward_func_names == ["zero_reward", "ScoredEnvironment"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    assert trainer.reward_funcs[-1](environments=[ScoredEnvironment(), PlainEnvironment()]) == [1.0, None]
+    assert [tool.__name__ for tool in trainer._env_tools["scored"]] == ["act"]
+    assert [tool.__name__ for tool in trainer._env_tools["plain"]] == ["play"]
+    assert {tool.__name__ for tool in trainer.tools} == {"act", "play"}
+    assert [len(trainer._environment_pool[name]) for name in ("scored", "scored2", "plain")] == [1, 1, 1]
+
+
+def test_unknown_environment_raises_at_train(lib, tool_model, tmp_path):
+    """test_train_with_unknown_environment_raises: the trainer constructs; train() raises TRL's ValueError."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi"}]] * 3, "environment": ["unknown"] * 3})
+    trainer = lib.GRPOTrainer(model=tool_model, reward_funcs=zero_reward, train_dataset=dataset,
+                              args=grpo_args(lib, tmp_path), environment_factory={"plain": PlainEnvironment})
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+
+
+def test_multiple_environments_without_dataset_raises(lib, tool_model, tmp_path):
+    """test_multiple_environments_without_dataset_raises: TRL's words."""
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        lib.GRPOTrainer(model=tool_model, reward_funcs=zero_reward, args=environment_args(lib, tmp_path),
+                        environment_factory={"a": PlainEnvironment, "b": ScoredEnvironment})
