@@ -157,6 +157,9 @@ class _GRPOFields(_TrainingFields):
     eval_steps: float | None = None
     eval_on_start: bool = False
     per_device_eval_batch_size: int = 8
+    # accepted at TRL's defaults only; GRPOTrainer checks them against the model and data (check_model_options)
+    accelerator_config: Any = None  # transformers' AcceleratorConfig or a dict: only dispatch_batches may differ
+    use_liger_kernel: bool = False  # True: TRL's lm_head error with a PEFT lm_head, else a one-line refusal
 
 
 class TrainingConfig:
@@ -247,6 +250,31 @@ class GRPOConfig(TrainingConfig, _GRPOFields):
     """TRL's GRPOConfig surface; `overrides(...)` gives hasten's config keys."""
 
     fields_class = _GRPOFields
+
+    def __init__(self, output_dir: str | None = None, **fields: Any):
+        super().__init__(output_dir, **fields)
+        self._accelerator_config()
+
+    def _accelerator_config(self) -> None:
+        """accelerator_config as transformers makes it (an AcceleratorConfig, read as args.accelerator_config.
+        dispatch_batches). hasten has no accelerate: every rank draws the same prompts and takes its own groups,
+        which is what dispatching would hand it, so dispatch_batches changes nothing; any other key does, and is
+        refused."""
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        given = self.accelerator_config
+        if given is None or isinstance(given, dict):
+            try:
+                given = AcceleratorConfig(**(given or {}))
+            except TypeError as error:
+                raise self._error(f"accelerator_config: {error}") from None
+        defaults = AcceleratorConfig()
+        for item in dataclasses.fields(AcceleratorConfig):
+            value = getattr(given, item.name)
+            if item.name != "dispatch_batches" and value != getattr(defaults, item.name):
+                raise self._error(f"accelerator_config {item.name}={value!r} is not supported by hasten (it runs "
+                                  "no accelerate; only dispatch_batches is accepted)")
+        self.accelerator_config = given
 
     @property
     def iterations(self) -> int:

@@ -93,8 +93,15 @@ class GRPOTrainer:
                 raise APIError("GRPOTrainer: without a train_dataset (the environment's reset makes the prompts), "
                                "args.max_steps must be set")
             placeholder = [{"prompt": [{"role": "user", "content": ""}]}] * args.prompts_per_step()
-        if type(train_dataset).__name__ == "IterableDataset":  # TRL forces 0 workers on a stream; hasten reads
-            args.dataloader_num_workers = 0                    # prompts in its own process anyway
+        iterable = [type(data).__name__ == "IterableDataset" for data in
+                    (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]))]
+        if any(iterable):  # TRL's check and setting (hasten reads a stream whole, in its own process)
+            if args.accelerator_config.dispatch_batches:
+                raise APIError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                               "`accelerator_config`. Please set it to `False`.")
+            args.accelerator_config.dispatch_batches = False
+        if iterable[0]:  # TRL forces 0 workers on a train stream (get_train_dataloader's loader)
+            args.dataloader_num_workers = 0
         self.eval_dataset = eval_dataset
         # {None: rows} or {name: rows}; {} without one
         self.eval_sets = named_eval_sets(eval_dataset, fill_prompt=environment_factory is not None)
@@ -273,6 +280,27 @@ class GRPOTrainer:
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"),
                            {**summary, **bridge.summary})
 
+    def get_train_dataloader(self):
+        """TRL's: one batch per generation step, its rows as the loop draws them, each prompt num_generations
+        times (api/loaders.py); num_workers is args.dataloader_num_workers (0 for a stream, as TRL)."""
+        from .loaders import train_dataloader
+
+        return train_dataloader(self.config, self.session.task.train_rows, self.args.dataloader_num_workers)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        """TRL's: the eval rows (eval_dataset, a named set's name, or the trainer's), each num_generations_eval
+        times; one worker for a stream, for this loader only (args keep their value), as TRL."""
+        from .loaders import eval_dataloader
+
+        data = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else (
+            eval_dataset if eval_dataset is not None else self.eval_dataset)
+        if data is None:
+            raise APIError("Trainer: evaluation requires an eval_dataset.")
+        rows = named_eval_sets(data)[None]
+        workers = 0 if type(data).__name__ == "IterableDataset" else self.args.dataloader_num_workers
+        group = self.args.num_generations_eval or self.config.generation.num_generations
+        return eval_dataloader(rows, group, self.args.per_device_eval_batch_size, workers)
+
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """transformers' evaluate(), as TRL's GRPOTrainer: on eval_dataset (default: the trainer's),
@@ -361,6 +389,15 @@ class GRPOTrainer:
 def check_model_options(model, args: GRPOConfig) -> None:
     """TRL's construction errors that depend on the loaded model, with TRL's words (ValueError subclasses)."""
     from ..train.learner import is_mixture_of_experts
+
+    if args.use_liger_kernel:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if hasattr(model, "peft_config") and hasattr(head, "base_layer"):  # a PEFT adapter wraps lm_head
+            raise APIError("Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are "
+                           "computed from `lm_head.weight` directly, so the adapter would never be trained. Remove "
+                           "`'lm_head'` from your `target_modules`.")  # TRL's words; its test matches them
+        raise APIError("GRPOTrainer: use_liger_kernel=True is not supported by hasten (its learner computes "
+                       "log-probabilities in chunks itself: speed.logit_chunk_tokens)")
 
     coef = args.router_aux_loss_coef
     if coef and not is_mixture_of_experts(getattr(model, "config", None)):

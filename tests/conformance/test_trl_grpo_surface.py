@@ -176,3 +176,76 @@ def test_multiple_environments_without_dataset_raises(lib, tool_model, tmp_path)
     with pytest.raises(ValueError, match="requires a `train_dataset`"):
         lib.GRPOTrainer(model=tool_model, reward_funcs=zero_reward, args=environment_args(lib, tmp_path),
                         environment_factory={"a": PlainEnvironment, "b": ScoredEnvironment})
+
+
+# ------------------------------------------------------------------ data loaders and accelerator_config
+
+
+def streamed(dataset):
+    return dataset.to_iterable_dataset()
+
+
+def test_iterable_dataset_sets_dispatch_batches_false(lib, models, tmp_path):
+    """test_train_with_iterable_dataset's construction check."""
+    trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward,
+                              train_dataset=streamed(prompt_dataset()), args=grpo_args(lib, tmp_path))
+    assert trainer.args.accelerator_config.dispatch_batches is False
+
+
+def test_iterable_dataset_requires_dispatch_batches_false(lib, models, tmp_path):
+    """test_iterable_dataset_requires_dispatch_batches_false: TRL's words."""
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=streamed(prompt_dataset()),
+                        args=grpo_args(lib, tmp_path, accelerator_config={"dispatch_batches": True}))
+
+
+def test_dataloaders_keep_map_style_workers(lib, models, tmp_path):
+    """test_iterable_eval_keeps_map_style_train_workers, and what each loader's first batch holds: the
+    generation batch's prompts, each num_generations times in a row."""
+    trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                              eval_dataset=streamed(prompt_dataset(split="test")),
+                              args=grpo_args(lib, tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=3))
+    assert trainer.args.dataloader_num_workers == 2
+    train_loader = trainer.get_train_dataloader()
+    assert train_loader.num_workers == 2
+    assert trainer.get_eval_dataloader().num_workers == 0  # a stream: one worker, for that loader only
+    assert trainer.args.dataloader_num_workers == 2
+    train_loader.num_workers = 0  # the batch's content, without starting workers
+    batch = next(iter(train_loader))
+    prompts = [row["prompt"] for row in batch]
+    assert len(prompts) == 3 and len(set(prompts)) == 1 and prompts[0] in prompt_dataset()["prompt"]
+
+
+def test_accelerator_config_other_keys_are_refused_on_hasten(lib, tmp_path):
+    """hasten runs no accelerate: a key other than dispatch_batches is one line naming it (TRL takes it)."""
+    if lib.name == "trl":
+        lib.GRPOConfig(output_dir=str(tmp_path), accelerator_config={"split_batches": True}, **lib.machine)
+        return
+    with pytest.raises(ValueError, match="accelerator_config split_batches=True is not supported") as error:
+        lib.GRPOConfig(output_dir=str(tmp_path), accelerator_config={"split_batches": True})
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ use_liger_kernel
+
+
+def test_liger_kernel_with_peft_lm_head_raises(lib, models, tmp_path):
+    """test_liger_kernel_with_peft_lm_head_raises: TRL's error naming lm_head, at construction."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype="float32")
+    with pytest.raises(ValueError, match="Applying a PEFT adapter to `lm_head` is not supported"):
+        lib.GRPOTrainer(model=model, reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                        args=grpo_args(lib, tmp_path, use_liger_kernel=True),
+                        peft_config=LoraConfig(target_modules=["q_proj", "v_proj", "lm_head"]))
+
+
+def test_liger_kernel_is_refused_in_one_line(models, tmp_path):
+    """hasten's side only (TRL needs the liger package): use_liger_kernel without a PEFT lm_head is refused."""
+    from hasten.api import GRPOConfig, GRPOTrainer
+
+    with pytest.raises(ValueError, match="use_liger_kernel=True is not supported by hasten") as error:
+        GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                    args=GRPOConfig(output_dir=str(tmp_path), max_steps=1, use_liger_kernel=True))
+    assert "\n" not in str(error.value)
