@@ -234,6 +234,17 @@ class GRPOTrainer:
         return self.session.agent.environments.pool
 
     @property
+    def _logs(self) -> dict:
+        """TRL's private sample log, which TRL's log_extra test reads: the last step's samples (with
+        log_completions=True) as {"prompt", "completion", "rewards": {name: ...}, "extra": {log_extra column:
+        ...}, "images": []} (hasten trains text models only)."""
+        table, names = self.session.completions, self.reward_func_names
+        columns = [key for key in (table[0] if table else {}) if key not in ("prompt", "completion", "reward", *names)]
+        return {"prompt": [row["prompt"] for row in table], "completion": [row["completion"] for row in table],
+                "rewards": {name: [row[name] for row in table] for name in names},
+                "extra": {key: [row.get(key) for row in table] for key in columns}, "images": []}
+
+    @property
     def reward_weights(self):
         """(number of reward functions,) float32 tensor, as TRL's: reward_weights (1 each when unset), then 1
         for each environment class's get_reward."""

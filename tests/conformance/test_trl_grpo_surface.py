@@ -249,3 +249,19 @@ def test_liger_kernel_is_refused_in_one_line(models, tmp_path):
         GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
                     args=GRPOConfig(output_dir=str(tmp_path), max_steps=1, use_liger_kernel=True))
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the private sample log
+
+
+def test_log_extra_reaches_logs(lib, models, tmp_path):
+    """test_train_reward_func_with_log_extra: a log_extra column is in trainer._logs["extra"]."""
+    def reward_func(completions, **kwargs):
+        kwargs["log_extra"]("test_column", [completion[:5] for completion in completions])
+        return [float(len(completion)) for completion in completions]
+
+    trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=reward_func, train_dataset=prompt_dataset(),
+                              args=grpo_args(lib, tmp_path, max_steps=1, log_completions=True))
+    trainer.train()
+    assert "test_column" in trainer._logs["extra"]
+    assert len(trainer._logs["extra"]["test_column"]) == len(trainer._logs["completion"]) == 3
