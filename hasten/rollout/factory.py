@@ -9,12 +9,14 @@ choice that cannot be honoured is a ConfigError, never a silent switch to anothe
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Callable
 
 from ..config import Config, ConfigError
 from ..kernels.decode_attention import resolve as resolve_decode_attention
 from ..models import Policy, load_policy
 from .engine import KVCacheEngine
+from .model_generate import ModelGenerateEngine, custom_generate
 
 
 def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
@@ -25,6 +27,11 @@ def use_native_model(cfg: Config, log: Callable[[str], None] = print) -> bool:
     if choice == "hf":
         return False
     reason = native_reason(cfg.model, log)
+    if reason is None and "transformers.generation.utils" in sys.modules:  # patched only once imported
+        from .model_generate import generation_mixin_replaced
+
+        if generation_mixin_replaced():
+            reason = "transformers' GenerationMixin.generate is replaced: rollouts go through model.generate"
     if reason is None and cfg.speed.engine == "hf":
         reason = "speed.engine=hf samples through transformers' KV cache"
     if reason is not None and choice == "native":
@@ -43,6 +50,13 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     from ..rollout.lean import LeanEngine, check_supported
 
     choice = cfg.speed.engine
+    custom = custom_generate(policy.model)
+    if custom is not None:  # the user's decoding: rollouts go through it, as TRL's (rollout/model_generate.py)
+        if choice != "auto":
+            raise ConfigError(f"config error: speed.engine={choice}: the model's generate is the user's ({custom}) "
+                              "and rollouts go through it, as TRL; leave speed.engine=auto")
+        log(f"speed.engine=auto: sampling through model.generate ({custom})")
+        return ModelGenerateEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
     if cfg.generation.precision == "auto":  # resolved here, once, where the model is known
         cfg.generation.precision = auto_generation_precision(cfg, policy)
     if cfg.generation.precision == "bf16":

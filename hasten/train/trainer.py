@@ -48,6 +48,7 @@ from ..rewards.runner import RewardScores
 from ..rollout import Engine, RowRange, SamplingParams
 from ..rollout.factory import check_engine_installed, make_engine, use_native_model
 from ..rollout.stops import apply_stop_strings
+from ..rollout.model_generate import custom_generate, sampling_engine
 from ..sandbox.pool import close_shared, shared_stats
 from ..kernels.allocator import check_in_process as check_allocator
 from ..kernels.compile import compile_model
@@ -241,8 +242,10 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     phase_threads = {}
     if collected is None:
         phase_threads["threads/generate"] = threads.adjust()
-        with fsdp.full_weights(session.policy.model, session.engine):  # FSDP: gathered for sampling; else nothing
-            collected = collect(session, session.engine, feeder, step)
+        policy = session.policy  # a generate the user replaced after prepare samples from now on (TRL's tests)
+        engine = sampling_engine(session.engine, policy.model, policy.pad_token_id, policy.eos_token_ids)
+        with fsdp.full_weights(policy.model, session.engine):  # FSDP: gathered for sampling; else nothing
+            collected = collect(session, engine, feeder, step)
     rounds, batch = collected.rounds, collected.batch
     scored = time.perf_counter()
 
@@ -350,8 +353,11 @@ class GRPOJob:
             self.announced = True
             generation = self.cfg.generation
             steps = f"{self.total_steps} step{'' if self.total_steps == 1 else 's'}"
+            custom = custom_generate(self.session.policy.model)  # replaced since the plan line: say so here
+            planned = getattr(self.session.plan, "engine", None) == "model.generate"
+            through = f" through model.generate ({custom})" if custom and not planned else ""
             self.log(f"training {steps}; step {step}: sampling {self.cfg.train.prompts_per_step} prompts x "
-                     f"{generation.num_generations} completions, scoring, learning ...")
+                     f"{generation.num_generations} completions{through}, scoring, learning ...")
         before = shared_stats()
         record = self._step(step)
         every = self.cfg.algo.ref_model_sync_steps

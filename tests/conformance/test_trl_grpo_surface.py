@@ -35,18 +35,16 @@ def glm4_moe(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def tool_model(models, tmp_path_factory) -> str:
-    """The tiny Qwen2 with a tool-calling chat template (hasten's Hermes one, Qwen2.5's format), which TRL
-    requires of a tokenizer before it takes tools or environments."""
+def with_tool_template(source: str, path) -> str:
+    """A copy of a tiny model whose tokenizer has a tool-calling chat template (hasten's Hermes one, Qwen2.5's
+    format), which TRL requires of a tokenizer before it takes tools or environments."""
     import shutil
 
     from transformers import AutoTokenizer
 
     from hasten.agent import HERMES_TEMPLATE
 
-    path = tmp_path_factory.mktemp("tool-model") / "qwen2_tools"
-    shutil.copytree(models["qwen2"], path)
+    shutil.copytree(source, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = HERMES_TEMPLATE
     try:  # TRL parses tool calls with a response template it knows only for its own templates: Qwen's, the
@@ -58,6 +56,17 @@ def tool_model(models, tmp_path_factory) -> str:
         pass
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tool_model(models, tmp_path_factory) -> str:
+    return with_tool_template(models["qwen2"], tmp_path_factory.mktemp("tool-model") / "qwen2_tools")
+
+
+@pytest.fixture(scope="module")
+def moe_tool_model(models, tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE (a transformers model on hasten, as TRL's tool tests' model) with the template."""
+    return with_tool_template(models["qwen3_moe"], tmp_path_factory.mktemp("moe-tool-model") / "moe_tools")
 
 
 # ------------------------------------------------------------------ the MoE aux loss's coefficient
@@ -265,3 +274,118 @@ def test_log_extra_reaches_logs(lib, models, tmp_path):
     trainer.train()
     assert "test_column" in trainer._logs["extra"]
     assert len(trainer._logs["extra"]["test_column"]) == len(trainer._logs["completion"]) == 3
+
+
+# ------------------------------------------------------------------ scripted model.generate
+
+
+def scripted(tokenizer, texts: list[str], width: int) -> torch.Tensor:
+    """(len(texts), width) ids: each text, then EOS, then pads (a text may fill the width without EOS)."""
+    rows = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = (ids + [tokenizer.eos_token_id] if not text.endswith("...") else ids)[:width]
+        rows.append(ids + [tokenizer.pad_token_id] * (width - len(ids)))
+    return torch.tensor(rows)
+
+
+class CounterEnvironment:
+    def reset(self, **kwargs):
+        self._counter = 0
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self._counter += step
+        return self._counter
+
+
+def test_scripted_generate_runs_tools_of_environments(lib, moe_tool_model, tmp_path):
+    """test_train_with_environment_factory (and test_train_with_tools): a generate patched on the model scripts
+    3 completions, two tool calls (one to a tool that does not exist) and a plain answer; the calls run, only
+    the valid one changes its environment, and the metrics count them as TRL does."""
+    from unittest.mock import patch
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(moe_tool_model)
+    call = '<tool_call>\n{"name": "%s", "arguments": {"step": 1}}\n</tool_call>'
+    first = scripted(tokenizer, [call % "increment", call % "decrement", "I won't"], 80)
+    shapes = []
+
+    def fake_generate(input_ids, **kwargs):
+        shapes.append(input_ids.shape[0])
+        completion = first if len(shapes) == 1 else scripted(tokenizer, ["Done!"] * input_ids.shape[0], 8)
+        return torch.cat([input_ids, completion.to(input_ids.device)], dim=-1)
+
+    trainer = lib.GRPOTrainer(model=moe_tool_model, reward_funcs=varied_reward,
+                              environment_factory=CounterEnvironment,
+                              args=grpo_args(lib, tmp_path, max_steps=1, max_completion_length=512))
+    before = snapshot(trainer)
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert shapes[0] == 3  # the group at once (then the rollouts that called a tool, as the length cap allows)
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert trainer.state.log_history[-1]["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert [environment._counter for environment in trainer.environments] == [1, 0, 0]
+    assert_trained(trainer, before)
+
+
+def test_mask_truncated_with_scripted_generate(lib, models, tmp_path):
+    """test_train_with_mask_truncated_completions: transformers' GenerationMixin.generate patched process-wide
+    scripts one truncated completion and two that end (one exactly at the cap); the two still train."""
+    from unittest.mock import patch
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
+    completion = scripted(tokenizer, ["abcdefgh...", "abc", "abcdefg"], 8)
+
+    def fake_generate(input_ids, **kwargs):
+        return torch.cat([input_ids, completion.to(input_ids.device)], dim=1)
+
+    with patch("transformers.generation.utils.GenerationMixin.generate", side_effect=fake_generate):
+        trainer = lib.GRPOTrainer(model=models["qwen2"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                                  args=grpo_args(lib, tmp_path, max_steps=1, mask_truncated_completions=True,
+                                                 loss_type="dapo"))
+        before = snapshot(trainer)
+        trainer.train()
+    assert_trained(trainer, before)
+
+
+def test_model_generate_engine_cuts_masks_and_scores(models):
+    """hasten's engine over a scripted generate: group-major rows, cut after the first EOS or at the cap,
+    pads masked, sampling log-probs the policy's own at each kept token and 0 elsewhere."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hasten.rollout import SamplingParams
+    from hasten.rollout.model_generate import ModelGenerateEngine, custom_generate
+
+    tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
+    model = AutoModelForCausalLM.from_pretrained(models["qwen2"])
+    assert custom_generate(model) is None  # transformers' own: the fast engine samples
+    completion = scripted(tokenizer, ["ab", "abcdefgh..."], 6)
+    calls = []
+
+    def fake_generate(input_ids, attention_mask, generation_config):
+        calls.append((input_ids.shape[0], generation_config.max_new_tokens, generation_config.do_sample))
+        return torch.cat([input_ids, completion], dim=1)
+
+    model.generate = fake_generate
+    assert custom_generate(model) == "a generate set on the model instance"
+    engine = ModelGenerateEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    rollout = engine.generate([tokenizer.encode("Hi there")], 2, SamplingParams(max_new_tokens=5), seed=0)
+    assert calls == [(2, 5, True)]
+    assert rollout.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert rollout.ended_with_eos.tolist() == [True, False]
+    assert rollout.completion_ids[0, 2].item() == tokenizer.eos_token_id
+    assert rollout.completion_ids[0, 3:].eq(tokenizer.pad_token_id).all()
+    ids = torch.cat([torch.tensor([tokenizer.encode("Hi there")]), rollout.completion_ids[1:]], dim=1)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits[0, -6:-1], dim=-1).gather(-1, ids[0, -5:, None]).squeeze(-1)
+    torch.testing.assert_close(rollout.sampling_logprobs[1], expected, rtol=1e-4, atol=1e-5)
+    assert rollout.sampling_logprobs[0, 3:].eq(0).all()
