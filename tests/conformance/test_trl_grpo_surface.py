@@ -389,3 +389,32 @@ def test_model_generate_engine_cuts_masks_and_scores(models):
         expected = torch.log_softmax(model(ids).logits[0, -6:-1], dim=-1).gather(-1, ids[0, -5:, None]).squeeze(-1)
     torch.testing.assert_close(rollout.sampling_logprobs[1], expected, rtol=1e-4, atol=1e-5)
     assert rollout.sampling_logprobs[0, 3:].eq(0).all()
+
+
+def test_subclass_generate_is_planned(models, tmp_path):
+    """hasten's side: a model class that overrides generate samples through it from the start, and the plan
+    names model.generate; a plain model keeps the fast engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+    from hasten.api import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
+    calls = []
+
+    class ScriptedQwen2(Qwen2ForCausalLM):
+        def generate(self, input_ids, **kwargs):
+            calls.append(input_ids.shape[0])
+            completion = scripted(tokenizer, ["abc"] * input_ids.shape[0], 4)
+            return torch.cat([input_ids, completion], dim=1)
+
+    def make(model):
+        return GRPOTrainer(model=model, reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                           args=GRPOConfig(output_dir=str(tmp_path / str(len(calls))), max_steps=1,
+                                           per_device_train_batch_size=3, num_generations=3,
+                                           max_completion_length=8), log=lambda line: None)
+
+    trainer = make(ScriptedQwen2.from_pretrained(models["qwen2"]))
+    assert trainer.session.plan.engine == "model.generate"
+    trainer.train()
+    assert calls == [3]
+    assert make(AutoModelForCausalLM.from_pretrained(models["qwen2"])).session.plan.engine != "model.generate"
