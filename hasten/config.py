@@ -65,7 +65,7 @@ class TaskConfig:
 class RewardsConfig:
     task_rewards: bool = True  # use the task's built-in reward functions
     extra: list[str] = field(default_factory=list)  # "path/to/file.py:function", repeatable
-    weights: list[float] | None = None  # one per function (task's first, then extra); None = defaults
+    weights: list[float] | None = None  # one per function (task's first, then extra; an environment's get_reward is not counted: weight 1, as TRL); None = defaults
     aggregation: str = "sum_then_normalize"  # sum_then_normalize | normalize_then_sum: z-score each function per group, weighted sum, batch z-score (TRL's multi_objective_aggregation)
 
 
