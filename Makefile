@@ -23,11 +23,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hasten train --config configs/demo.yaml
 
+# one pytest worker per core (pytest-xdist; worksteal evens out the long subprocess tests); a single
+# file or test runs as plain `pytest`
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist worksteal
 
 check: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n auto --dist worksteal -m "not slow"
 
 # TRL's side of tests/conformance again, into tests/conformance/trl_control/<trl version>.json
 trl-control: $(STAMP)

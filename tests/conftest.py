@@ -36,6 +36,13 @@ SLOW = {
     "test_allocator.py::test_a_child_of_a_reexecuted_process_trains": REEXECUTED,
     "test_allocator.py::test_sft_reexecutes_per_profile_and_losses_do_not_change": REEXECUTED,
     "test_api.py::test_trl_quickstart_runs_with_only_the_import_changed": "TRL's quickstart trained in a subprocess",
+    "test_speed_learning.py::test_compare_runs_every_profile_end_to_end": "`hasten compare`: each profile in a process",
+    **{f"test_operator_round5.py::{name}": SUBPROCESS_TRAINING + " (closed, full or piped output; C locale; no home)"
+       for name in ("test_a_closed_or_full_stdout_or_stderr_never_ends_a_run",
+                    "test_a_language_model_run_with_stderr_full_or_closed_trains_and_keeps_its_log_lines",
+                    "test_a_pipe_whose_reader_left_never_ends_a_run",
+                    "test_a_run_name_that_is_not_utf8_saves_and_resumes_under_the_c_locale",
+                    "test_a_read_only_or_missing_home_trains_lora_on_tiny")},
     "test_agent_api.py::test_cli_tools_from_a_file_run": SUBPROCESS_TRAINING,
     "test_agent_api.py::test_environment_run_resumes_bit_identically": SUBPROCESS_TRAINING + ", stopped and resumed",
     "test_agent_tools.py::test_exit_crash_and_endless_threads_cost_a_rollout_not_the_run": AGENT_PROCESS,

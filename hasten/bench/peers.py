@@ -210,7 +210,7 @@ def trl_construct(spec: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------ the worker side
 
 
-def _emit(message: dict[str, Any]) -> None:
+def emit(message: dict[str, Any]) -> None:
     sys.stdout.write(PREFIX + json.dumps(message) + "\n")
     sys.stdout.flush()
 
@@ -277,14 +277,14 @@ def _trl_worker() -> None:
         """Wait for the parent before each optimizer step; report each step's seconds."""
 
         def on_step_begin(self, args, state, control, **kwargs):
-            _emit({"event": "ready", "step": state.global_step + 1})
+            emit({"event": "ready", "step": state.global_step + 1})
             if sys.stdin.readline().strip() != "go":
                 os._exit(0)  # the parent is done with this worker
             self.started, self.faults, generating[0] = time.perf_counter(), minor_faults(), 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.started
-            _emit({"event": "step", "step": state.global_step, "seconds": seconds, "generate": generating[0],
+            emit({"event": "step", "step": state.global_step, "seconds": seconds, "generate": generating[0],
                    "learn": seconds - generating[0],  # everything but generate(): rewards, log-probs, backward, step
                    "page_faults": minor_faults() - self.faults, "peak_rss_mib": peak_rss_mib(), **rewards.take()})
 
@@ -302,13 +302,13 @@ def _trl_worker() -> None:
         )
         timed_generate(trainer.model, generating)
         built = time.perf_counter()
-        _emit({"event": "built", "import_seconds": imported - started, "construct_seconds": built - imported})
+        emit({"event": "built", "import_seconds": imported - started, "construct_seconds": built - imported})
         if spec.get("construct_only"):
-            _emit({"event": "ready", "step": 0})
+            emit({"event": "ready", "step": 0})
             sys.stdin.readline()
             return
         trainer.train()
-        _emit({"event": "done"})
+        emit({"event": "done"})
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
 

@@ -567,7 +567,7 @@ def hasten_worker(spec: dict[str, Any]) -> None:
     from ..train.learner import Learner
     from ..train.trainer import grpo_step, prepare
     from .machine import peak_rss_mib
-    from .peers import _emit
+    from .peers import emit
 
     cfg = load_config(spec["config"], [tuple(pair) for pair in spec["overrides"]])
     session = prepare(cfg, log=lambda text: None)
@@ -582,7 +582,7 @@ def hasten_worker(spec: dict[str, Any]) -> None:
         for step in range(1, cfg.train.steps + 1):
             record = grpo_step(session, learner, feeder, step)
             samples = cfg.train.prompts_per_step * cfg.generation.num_generations
-            _emit({"seconds": record["time/step"], "generate": record["time/generate"], "learn": record["time/learn"],
+            emit({"seconds": record["time/step"], "generate": record["time/generate"], "learn": record["time/learn"],
                    "completion_tokens": record["completion_length"] * samples, "num_samples": samples,
                    "peak_rss_mib": peak_rss_mib(),  # the intra-op threads each phase ran with (adaptive threads)
                    "threads": {key: record[key] for key in ("threads/generate", "threads/learn") if key in record}})

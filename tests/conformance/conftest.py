@@ -131,9 +131,13 @@ def unsupported_on_hasten(reason: str):
 
 
 # ------------------------------------------------------------------ the summary
+#
+# Safe under pytest-xdist (`make test` runs `-n auto`): a test's outcome travels on its report
+# (user_properties), and the controller, which sees every report but collects nothing, keeps the tally.
 
 _OUTCOMES: dict[str, dict[str, str]] = {}  # test id without the library -> {"trl": outcome, "hasten": outcome}
 _UNSUPPORTED: dict[str, str] = {}
+PROPERTY = "trl_conformance"
 
 
 def _key(item) -> tuple[str, str] | None:
@@ -147,8 +151,6 @@ def _key(item) -> tuple[str, str] | None:
 
 
 CONTROL = Path(__file__).parent / "trl_control"
-_CACHED: list[str] = []  # the tests whose TRL outcome this session read from the stored control
-_RECORD: dict = {}  # {"path": the control file} when this session runs TRL's side of some tests
 
 
 def trl_version() -> str | None:
@@ -169,36 +171,50 @@ def stored_control(version: str) -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    """TRL's side of a test whose outcome is stored does not run (deselected)."""
     version = trl_version()
     stored = stored_control(version) if version else {}
     kept, cached = [], []
     for item in items:
         key = _key(item)
-        if key is not None and getattr(item.function, "unsupported", None):
-            _UNSUPPORTED[key[1]] = item.function.unsupported
-        if key is not None and key[0] == "trl" and key[1] in stored:
-            _OUTCOMES.setdefault(key[1], {})["trl"] = stored[key[1]]
-            _CACHED.append(key[1])
-            cached.append(item)
-        else:
-            kept.append(item)
+        (cached if key is not None and key[0] == "trl" and key[1] in stored else kept).append(item)
     if cached:
         config.hook.pytest_deselected(items=cached)
         items[:] = kept
-    if version and len(cached) < sum(1 for item in items if (_key(item) or ("",))[0] == "trl"):
-        _RECORD["path"] = CONTROL / f"{version}.json"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    key = _key(item)
+    if key is not None:
+        outcome.get_result().user_properties.append(
+            (PROPERTY, [*key, getattr(item.function, "unsupported", None)]))
+
+
+def pytest_runtest_logreport(report):
+    found = [value for name, value in report.user_properties if name == PROPERTY]
+    if not found or (report.when != "call" and report.passed):
+        return
+    name, test, unsupported = found[0]
+    if unsupported:
+        _UNSUPPORTED[test] = unsupported
+    result = "passed" if report.passed else "skipped" if report.skipped else "failed"
+    if _OUTCOMES.setdefault(test, {}).get(name) in (None, "passed"):
+        _OUTCOMES[test][name] = result
 
 
 def pytest_sessionfinish(session):
     """Add this session's TRL outcomes to the stored control (a test's latest outcome replaces its earlier).
 
     A failure on TRL is not stored: it is this run's failure, and the next run tries TRL again. The file
-    is read again here, so sessions that ran TRL's side of different files at once each add theirs."""
-    if not _RECORD:
+    is read again here, so sessions that ran TRL's side of different files at once each add theirs. An
+    xdist worker leaves it to the controller, which has every worker's outcomes."""
+    version = trl_version()
+    ran = {test: result["trl"] for test, result in _OUTCOMES.items() if result.get("trl") in ("passed", "skipped")}
+    if not version or not ran or hasattr(session.config, "workerinput"):
         return
-    path = _RECORD["path"]
-    ran = {test: result["trl"] for test, result in _OUTCOMES.items()
-           if test not in _CACHED and result.get("trl") in ("passed", "skipped")}
+    path = CONTROL / f"{version}.json"
     earlier = json.loads(path.read_text())["outcomes"] if path.exists() else {}
     outcomes = {**earlier, **ran}
     if outcomes != earlier:
@@ -206,45 +222,35 @@ def pytest_sessionfinish(session):
         path.write_text(json.dumps({"trl": path.stem, "outcomes": dict(sorted(outcomes.items()))}, indent=1) + "\n")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    key = _key(item)
-    if key is None or (report.when != "call" and report.passed):
-        return
-    name, test = key
-    result = "passed" if report.passed else "skipped" if report.skipped else "failed"
-    previous = _OUTCOMES.setdefault(test, {}).get(name)
-    if previous in (None, "passed"):
-        _OUTCOMES[test][name] = result
-
-
 def pytest_terminal_summary(terminalreporter):
     if not _OUTCOMES:
         return
     write = terminalreporter.write_line
     terminalreporter.section("TRL conformance (tests/conformance)")
-    if _CACHED:
-        write(f"TRL's side of {len(_CACHED)} tests read from trl_control/{trl_version()}.json "
+    version = trl_version()
+    stored = stored_control(version) if version else {}
+    cached = [test for test, result in _OUTCOMES.items() if "trl" not in result and test in stored]
+    outcomes = {test: {**result, **({"trl": stored[test]} if test in cached else {})}
+                for test, result in _OUTCOMES.items()}
+    if cached:
+        write(f"TRL's side of {len(cached)} tests read from trl_control/{version}.json "
               "(HASTEN_TRL_CONTROL=1 runs it again)")
-    if not any("hasten" in result for result in _OUTCOMES.values()):  # TRL's side alone (make trl-control)
-        passed = sum(result.get("trl") == "passed" for result in _OUTCOMES.values())
-        write(f"hasten's side not run (deselected): TRL passes {passed} of {len(_OUTCOMES)} tests")
+    if not any("hasten" in result for result in outcomes.values()):  # TRL's side alone (make trl-control)
+        passed = sum(result.get("trl") == "passed" for result in outcomes.values())
+        write(f"hasten's side not run (deselected): TRL passes {passed} of {len(outcomes)} tests")
         return
-    on_trl = [test for test, result in _OUTCOMES.items() if result.get("trl") == "passed" and "hasten" in result]
+    on_trl = [test for test, result in outcomes.items() if result.get("trl") == "passed" and "hasten" in result]
     if on_trl:
-        supported = [test for test in on_trl if _OUTCOMES[test].get("hasten") == "passed"
+        supported = [test for test in on_trl if outcomes[test].get("hasten") == "passed"
                      and test not in _UNSUPPORTED]
         write(f"hasten passes {len(supported)} of the {len(on_trl)} tests that pass on TRL "
               f"({100 * len(supported) / len(on_trl):.0f}%)")
     else:
-        ran = [test for test, result in _OUTCOMES.items() if "hasten" in result]
-        passed = [test for test in ran if _OUTCOMES[test]["hasten"] == "passed" and test not in _UNSUPPORTED]
+        ran = [test for test, result in outcomes.items() if "hasten" in result]
+        passed = [test for test in ran if outcomes[test]["hasten"] == "passed" and test not in _UNSUPPORTED]
         write(f"TRL side not run (trl not installed, or deselected): hasten passes {len(passed)} of {len(ran)} tests")
-    failing = sorted(test for test, result in _OUTCOMES.items() if result.get("hasten") == "failed")
+    failing = sorted(test for test, result in outcomes.items() if result.get("hasten") == "failed")
     for test in failing:
         write(f"  fails on hasten: {test}")
     for test, reason in sorted(_UNSUPPORTED.items()):
-        if test in _OUTCOMES:
-            write(f"  not supported by hasten: {test}: {reason}")
+        write(f"  not supported by hasten: {test}: {reason}")
