@@ -27,7 +27,9 @@ import multiprocessing
 import pickle
 from dataclasses import dataclass
 
-from .runner import RewardError, RewardExit, RewardFunction, _Batch, _call_one, _summary, name_failure
+from hasten.userfiles import one_line as _summary
+
+from .runner import RewardBatch, RewardError, RewardExit, RewardFunction, call_one, name_failure
 
 
 @dataclass
@@ -38,9 +40,9 @@ class Slice:
     future: concurrent.futures.Future
 
 
-def slice_batch(batch: _Batch, indices: list[int]) -> _Batch:
+def slice_batch(batch: RewardBatch, indices: list[int]) -> RewardBatch:
     """The samples `indices` of `batch`, in that order."""
-    return _Batch(
+    return RewardBatch(
         prompts=[batch.prompts[i] for i in indices],
         completions=[batch.completions[i] for i in indices],
         columns={name: [values[i] for i in indices] for name, values in batch.columns.items()},
@@ -73,7 +75,7 @@ class RewardPool:
                 "use speed.reward_pool=thread"
             ) from None
 
-    def submit(self, function: RewardFunction, batch: _Batch, indices: list[int]) -> list[Slice]:
+    def submit(self, function: RewardFunction, batch: RewardBatch, indices: list[int]) -> list[Slice]:
         """Start `function` on the samples `indices`, split in up to `workers` contiguous slices."""
         count = min(self.workers, len(indices))
         if self.kind == "process":  # log_metric / log_extra are closures over this process: they cannot cross
@@ -83,16 +85,16 @@ class RewardPool:
         slices = []
         for start, stop in zip(bounds, bounds[1:]):
             part = indices[start:stop]
-            slices.append(Slice(part, self.executor.submit(_call_one, function, slice_batch(batch, part))))
+            slices.append(Slice(part, self.executor.submit(call_one, function, slice_batch(batch, part))))
         return slices
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def join(function: RewardFunction, batch: _Batch, slices: list[Slice]) -> list:
+def join(function: RewardFunction, batch: RewardBatch, slices: list[Slice]) -> list:
     """The slices' return values concatenated in sample order; RewardError naming the sample on failure."""
-    from .runner import _validate
+    from .runner import validate_scores
 
     values: list = []
     for part in slices:
@@ -100,13 +102,13 @@ def join(function: RewardFunction, batch: _Batch, slices: list[Slice]) -> list:
             outcome = part.future.result()
         except Exception as error:
             raise locate(function, batch, part.indices, error) from error
-        values += _validate(function.name, outcome, len(part.indices))
+        values += validate_scores(function.name, outcome, len(part.indices))
     return values
 
 
-def locate(function: RewardFunction, batch: _Batch, indices: list[int], error: Exception) -> RewardError:
+def locate(function: RewardFunction, batch: RewardBatch, indices: list[int], error: Exception) -> RewardError:
     """Re-run the slice one sample at a time (main thread) to name the sample that raises."""
     if isinstance(error, RewardExit):  # the worker's call already said which function exited
         return RewardExit(str(error))
     return name_failure(function, error, [batch.prompts[i] for i in indices], indices,
-                        lambda positions: _call_one(function, slice_batch(batch, [indices[p] for p in positions])))
+                        lambda positions: call_one(function, slice_batch(batch, [indices[p] for p in positions])))

@@ -198,14 +198,14 @@ def score_rewards(
             raise RewardError(
                 f"reward error: column '{column}' has {len(values)} values for {count} samples"
             )
-    batch = _Batch(prompts, completions, columns, completion_ids, dict(extra or {}))
-    outcomes = _call_all(functions, batch)
+    batch = RewardBatch(prompts, completions, columns, completion_ids, dict(extra or {}))
+    outcomes = call_all(functions, batch)
 
     per_function = torch.full((count, len(functions)), math.nan, dtype=torch.float32)  # (N, F)
     for column, (function, outcome) in enumerate(zip(functions, outcomes)):
         if isinstance(outcome, BaseException):
-            raise _locate_failure(function, batch, outcome)
-        values = _validate(function.name, outcome, count)
+            raise locate_failure(function, batch, outcome)
+        values = validate_scores(function.name, outcome, count)
         per_function[:, column] = torch.tensor(values, dtype=torch.float32)
 
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)  # (F,)
@@ -216,7 +216,7 @@ def score_rewards(
     return RewardScores(per_function=per_function, total=total, names=[f.name for f in functions])
 
 
-def _warn_unscored(batch: _Batch, index: int) -> None:
+def _warn_unscored(batch: RewardBatch, index: int) -> None:
     """TRL's warning (its words: scripts and tests match them) for a sample no function scored; it is
     left out of its group's statistics (advantages.py)."""
     import logging
@@ -230,7 +230,7 @@ def _warn_unscored(batch: _Batch, index: int) -> None:
 
 
 @dataclass
-class _Batch:
+class RewardBatch:
     """The arguments of one reward call, sliceable to a single sample."""
 
     prompts: list
@@ -249,12 +249,12 @@ class _Batch:
             **self.extra,
         }
 
-    def sample(self, index: int) -> _Batch:
+    def sample(self, index: int) -> RewardBatch:
         return self.select([index])
 
-    def select(self, positions: list[int]) -> _Batch:
+    def select(self, positions: list[int]) -> RewardBatch:
         """The samples at `positions`, in that order."""
-        return _Batch(
+        return RewardBatch(
             prompts=[self.prompts[i] for i in positions],
             completions=[self.completions[i] for i in positions],
             columns={name: [values[i] for i in positions] for name, values in self.columns.items()},
@@ -263,7 +263,7 @@ class _Batch:
         )
 
 
-def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
+def call_all(functions: list[RewardFunction], batch: RewardBatch) -> list[Any]:
     """Each function's return value, or the exception it raised."""
     outcomes: list[Any] = [None] * len(functions)
     asynchronous = [i for i, f in enumerate(functions) if f.is_async]
@@ -292,7 +292,7 @@ def _call_all(functions: list[RewardFunction], batch: _Batch) -> list[Any]:
     return outcomes
 
 
-def _call_one(function: RewardFunction, batch: _Batch) -> Any:
+def call_one(function: RewardFunction, batch: RewardBatch) -> Any:
     """One call of `function` on `batch` (also what the reward pool's workers run)."""
     if function.is_async:
 
@@ -315,7 +315,7 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseException,
+def locate_failure(function: RewardFunction, batch: RewardBatch, error: BaseException,
                     indices: list[int] | tuple[int, ...] | None = None) -> RewardError:
     """Re-run one sample at a time to find which sample makes `function` raise.
 
@@ -328,7 +328,7 @@ def _locate_failure(function: RewardFunction, batch: _Batch, error: BaseExceptio
         return error
     positions = list(range(len(batch.completions)))
     return name_failure(function, error, batch.prompts, list(indices) if indices is not None else positions,
-                        lambda chosen: _call_one(function, batch.select(chosen)))
+                        lambda chosen: call_one(function, batch.select(chosen)))
 
 
 def name_failure(function: RewardFunction, error: Exception, prompts: list, indices: list[int],
@@ -374,7 +374,7 @@ def _prompt_start(prompt: Any, width: int = 40) -> str:
     return f'prompt "{text[:width]}{"..." if len(text) > width else ""}"'
 
 
-def _validate(name: str, values: Any, count: int) -> list[float]:
+def validate_scores(name: str, values: Any, count: int) -> list[float]:
     """A function's return as floats (NaN for None), or RewardError saying what is wrong."""
     expected = f"(expected a list of {count} floats or None)"
     if not isinstance(values, (list, tuple)):

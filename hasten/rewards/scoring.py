@@ -31,14 +31,14 @@ import torch
 
 from ..config import AlgoConfig, ConfigError, SpeedConfig
 from .runner import (
+    RewardBatch,
     RewardError,
     RewardFunction,
     RewardScores,
-    _Batch,
-    _call_all,
-    _locate_failure,
-    _validate,
+    call_all,
+    locate_failure,
     score_rewards,
+    validate_scores,
 )
 from .early_stop import apply_gate, passed_samples
 from .reward_cache import MISSING, RewardCache, sample_key
@@ -50,7 +50,7 @@ class PendingScores:
     """Scores being computed; `join()` returns RewardScores (and fills `metrics`)."""
 
     scorer: RewardScorer
-    batch: _Batch
+    batch: RewardBatch
     values: list[list[float]]  # (F, N) scores so far, NaN = None or not scored
     slices: dict[int, list[Slice]]  # function index -> pool slices in flight
     passed: list[bool] | None  # gate verdict per sample, None = no gate
@@ -106,7 +106,7 @@ class RewardScorer:
     def start(self, prompts: list, completions: list, columns: dict[str, list],
               completion_ids: list[list[int]], extra: dict | None = None) -> PendingScores:
         """extra: whole-batch keyword arguments for every function (trainer_state, log_metric, log_extra)."""
-        batch = _Batch(prompts, completions, columns, completion_ids, dict(extra or {}))
+        batch = RewardBatch(prompts, completions, columns, completion_ids, dict(extra or {}))
         if self.plain:
             pending = PendingScores(self, batch, [], {}, None)
             pending.result = score_rewards(self.functions, prompts, completions, columns, completion_ids, extra)
@@ -138,7 +138,7 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ internals
 
-    def _keys(self, index: int, batch: _Batch) -> list[tuple] | None:
+    def _keys(self, index: int, batch: RewardBatch) -> list[tuple] | None:
         if not self.cached[index]:
             return None
         name = self.functions[index].name
@@ -159,7 +159,7 @@ class RewardScorer:
                 values[index][i] = score
         todo[index] = misses
 
-    def _call_inline(self, indices: list[int], batch: _Batch, todo, values, keys) -> None:
+    def _call_inline(self, indices: list[int], batch: RewardBatch, todo, values, keys) -> None:
         """Call the functions `indices` now, grouped by identical sample subsets (async ones together)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for index in indices:
@@ -168,10 +168,10 @@ class RewardScorer:
         for subset, members in groups.items():
             part = batch if len(subset) == len(batch.completions) else slice_batch(batch, list(subset))
             functions = [self.functions[index] for index in members]
-            for index, outcome in zip(members, _call_all(functions, part)):
+            for index, outcome in zip(members, call_all(functions, part)):
                 if isinstance(outcome, BaseException):
-                    raise _locate_failure(self.functions[index], part, outcome, indices=subset)
-                scores = _validate(self.functions[index].name, outcome, len(subset))
+                    raise locate_failure(self.functions[index], part, outcome, indices=subset)
+                scores = validate_scores(self.functions[index].name, outcome, len(subset))
                 self._store(index, list(subset), scores, values, keys)
 
     def _store(self, index: int, subset: list[int], scores: list[float], values, keys) -> None:
