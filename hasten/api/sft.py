@@ -1,4 +1,5 @@
-"""SFTConfig / SFTTrainer: TRL 1.16's SFT surface over rft/sft.py's SFTJob and the shared loop.
+"""SFTConfig / SFTTrainer: TRL 1.16's SFT surface over the SFT core `hasten sft` runs (rft/: SFTJob,
+examples, eval loss) and the shared loop; this module maps TRL's arguments onto it.
 
 Datasets, as TRL reads them:
   prompt + completion  loss on the completion only (TRL's completion_only_loss default); a
@@ -35,14 +36,14 @@ from typing import Any
 
 from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
-from .grpo_config import APIError, TrainingConfig, _TrainingFields
-from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where, tag_model
+from .grpo_config import APIError, TrainingConfig, TrainingFields
+from .runs import TrainOutput, check_same_config, run_records, say_where, tag_model
 from .inputs import build_policy, model_name
 from .sft_rows import prepared, to_examples
 
 
 @dataclass
-class _SFTFields(_TrainingFields):
+class _SFTFields(TrainingFields):
     learning_rate: float = 2e-5
     max_length: int | None = 1024
     packing: bool | None = None  # None: hasten's exact packing (block mask); False: padded batches
@@ -243,12 +244,12 @@ class SFTTrainer:
             path = Path(cfg.output.dir) / cfg.output.name if resume_from_checkpoint is True \
                 else Path(resume_from_checkpoint)
             run_dir, resume = loop.find_checkpoint(path)
-            _check_same_config(cfg, run_dir.path / "config.yaml")
+            check_same_config(cfg, run_dir.path / "config.yaml")
         evaluator = self.evaluate_loss if self.eval_examples and self.args.eval_strategy != "no" else None
         job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer,
                      evaluator)
         if resume is None:
-            _say_where(cfg, self.log)
+            say_where(cfg, self.log)
         run, checkpoint = loop.open_run(cfg, resume)
         steps_per_epoch = max(1, -(-len(self.examples) // cfg.sft.batch_size))
         if evaluator is not None:  # the loop evaluates every eval_every steps and after the last
@@ -260,7 +261,7 @@ class SFTTrainer:
         hooks = make_trackers(cfg, run, list) + [bridge]
         summary = loop.run(job, cfg, run, self.log, checkpoint, created=resume is None, callbacks=hooks)
         self.run_dir = Path(summary["run_dir"])
-        losses = [r["loss"] for r in _records(self.run_dir) if isinstance(r.get("loss"), float)]
+        losses = [r["loss"] for r in run_records(self.run_dir) if isinstance(r.get("loss"), float)]
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
 
     def evaluate_loss(self) -> dict[str, float]:
@@ -273,48 +274,16 @@ class SFTTrainer:
         return metrics
 
     def _loss_on(self, examples: list) -> dict[str, float]:
-        import torch
+        """rft/batches.py's eval_loss (the SFT core's, on the padded batches training takes) with TRL's names."""
+        from ..rft.batches import eval_loss
 
-        model, pad = self.policy.model, self.policy.pad_token_id
-        device = next(model.parameters()).device
-        was_training, started = model.training, time.perf_counter()
-        model.eval()
-        total = tokens = correct = entropy = 0.0
-        size = self.args.per_device_eval_batch_size
-        kept_logits, kept_labels = [], []  # compute_metrics' EvalPrediction, as transformers gathers it
-        with torch.no_grad():
-            for start in range(0, len(examples), size):
-                batch = examples[start:start + size]
-                ids = [e.prompt_ids + e.completion_ids for e in batch]
-                width = max(map(len, ids))
-                inputs = torch.full((len(ids), width), pad, dtype=torch.long)
-                labels = torch.full((len(ids), width), -100, dtype=torch.long)
-                for row, (example, sequence) in enumerate(zip(batch, ids)):
-                    inputs[row, :len(sequence)] = torch.tensor(sequence)
-                    targets = torch.tensor(example.completion_ids)
-                    if example.target_mask is not None:  # context tokens inside the completion
-                        targets[~torch.tensor(example.target_mask, dtype=torch.bool)] = -100
-                    labels[row, len(example.prompt_ids):len(sequence)] = targets
-                attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
-                logits = model(input_ids=inputs.to(device), attention_mask=attention.to(device)).logits.float()
-                targets = labels[:, 1:].to(device)  # (B, L-1): each position predicts the next token
-                predictions = logits[:, :-1]  # (B, L-1, V)
-                total += float(torch.nn.functional.cross_entropy(predictions.transpose(1, 2), targets,
-                                                                 ignore_index=-100, reduction="sum"))
-                counted = targets != -100  # (B, L-1)
-                tokens += float(counted.sum())
-                correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's mean_token_accuracy
-                if self.compute_metrics is not None:
-                    kept_logits.append(logits.cpu())
-                    kept_labels.append(labels)
-                log_probs = torch.log_softmax(predictions, dim=-1)
-                entropy += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
-        model.train(was_training)
-        found = {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
-                 "entropy": entropy / max(tokens, 1.0)}
+        started = time.perf_counter()
+        found = eval_loss(self.policy.model, examples, self.policy.pad_token_id, self.args.per_device_eval_batch_size,
+                          keep_logits=self.compute_metrics is not None)
+        metrics = found.means()
         if self.compute_metrics is not None:
-            found.update(self._user_metrics(kept_logits, kept_labels))
-        return {**found, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
+            metrics.update(self._user_metrics(found.logits, found.labels))
+        return {**metrics, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
 
     def _user_metrics(self, logits: list, labels: list) -> dict[str, float]:
         """compute_metrics(EvalPrediction(predictions=logits (N, L, V), label_ids=labels (N, L))), the batches

@@ -6,13 +6,16 @@ found by character offsets in the chat template's text: TRL instead swaps in tra
 `{% generation %}` marks), the completion of a prompt + completion row (completion_only_loss), or every
 token (text, messages, plain input_ids). Rows are cut to max_length first (keep_start) and a row left
 without a target is dropped. The result is kept twice: as rft/batches.py Examples, which hasten's SFT
-loop trains on, and as TRL's prepared dataset (trainer.train_dataset).
+loop trains on, and as TRL's prepared dataset (trainer.train_dataset). A prompt + completion row and
+the (input_ids, labels) -> Example step are rft/examples.py's, the same code `hasten sft` builds its
+records with; this module only reads TRL's dataset shapes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..rft.examples import completion_pair, labelled_example
 from .grpo_config import APIError
 
 
@@ -24,8 +27,6 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: Any, l
     or every token (text / messages / plain input_ids); EOS ends every text, as TRL appends it. Sequences
     are cut to max_length (keep_start); one left with no target is dropped, with a log line.
     kept: a list that gets each kept example's (input_ids, labels), TRL's prepared row."""
-    from ..rollout.prompts import encode_prompt
-
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -43,12 +44,8 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: Any, l
         elif "input_ids" in row:  # pretokenized, as TRL takes it: no EOS added
             tokens = list(row["input_ids"])
             labels = _given_labels(row, tokens, number)
-        elif "prompt" in row and "completion" in row:
-            prompt = encode_prompt(tokenizer, row["prompt"])
-            completion = row["completion"]
-            text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-            target = ids(text) + [eos_id]
-            tokens, labels = prompt + target, [-100] * len(prompt) + target  # completion_only_loss
+        elif "prompt" in row and "completion" in row:  # completion_only_loss, as `hasten sft` builds its records
+            tokens, labels = completion_pair(tokenizer, row["prompt"], row["completion"], eos_id)
         elif args.dataset_text_field in row or "messages" in row:
             text = row.get(args.dataset_text_field)
             if text is None:
@@ -62,7 +59,7 @@ def to_examples(rows: list[dict[str, Any]], tokenizer, eos_id: int, args: Any, l
                            f"'{args.dataset_text_field}' or 'messages' (columns: {', '.join(row)})")
         if args.max_length is not None:
             tokens, labels = tokens[:args.max_length], labels[:args.max_length]
-        example = _example(tokens, labels)
+        example = labelled_example(tokens, labels)
         if example is None:
             dropped += 1
             continue
@@ -131,19 +128,6 @@ def _given_labels(row: dict[str, Any], tokens: list[int], number: int) -> list[i
                                f"{len(tokens)} input_ids")
             return [token if keep else -100 for token, keep in zip(tokens, mask)]
     return list(tokens)
-
-
-def _example(tokens: list[int], labels: list[int]):
-    """(input_ids, labels) as an Example: the context up to the first target (at least the first token, which
-    nothing predicts), then the rest with a target_mask where context tokens follow; None without a target."""
-    from ..rft.batches import Example
-
-    targets = [index for index, label in enumerate(labels) if label != -100 and index > 0]
-    if not targets:
-        return None
-    first = targets[0]
-    mask = tuple(int(label != -100) for label in labels[first:])
-    return Example(tokens[:first], tokens[first:], None if all(mask) else mask)
 
 
 def prepared(kept: list[tuple[list[int], list[int]]]) -> Any:

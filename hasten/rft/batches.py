@@ -27,6 +27,9 @@ Both return the SUM of the per-token negative log-likelihood and the number
 of target tokens; the caller divides by the optimizer batch's total, so
 gradient accumulation over micro-batches equals one big batch, and the two
 paths give the same loss and gradients (tests/test_rft.py, 1e-4 in fp32).
+
+`eval_loss` is the padded path without gradients, in eval mode: the SFT
+eval loss (TRL's eval_loss, mean_token_accuracy, entropy) of an example set.
 """
 
 from __future__ import annotations
@@ -195,3 +198,50 @@ def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(L-1), V): position t predicts t+1
     nll = _token_loss_sum(shifted, batch.labels[:, 1:].reshape(-1).to(device), dft)
     return (nll, outputs.aux_loss) if router_aux else nll
+
+
+@dataclass
+class EvalLoss:
+    """Sums over an eval set's target tokens; the means are what TRL logs (eval_loss, mean_token_accuracy,
+    entropy). logits / labels: each batch's (B, L, V) logits and (B, L) labels, when kept."""
+
+    loss_sum: float = 0.0
+    targets: float = 0.0
+    correct: float = 0.0
+    entropy_sum: float = 0.0
+    logits: list[torch.Tensor] | None = None
+    labels: list[torch.Tensor] | None = None
+
+    def means(self) -> dict[str, float]:
+        count = max(self.targets, 1.0)
+        return {"loss": self.loss_sum / count, "mean_token_accuracy": self.correct / count,
+                "entropy": self.entropy_sum / count}
+
+
+def eval_loss(model, examples: list[Example], pad_token_id: int, batch_size: int, keep_logits: bool = False
+              ) -> EvalLoss:
+    """The loss training takes (padded batches, the same targets), without gradients and in eval mode, in
+    batches of `batch_size` examples; keep_logits keeps what transformers' compute_metrics receives."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    found = EvalLoss(logits=[] if keep_logits else None, labels=[] if keep_logits else None)
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = pad_examples(examples[start:start + batch_size], pad_token_id)
+            logits = model(input_ids=batch.input_ids.to(device),
+                           attention_mask=batch.attention_mask.to(device)).logits.float()  # (B, L, V)
+            predictions = logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
+            targets = batch.labels[:, 1:].to(device)  # (B, L-1)
+            counted = targets != IGNORE  # (B, L-1)
+            found.loss_sum += float(_token_loss_sum(predictions.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                    dft=False))
+            found.targets += float(counted.sum())
+            found.correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's token accuracy
+            log_probs = torch.log_softmax(predictions, dim=-1)
+            found.entropy_sum += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
+            if keep_logits:
+                found.logits.append(logits.cpu())
+                found.labels.append(batch.labels)
+    model.train(was_training)
+    return found

@@ -55,7 +55,6 @@ from ..config import Config, ConfigError, SFTConfig
 from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
-from ..rollout.prompts import encode_prompt
 from ..kernels.allocator import check_in_process as check_allocator, loaded as loaded_allocator
 from ..kernels.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
@@ -67,7 +66,8 @@ from ..train.preflight import check_output_dir
 from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
 from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
-from .data import RFTRecord, load_records
+from .data import load_records
+from .examples import record_examples
 from .demonstrations import DEMONSTRATIONS_FILE, check_demonstrations, demonstration_examples, save_demonstrations
 from .prompts import PromptFormat
 
@@ -94,14 +94,6 @@ class SFTReport:
         out["adapter_mb" if self.lora else "model_mb"] = out.pop("weights_mb")
         out["tokens_per_second"] = self.trained_tokens / max(self.train_seconds, 1e-9)
         return out
-
-
-def to_examples(records: list[RFTRecord], prompt_format: PromptFormat, tokenizer, eos_id: int) -> list[Example]:
-    return [
-        Example(encode_prompt(tokenizer, prompt_format(record.question)),
-                tokenizer(record.reasoning, add_special_tokens=False)["input_ids"] + [eos_id])
-        for record in records
-    ]
 
 
 def resolve_precision(setting: str, device: torch.device) -> torch.dtype | None:
@@ -355,7 +347,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     policy = load_policy(cfg.model, log)
     policy.model.to(device)
     distributed.broadcast_parameters(policy.model)  # the LoRA init is equal by seed; rank 0's by construction
-    examples = (to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0]) if from_records
+    examples = (record_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0]) if from_records
                 else demonstration_examples(cfg, task, policy.tokenizer))  # sft.source=task: tool conversations
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")
