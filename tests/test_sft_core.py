@@ -33,7 +33,7 @@ def test_cli_records_and_api_rows_train_the_same_examples_and_loss(tmp_path, tok
     assert all(example.target_mask is None and example.completion_ids[-1] == tokenizer.eos_token_id
                for example in cli)
     args = SFTConfig(output_dir=str(tmp_path / "sft"), num_train_epochs=1, per_device_train_batch_size=len(rows),
-                     per_device_eval_batch_size=3, max_length=None, packing=packing)
+                     per_device_eval_batch_size=3, max_length=2048, packing=packing)
     trainer = SFTTrainer(model=tiny_model(len(tokenizer)), processing_class=tokenizer, args=args,
                          train_dataset=rows, log=lambda line: None)
     assert trainer.examples == cli  # the API's rows are the CLI's records, token for token

@@ -133,6 +133,22 @@ class CompiledOrEager:
         return out
 
 
+def router_aux_coefficient(model_config, configured: float, log: Callable[[str], None] | None = None) -> float:
+    """The weight of the router load-balancing loss SFT adds: 0 on a dense model, and 0 on a mixture-of-experts
+    architecture whose config declares no router_aux_loss_coef (Glm4Moe balances its experts by a bias and its
+    forward returns no aux loss: TRL takes the model's own coefficient, absent = 0); else `configured`.
+    log: where a configured coefficient that has no loss to weigh is said (once, not silently dropped)."""
+    if not is_mixture_of_experts(model_config):
+        return 0.0
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if getattr(text, "router_aux_loss_coef", None) is None:
+        if configured and log is not None:
+            log(f"sft: {type(model_config).__name__} declares no router load-balancing loss; "
+                f"router_aux_loss_coef={configured:g} adds nothing")
+        return 0.0
+    return float(configured)
+
+
 def plan_steps(num_examples: int, sft: SFTConfig) -> list[list[list[int]]]:
     """Per optimizer step, its micro-batches of example indices; a fresh seeded shuffle per epoch.
     sft.max_steps > 0: that many steps, from as many epochs as they need (the last one cut short)."""
@@ -220,7 +236,7 @@ class SFTJob:
         self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
         # TRL's MoE auxiliary loss: on a mixture-of-experts model, the padded pass returns the router's
         # load-balancing loss and coef x it joins each micro-batch's loss (logged as aux_loss)
-        self.router_coef = sft.router_aux_loss_coef if is_mixture_of_experts(getattr(model, "config", None)) else 0.0
+        self.router_coef = router_aux_coefficient(getattr(model, "config", None), sft.router_aux_loss_coef, log)
         if self.router_coef and sft.packing:  # the packed pass has no router loss: said, not silently dropped
             log("sft: mixture-of-experts model with sft.packing on: no router aux loss (sft.packing=false adds it)")
             self.router_coef = 0.0

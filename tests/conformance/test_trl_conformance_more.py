@@ -126,7 +126,6 @@ def test_sft_train_packing(lib, models, tmp_path):  # TRL's test_train_packing[b
     _train_packed(lib, models, tmp_path, "bfd")
 
 
-@unsupported_on_hasten("wrapped packing cuts examples across rows; hasten packs whole examples with a block mask")
 def test_sft_train_packing_wrapped(lib, models, tmp_path):  # TRL's test_train_packing[wrapped]
     _train_packed(lib, models, tmp_path, "wrapped")
 
