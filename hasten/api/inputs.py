@@ -39,9 +39,12 @@ def model_name(model: Any) -> str:
 
 
 def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_config: Any = None,
-                 log: Callable[[str], None] = print, chat_template_path: str | None = None) -> Policy:
+                 log: Callable[[str], None] = print, chat_template_path: str | None = None,
+                 prompt_learning: bool = False) -> Policy:
     """The Policy the run trains (cfg.model.name already set from `model`). chat_template_path: TRL's
-    (use_chat_template), applied before the adapters, as TRL does."""
+    (use_chat_template), applied before the adapters, as TRL does. prompt_learning: peft's prompt
+    tuning, p-tuning and prefix tuning are accepted (SFT's padded pass runs the peft model's own forward,
+    which adds their virtual tokens; GRPO's engines do not, so there they stay an error)."""
     from ..rollout.factory import use_native_model
 
     if isinstance(model, str):
@@ -54,11 +57,11 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
         if not hasattr(model, "parameters") or not callable(model):
             raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "
                            f"(got {type(model).__name__})")
-        prompt_learning = [config for config in getattr(model, "peft_config", {}).values()
-                           if getattr(config, "is_prompt_learning", False)]
-        if prompt_learning:  # its virtual tokens are not in hasten's forward: no gradient would reach them
-            raise APIError(f"peft: a {type(prompt_learning[0]).__name__} model is not supported (hasten trains LoRA "
-                           "adapters: give a peft LoraConfig)")
+        learned = [config for config in getattr(model, "peft_config", {}).values()
+                   if getattr(config, "is_prompt_learning", False)]
+        if learned and not prompt_learning:  # its virtual tokens are not in GRPO's engines: none would be sampled
+            raise APIError(f"peft: a {type(learned[0]).__name__} model is not supported for GRPO (hasten samples "
+                           "without prompt learning's virtual tokens: give a peft LoraConfig)")
         tokenizer = processing_class if processing_class is not None else _tokenizer_for(model)
         policy = Policy(model=model, tokenizer=tokenizer, source=model_name(model), lora=hasattr(model, "peft_config"))
     if processing_class is not None:
@@ -67,7 +70,9 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
         use_chat_template(policy, chat_template_path)
     if policy.tokenizer.pad_token_id is None:
         policy.tokenizer.pad_token = policy.tokenizer.eos_token
-    if peft_config is not None:
+    if peft_config is not None and prompt_learning and getattr(peft_config, "is_prompt_learning", False):
+        policy = _with_prompt_learning(policy, peft_config)
+    elif peft_config is not None:
         policy = _with_lora(policy, peft_config, cfg)
     policy.model.train()
     return policy
@@ -123,6 +128,24 @@ def _tokenizer_for(model: Any):
     except Exception as error:  # OSError for unknown names; anything the hub raises offline
         raise APIError(f"GRPOTrainer: cannot load a tokenizer for '{name}' ({type(error).__name__}); "
                        "pass processing_class=") from None
+
+
+def is_prompt_learning(model: Any) -> bool:
+    """A peft model whose adapter is prompt tuning, p-tuning or prefix tuning (virtual tokens)."""
+    return any(getattr(config, "is_prompt_learning", False) for config in getattr(model, "peft_config", {}).values())
+
+
+def _with_prompt_learning(policy: Policy, peft_config: Any) -> Policy:
+    """peft's get_peft_model with a prompt-learning config, as TRL applies it: only the virtual tokens train."""
+    from peft import get_peft_model
+
+    if hasattr(policy.model, "peft_config"):
+        raise APIError("SFTTrainer: the model already has peft adapters; pass peft_config=None")
+    if getattr(policy.model, "hasten_native", False):
+        raise APIError("SFTTrainer: peft needs a transformers model, not hasten's native Llama "
+                       "(pass the model by name, or speed={'model_impl': 'hf'})")
+    return Policy(model=get_peft_model(policy.model, peft_config), tokenizer=policy.tokenizer, source=policy.source,
+                  lora=True)
 
 
 def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:

@@ -38,7 +38,7 @@ from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, TrainingConfig, TrainingFields
 from .runs import TrainOutput, check_same_config, run_records, say_where, tag_model
-from .inputs import build_policy, model_name
+from .inputs import build_policy, is_prompt_learning, model_name
 from .sft_rows import prepare
 
 
@@ -161,7 +161,12 @@ class SFTTrainer:
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         self.policy = build_policy(model, self.config, processing_class, peft_config, log,
-                                   chat_template_path=args.chat_template_path)
+                                   chat_template_path=args.chat_template_path, prompt_learning=True)
+        if is_prompt_learning(self.policy.model) and self.config.sft.packing:  # virtual tokens: the peft forward
+            if args.packing or args.padding_free:
+                raise APIError("SFTConfig: packing=True is not supported with prompt or prefix tuning (the virtual "
+                               "tokens come from peft's own forward, which hasten runs on padded batches)")
+            self.config.sft.packing = False
         tag_model(self.policy.model, ["trl", "sft", "hasten"])
         self.config.sft.router_aux_loss_coef = self._router_coefficient()
         if self.aux_loss_enabled and self.config.sft.packing:  # the router loss comes from the padded pass

@@ -194,7 +194,8 @@ def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool
     forward = backbone or model
     outputs = forward(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                       **({"output_router_logits": True} if router_aux else {}))
-    logits = outputs.logits  # (B, L, V)
+    # (B, L, V): a prompt-tuning peft model returns its virtual tokens' logits first; the inputs' are the last L
+    logits = outputs.logits[:, -batch.input_ids.shape[1]:]
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(L-1), V): position t predicts t+1
     nll = _token_loss_sum(shifted, batch.labels[:, 1:].reshape(-1).to(device), dft)
     return (nll, outputs.aux_loss) if router_aux else nll
@@ -229,8 +230,8 @@ def eval_loss(model, examples: list[Example], pad_token_id: int, batch_size: int
     with torch.no_grad():
         for start in range(0, len(examples), batch_size):
             batch = pad_examples(examples[start:start + batch_size], pad_token_id)
-            logits = model(input_ids=batch.input_ids.to(device),
-                           attention_mask=batch.attention_mask.to(device)).logits.float()  # (B, L, V)
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+                           ).logits[:, -batch.input_ids.shape[1]:].float()  # (B, L, V): as padded_nll_sum
             predictions = logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
             targets = batch.labels[:, 1:].to(device)  # (B, L-1)
             counted = targets != IGNORE  # (B, L-1)

@@ -163,3 +163,45 @@ def test_hasten_sft_core_on_glm4_moe_adds_no_router_term_and_says_so(models):
     record = job.step(1)
     assert record["loss"] > 0 and "aux_loss" not in record
     assert any("declares no router load-balancing loss" in line for line in lines)
+
+
+def _prompt_config(kind: str, hidden_size: int):
+    from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, TaskType
+
+    if kind == "prompt_tuning":
+        return PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    if kind == "prefix_tuning":
+        return PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    return PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, encoder_hidden_size=hidden_size)
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning", "prompt_encoder"])
+def test_sft_peft_prompt_learning_trains_only_the_virtual_tokens(lib, models, tmp_path, kind):
+    # TRL's test_train_with_peft_config_prompt_tuning[*]
+    trainer = lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path, gradient_checkpointing=False),
+                             train_dataset=sft_dataset("language_modeling"), peft_config=_prompt_config(kind, 32))
+    before = snapshot(trainer)
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    for name, value in before.items():
+        changed = not torch.equal(value, trainer.model.get_parameter(name))
+        assert changed == ("base_model" not in name), f"{name}: changed={changed}"
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
+def test_hasten_prompt_learning_loss_is_the_peft_models_own(models, tmp_path, kind):
+    """The padded pass and the eval loss read the logits of the inputs, after the virtual tokens' (prompt
+    tuning returns those first): the loss equals peft's own forward given the labels."""
+    from hasten.api import SFTConfig, SFTTrainer
+
+    rows = [{"prompt": "Beautiful is", "completion": " better than ugly."}]
+    trainer = SFTTrainer(model=models["qwen2"], args=SFTConfig(output_dir=str(tmp_path / "out"), report_to="none"),
+                         train_dataset=rows, peft_config=_prompt_config(kind, 32), log=lambda line: None)
+    assert trainer.config.sft.packing is False  # the virtual tokens come from peft's forward: padded batches
+    example = trainer.examples[0]
+    ids = torch.tensor([example.prompt_ids + example.completion_ids])
+    labels = ids.clone()
+    labels[0, :len(example.prompt_ids)] = -100
+    with torch.no_grad():
+        expected = float(trainer.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss)
+    assert trainer.evaluate(eval_dataset=rows)["eval_loss"] == pytest.approx(expected, rel=1e-5)

@@ -169,7 +169,6 @@ def test_sft_train_with_iterable_dataset(lib, models, tmp_path):
     _sft_trained(trainer, before)
 
 
-@unsupported_on_hasten("peft prompt tuning (PromptEncoderConfig): hasten trains LoRA adapters only")
 def test_sft_prompt_tuning(lib, models, tmp_path):
     from peft import PromptEncoderConfig, TaskType
 
