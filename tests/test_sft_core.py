@@ -43,7 +43,9 @@ def test_cli_records_and_api_rows_train_the_same_examples_and_loss(tmp_path, tok
     assert api_loss == pytest.approx(core["loss"], rel=1e-6)
     # the loop's first step (one batch of every example, before its update) takes the same loss
     job = SFTJob(trainer.model, cli, trainer.config, trainer.policy.pad_token_id, lambda line: None)
-    assert job.step(1)["loss"] == pytest.approx(api_loss, rel=1e-4)
+    record = job.step(1)
+    assert record["loss"] == pytest.approx(api_loss, rel=1e-4)
+    assert record["mean_token_accuracy"] == pytest.approx(core["mean_token_accuracy"])  # TRL's training metric
     job.close()
 
 

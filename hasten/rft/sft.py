@@ -65,7 +65,7 @@ from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
 from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
-from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
+from .batches import Example, TokenTally, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
 from .data import load_records
 from .examples import record_examples
 from .demonstrations import DEMONSTRATIONS_FILE, check_demonstrations, demonstration_examples, save_demonstrations
@@ -259,15 +259,17 @@ class SFTJob:
         step_targets = sum(self.examples[i].num_targets for micro in self.plan[step - 1] for i in micro)
         micro_batches = self.share[step - 1]  # this rank's (all of them in one process)
         loss_total = aux_total = 0.0
+        tally = TokenTally()
         for _ in micro_batches:
             batch = next(self.batches)
             with self.optimization.autocast():
                 dft = self.sft.loss == "dft"
                 if self.router_coef:
-                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft)
+                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft,
+                                              tally=tally)
                 else:
-                    nll = (packed_nll_sum(self.model, batch, backbone=self.forward, dft=dft) if self.sft.packing
-                           else padded_nll_sum(self.model, batch, backbone=self.forward, dft=dft))
+                    pass_sum = packed_nll_sum if self.sft.packing else padded_nll_sum
+                    nll = pass_sum(self.model, batch, backbone=self.forward, dft=dft, tally=tally)
             loss = nll / step_targets  # this micro-batch's share of the step's token-mean loss
             if self.router_coef:
                 loss = loss + self.router_coef * aux / len(micro_batches)
@@ -282,7 +284,8 @@ class SFTJob:
         self.train_seconds += seconds
         tokens = sum(self.examples[i].input_length for micro in self.plan[step - 1] for i in micro)
         record = {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                  "target_tokens": step_targets, "time/step": seconds}
+                  "target_tokens": step_targets, "time/step": seconds,
+                  "mean_token_accuracy": distributed.sum_over_ranks(tally.correct) / step_targets}  # TRL's metric
         if self.router_coef:
             record["aux_loss"] = distributed.mean_over_ranks({"aux_loss": aux_total})["aux_loss"]
         return record

@@ -183,6 +183,7 @@ def test_sft_peft_prompt_learning_trains_only_the_virtual_tokens(lib, models, tm
     before = snapshot(trainer)
     trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.log_history[-1]["mean_token_accuracy"] is not None  # TRL's test_prompt_tuning reads it
     for name, value in before.items():
         changed = not torch.equal(value, trainer.model.get_parameter(name))
         assert changed == ("base_model" not in name), f"{name}: changed={changed}"
