@@ -53,3 +53,17 @@ def test_labelled_example_keeps_context_inside_the_targets():
     example = labelled_example([5, 6, 7, 8, 9], [-100, -100, 7, -100, 9])
     assert (example.prompt_ids, example.completion_ids, example.target_mask) == ([5, 6], [7, 8, 9], (1, 0, 1))
     assert labelled_example([5, 6], [5, -100]) is None  # the first token is never a target: nothing predicts it
+
+
+def test_api_steps_count_the_examples_wrapped_packing_makes(tmp_path, tokenizer):
+    """packing_strategy="wrapped" turns 8 rows into more blocks: the run's steps (and warmup) follow them."""
+    rows = [{"text": f"row {index}: " + "beautiful is better than ugly " * 3} for index in range(8)]
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), num_train_epochs=1, per_device_train_batch_size=4,
+                     packing=True, packing_strategy="wrapped", max_length=16, warmup_steps=0.5)
+    trainer = SFTTrainer(model=tiny_model(len(tokenizer)), processing_class=tokenizer, args=args, train_dataset=rows,
+                         log=lambda line: None)
+    blocks = len(trainer.examples)
+    assert blocks > len(rows)
+    assert trainer.state.max_steps == -(-blocks // 4) and trainer.config.sft.warmup_steps == -(-trainer.state.max_steps // 2)
+    trainer.train()
+    assert trainer.state.global_step == trainer.state.max_steps

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, load_config
+from ..config import Config, load_config, set_key, validate
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, TrainingConfig, TrainingFields
 from .runs import TrainOutput, check_same_config, run_records, say_where, tag_model
@@ -62,7 +62,7 @@ class _SFTFields(TrainingFields):
     metric_for_best_model: str | None = None  # state.best_metric follows this eval metric (no checkpoint choice)
     greater_is_better: bool | None = None  # None: True unless the metric is a loss
     padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
-    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
+    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -86,7 +86,8 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
                  ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
-                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()),
+                 ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
                  ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
@@ -178,6 +179,11 @@ class SFTTrainer:
         self.examples, self.train_dataset = prepare(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args,
                                                     log, packing=bool(args.packing))
         self.train_dataset = train_dataset if self.train_dataset is None else self.train_dataset
+        if len(self.examples) != len(rows):  # wrapped blocks, or rows without a target: the steps count examples
+            steps, more = args.steps_and_warmup(len(self.examples))
+            for key, value in more:
+                set_key(self.config, key, value)
+            validate(self.config)
         # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss); kept prepared
         self.eval_sets, self.eval_dataset = self._eval_sets(eval_dataset)
         self.eval_examples = [example for examples in self.eval_sets.values() for example in examples]
