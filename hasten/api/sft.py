@@ -20,7 +20,11 @@ must be whole; max_steps > 0 replaces it (epochs repeat until that many
 steps, as TRL's), and an IterableDataset needs it (its first max_steps x batch
 rows are read, then repeat as epochs). packing=None
 keeps hasten's packed rows (a block mask: every example sees only itself,
-so the loss is the unpacked one); False runs the padded batch.
+so the loss is the unpacked one); False runs the padded batch. TRL's
+preparation options (packing_strategy, eval_packing, skip_prepare_dataset)
+are sft_rows.py's; chat_template_path and peft prompt learning are applied
+where the model is built (inputs.py); the router aux coefficient follows the
+model's config as TRL's (None = the config's own).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """TRL 1.16's SFT options, as TRL's tests/test_sft_trainer.py uses them, on TRL (the control) and hasten:
 packing_strategy="wrapped", eval_packing and the seq_lengths column, dataset_kwargs={"skip_prepare_dataset":
 True}, chat_template_path (a template file, or a tokenizer to clone), and a mixture-of-experts model whose
-config declares no router aux loss coefficient (Glm4Moe). Tiny local models, no network."""
+config declares no router aux loss coefficient (Glm4Moe), peft prompt learning (prompt, prefix and
+p-tuning). Tiny local models, no network."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -68,7 +71,7 @@ def _tokenized(models):
 
     tokenizer = AutoTokenizer.from_pretrained(models["qwen2"])
     rows = []
-    for prompt, answer in zip(PROMPTS, PROMPTS[1:]):
+    for prompt, answer in itertools.pairwise(PROMPTS):
         context, target = tokenizer(prompt)["input_ids"], tokenizer(f" {answer}.")["input_ids"]
         rows.append({"input_ids": context + target, "labels": [-100] * len(context) + target})
     return Dataset.from_list(rows)
@@ -166,7 +169,12 @@ def test_hasten_sft_core_on_glm4_moe_adds_no_router_term_and_says_so(models):
 
 
 def _prompt_config(kind: str, hidden_size: int):
-    from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, TaskType
+    from peft import (
+        PrefixTuningConfig,
+        PromptEncoderConfig,
+        PromptTuningConfig,
+        TaskType,
+    )
 
     if kind == "prompt_tuning":
         return PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
