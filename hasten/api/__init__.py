@@ -8,7 +8,8 @@ supported, different, or not supported and why.
 
 from .callbacks import TrainerControl, TrainerState
 from .grpo_config import APIError, GRPOConfig
-from .grpo_trainer import GRPOTrainer, TrainOutput
+from .grpo_trainer import GRPOTrainer
+from .runs import TrainOutput
 from .sft import SFTConfig, SFTTrainer
 
 __all__ = ["APIError", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "TrainOutput", "TrainerControl",

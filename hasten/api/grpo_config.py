@@ -49,7 +49,7 @@ class APIError(UserError):
 
 
 @dataclass
-class _TrainingFields:
+class TrainingFields:
     """TrainingArguments fields hasten reads for both GRPO and SFT (TRL's defaults)."""
 
     # where and how long
@@ -92,7 +92,7 @@ class _TrainingFields:
 
 
 @dataclass
-class _GRPOFields(_TrainingFields):
+class _GRPOFields(TrainingFields):
     # batch (TRL's arithmetic: completions, not prompts)
     generation_batch_size: int | None = None  # completions per generation
     steps_per_generation: int | None = None
@@ -165,7 +165,7 @@ class _GRPOFields(_TrainingFields):
 class TrainingConfig:
     """What GRPOConfig and SFTConfig share: TRL's keyword-only construction and the common mappings."""
 
-    fields_class: type = _TrainingFields
+    fields_class: type = TrainingFields
 
     def __init__(self, output_dir: str | None = None, **fields: Any):
         from .trl_fields import unsupported_value

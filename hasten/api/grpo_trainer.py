@@ -28,27 +28,18 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, load_config, to_dict
+from ..config import Config, load_config
 from .callbacks import CallbackBridge, TrainerState, instantiate
 from .grpo_config import APIError, GRPOConfig
 from .inputs import build_policy, build_rewards, build_task, model_name, named_eval_sets
+from .runs import TrainOutput, check_same_config, run_records, say_where, tag_model
 
 UNSUPPORTED_ARGUMENTS = ("quantization_config",)
 LOGGER = logging.getLogger(__name__)  # TRL's construction warnings, which scripts and tests capture
 TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
-
-
-@dataclass
-class TrainOutput:
-    """transformers' TrainOutput: (global_step, training_loss, metrics); metrics is the run's summary."""
-
-    global_step: int
-    training_loss: float
-    metrics: dict[str, Any]
 
 
 class GRPOTrainer:
@@ -170,7 +161,7 @@ class GRPOTrainer:
         """The entropy bonus coefficient now: args.entropy_coef before training, then the one the last step
         left (the adaptive control moves it once per optimizer step, use_adaptive_entropy), from the run's
         metrics.jsonl (log_history holds means over logging windows)."""
-        records = _records(self.run_dir) if self.run_dir is not None else []
+        records = run_records(self.run_dir) if self.run_dir is not None else []
         steps = [record["entropy_coef"] for record in records if "entropy_coef" in record]
         return steps[-1] if steps else self.args.entropy_coef
 
@@ -283,11 +274,11 @@ class GRPOTrainer:
                                 cfg.algo.num_iterations, len(self.session.task.train_rows) / cfg.train.prompts_per_step,
                                 cfg.output.log_every, self._evaluate_sets if named else None, self.eval_every)
         if resume is None:
-            _say_where(cfg, self.log)
+            say_where(cfg, self.log)
         summary = train(cfg, self.log, resume, session=self.session, callbacks=[bridge])
         self._finished = True
         self.run_dir = Path(summary["run_dir"])
-        losses = [record["loss"] for record in _records(self.run_dir) if isinstance(record.get("loss"), float)]
+        losses = [record["loss"] for record in run_records(self.run_dir) if isinstance(record.get("loss"), float)]
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"),
                            {**summary, **bridge.summary})
 
@@ -376,7 +367,7 @@ class GRPOTrainer:
         cfg = self.config
         path = Path(cfg.output.dir) / cfg.output.name if resume is True else Path(resume)
         run_dir, checkpoint = find_checkpoint(path, total_steps=cfg.train.steps)
-        _check_same_config(cfg, run_dir.path / "config.yaml")
+        check_same_config(cfg, run_dir.path / "config.yaml")
         return checkpoint
 
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -416,51 +407,3 @@ def check_model_options(model, args: GRPOConfig) -> None:
                        "Mixture-of-Experts model that returns its router logits, so there is no auxiliary loss to "
                        "weight.")
 
-
-def tag_model(model, tags: list[str]) -> None:
-    """TRL's model tags, which transformers writes to the model card on push_to_hub; hasten's native forward
-    model (models/llama.py) keeps them in the same attribute."""
-    if hasattr(model, "add_model_tags"):
-        model.add_model_tags(tags)
-    else:
-        model.model_tags = [*(getattr(model, "model_tags", None) or []),
-                            *(tag for tag in tags if tag not in (getattr(model, "model_tags", None) or []))]
-
-
-def _say_where(cfg: Config, log: Callable[[str], None]) -> None:
-    """The log line for a fresh run whose output_dir is taken (outputs.RunDir.create does the move)."""
-    from ..train import distributed
-    from ..train.outputs import aside_name, holds_run
-
-    target = Path(cfg.output.dir) / cfg.output.name
-    if not distributed.is_main() or not target.is_dir() or not any(target.iterdir()):
-        return
-    if holds_run(target):
-        log(f"output_dir {target} holds an earlier run: it is kept as {aside_name(target)} and this run writes "
-            f"{target} (resume_from_checkpoint=True would have continued it)")
-    else:
-        log(f"output_dir {target} holds files that are not a hasten run; this run gets a fresh directory "
-            "beside it")
-
-
-def _check_same_config(cfg: Config, saved_path: Path) -> None:
-    """A resumed run continues the saved config; an argument that changes what is learned is an error.
-    A larger max_steps (train.steps) continues the run to the new end, as TRL does (the schedule is the
-    new length's; loop.open_run records it in the run's config.yaml)."""
-    saved = load_config(saved_path)
-    ignored = {("output", "progress"), ("output", "plot"), ("output", "earlier_run")}
-    now, before = to_dict(cfg), to_dict(saved)
-    for section, values in now.items():
-        for key, value in values.items():
-            if (section, key) == ("train", "steps") and value >= before[section][key]:
-                continue
-            if (section, key) not in ignored and before[section].get(key) != value:
-                raise APIError(f"resume_from_checkpoint: {section}.{key} is {value!r} now but "
-                               f"{before[section].get(key)!r} in {saved_path}; a resumed run continues its own "
-                               "config (use the arguments it was started with)")
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    from ..train.outputs import read_json_lines
-
-    return read_json_lines(run_dir / "metrics.jsonl")

@@ -5,6 +5,7 @@
   a loaded model (a transformers PreTrainedModel, a peft model, or hasten's
   NativeLlamaForCausalLM), used as it is: trained in place.
 - processing_class: the tokenizer; None loads the model's own (by name).
+- chat_template_path (SFT): a template file, or a tokenizer whose template is cloned (use_chat_template).
 - peft_config: a peft LoraConfig, applied with peft.get_peft_model exactly
   as given (every LoraConfig option works; the run's config.yaml records r,
   alpha, dropout and target modules).
@@ -38,12 +39,17 @@ def model_name(model: Any) -> str:
 
 
 def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_config: Any = None,
-                 log: Callable[[str], None] = print) -> Policy:
-    """The Policy the run trains (cfg.model.name already set from `model`)."""
+                 log: Callable[[str], None] = print, chat_template_path: str | None = None,
+                 prompt_learning: bool = False) -> Policy:
+    """The Policy the run trains (cfg.model.name already set from `model`). chat_template_path: TRL's
+    (use_chat_template), applied before the adapters, as TRL does. prompt_learning: peft's prompt
+    tuning, p-tuning and prefix tuning are accepted (SFT's padded pass runs the peft model's own forward,
+    which adds their virtual tokens; GRPO's engines do not, so there they stay an error)."""
     from ..rollout.factory import use_native_model
 
     if isinstance(model, str):
-        native = peft_config is None and processing_class is None and use_native_model(cfg, log)
+        clones = chat_template_path is not None and not is_template_file(chat_template_path)  # may resize
+        native = peft_config is None and processing_class is None and not clones and use_native_model(cfg, log)
         log(f"loading model {cfg.model.name} ...")  # as the CLI says it (train/trainer.py): the load takes seconds
         with Ticker(f"loading model {cfg.model.name}", unit="s") as tick:  # elapsed; a first conversion counts
             policy = load_policy(cfg.model, tick.wrap(log), native=native)
@@ -51,21 +57,62 @@ def build_policy(model: Any, cfg: Config, processing_class: Any = None, peft_con
         if not hasattr(model, "parameters") or not callable(model):
             raise APIError(f"GRPOTrainer: model must be a name, a directory or a loaded causal LM "
                            f"(got {type(model).__name__})")
-        prompt_learning = [config for config in getattr(model, "peft_config", {}).values()
-                           if getattr(config, "is_prompt_learning", False)]
-        if prompt_learning:  # its virtual tokens are not in hasten's forward: no gradient would reach them
-            raise APIError(f"peft: a {type(prompt_learning[0]).__name__} model is not supported (hasten trains LoRA "
-                           "adapters: give a peft LoraConfig)")
+        learned = [config for config in getattr(model, "peft_config", {}).values()
+                   if getattr(config, "is_prompt_learning", False)]
+        if learned and not prompt_learning:  # its virtual tokens are not in GRPO's engines: none would be sampled
+            raise APIError(f"peft: a {type(learned[0]).__name__} model is not supported for GRPO (hasten samples "
+                           "without prompt learning's virtual tokens: give a peft LoraConfig)")
         tokenizer = processing_class if processing_class is not None else _tokenizer_for(model)
         policy = Policy(model=model, tokenizer=tokenizer, source=model_name(model), lora=hasattr(model, "peft_config"))
     if processing_class is not None:
         policy.tokenizer = processing_class
+    if chat_template_path is not None:
+        use_chat_template(policy, chat_template_path)
     if policy.tokenizer.pad_token_id is None:
         policy.tokenizer.pad_token = policy.tokenizer.eos_token
-    if peft_config is not None:
+    if peft_config is not None and prompt_learning and getattr(peft_config, "is_prompt_learning", False):
+        policy = _with_prompt_learning(policy, peft_config)
+    elif peft_config is not None:
         policy = _with_lora(policy, peft_config, cfg)
     policy.model.train()
     return policy
+
+
+def is_template_file(path: str) -> bool:
+    return Path(path).is_file() and path.endswith((".jinja", ".j2"))
+
+
+def use_chat_template(policy: Policy, path: str) -> None:
+    """TRL's chat_template_path. A .jinja / .j2 file becomes the tokenizer's chat template, as it is (the
+    tokens it names must be in the vocabulary already). A tokenizer directory (or hub id) lends its template,
+    its added tokens and its EOS, and the model's embeddings grow to the vocabulary (to a multiple of 64, the
+    rest filled with <extra_id_N> tokens): TRL's clone_chat_template, step for step."""
+    if is_template_file(path):
+        policy.tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
+        return
+    from transformers import AddedToken, AutoTokenizer
+
+    model, tokenizer = policy.model, policy.tokenizer
+    if getattr(model, "hasten_native", False) or not hasattr(model, "resize_token_embeddings"):
+        raise APIError(f"SFTConfig: chat_template_path={path!r} (a tokenizer to clone) is not supported on "
+                       f"{type(model).__name__}: it cannot resize its embeddings (pass the model by name)")
+    try:
+        source = AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # OSError for a missing directory; anything the hub raises offline
+        raise APIError(f"SFTConfig: chat_template_path={path!r} is neither a .jinja / .j2 file nor a tokenizer "
+                       f"({type(error).__name__})") from None
+    tokenizer.chat_template = source.get_chat_template()
+    tokenizer.add_tokens([token for token in source.added_tokens_decoder.values()
+                          if token.content not in tokenizer.vocab])
+    tokenizer.eos_token = source.eos_token
+    model.config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.resize_token_embeddings(new_num_tokens=len(tokenizer.vocab), pad_to_multiple_of=64)
+    index = 0
+    while model.get_input_embeddings().weight.shape[0] > len(tokenizer.vocab):  # the padding rows get names
+        tokenizer.add_tokens(AddedToken(f"<extra_id_{index}>"))
+        index += 1
 
 
 def _tokenizer_for(model: Any):
@@ -81,6 +128,24 @@ def _tokenizer_for(model: Any):
     except Exception as error:  # OSError for unknown names; anything the hub raises offline
         raise APIError(f"GRPOTrainer: cannot load a tokenizer for '{name}' ({type(error).__name__}); "
                        "pass processing_class=") from None
+
+
+def is_prompt_learning(model: Any) -> bool:
+    """A peft model whose adapter is prompt tuning, p-tuning or prefix tuning (virtual tokens)."""
+    return any(getattr(config, "is_prompt_learning", False) for config in getattr(model, "peft_config", {}).values())
+
+
+def _with_prompt_learning(policy: Policy, peft_config: Any) -> Policy:
+    """peft's get_peft_model with a prompt-learning config, as TRL applies it: only the virtual tokens train."""
+    from peft import get_peft_model
+
+    if hasattr(policy.model, "peft_config"):
+        raise APIError("SFTTrainer: the model already has peft adapters; pass peft_config=None")
+    if getattr(policy.model, "hasten_native", False):
+        raise APIError("SFTTrainer: peft needs a transformers model, not hasten's native Llama "
+                       "(pass the model by name, or speed={'model_impl': 'hf'})")
+    return Policy(model=get_peft_model(policy.model, peft_config), tokenizer=policy.tokenizer, source=policy.source,
+                  lora=True)
 
 
 def _with_lora(policy: Policy, peft_config: Any, cfg: Config) -> Policy:

@@ -1,4 +1,5 @@
-"""SFTConfig / SFTTrainer: TRL 1.16's SFT surface over rft/sft.py's SFTJob and the shared loop.
+"""SFTConfig / SFTTrainer: TRL 1.16's SFT surface over the SFT core `hasten sft` runs (rft/: SFTJob,
+examples, eval loss) and the shared loop; this module maps TRL's arguments onto it.
 
 Datasets, as TRL reads them:
   prompt + completion  loss on the completion only (TRL's completion_only_loss default); a
@@ -19,7 +20,11 @@ must be whole; max_steps > 0 replaces it (epochs repeat until that many
 steps, as TRL's), and an IterableDataset needs it (its first max_steps x batch
 rows are read, then repeat as epochs). packing=None
 keeps hasten's packed rows (a block mask: every example sees only itself,
-so the loss is the unpacked one); False runs the padded batch.
+so the loss is the unpacked one); False runs the padded batch. TRL's
+preparation options (packing_strategy, eval_packing, skip_prepare_dataset)
+are sft_rows.py's; chat_template_path and peft prompt learning are applied
+where the model is built (inputs.py); the router aux coefficient follows the
+model's config as TRL's (None = the config's own).
 """
 
 from __future__ import annotations
@@ -33,16 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, load_config
+from ..config import Config, load_config, set_key, validate
 from .callbacks import CallbackBridge, TrainerState, instantiate
-from .grpo_config import APIError, TrainingConfig, _TrainingFields
-from .grpo_trainer import TrainOutput, _check_same_config, _records, _say_where, tag_model
-from .inputs import build_policy, model_name
-from .sft_rows import prepared, to_examples
+from .grpo_config import APIError, TrainingConfig, TrainingFields
+from .runs import TrainOutput, check_same_config, run_records, say_where, tag_model
+from .inputs import build_policy, is_prompt_learning, model_name
+from .sft_rows import prepare
 
 
 @dataclass
-class _SFTFields(_TrainingFields):
+class _SFTFields(TrainingFields):
     learning_rate: float = 2e-5
     max_length: int | None = 1024
     packing: bool | None = None  # None: hasten's exact packing (block mask); False: padded batches
@@ -51,13 +56,17 @@ class _SFTFields(_TrainingFields):
     eval_strategy: str = "no"  # no | steps | epoch: the eval loss on eval_dataset (token mean over its targets)
     eval_steps: float | None = None
     per_device_eval_batch_size: int = 8
-    router_aux_loss_coef: float = 0.001  # sft.router_aux_loss_coef (mixture-of-experts models only)
+    router_aux_loss_coef: float | None = None  # None: the model config's own (absent: no aux loss), as TRL
+    chat_template_path: str | None = None  # a .jinja/.j2 file, or a tokenizer directory whose template is cloned
+    dataset_kwargs: dict | None = None  # {"skip_prepare_dataset": True}: rows are input_ids (+ labels) as given
+    packing_strategy: str = "bfd"  # bfd: whole examples; wrapped: rows concatenated, cut into max_length blocks
+    eval_packing: bool | None = None  # None: as packing
     assistant_only_loss: bool = False  # conversations train on the assistant messages' tokens only
     loss_type: str = "nll"  # nll | dft (sft.loss)
     metric_for_best_model: str | None = None  # state.best_metric follows this eval metric (no checkpoint choice)
     greater_is_better: bool | None = None  # None: True unless the metric is a loss
     padding_free: bool = False  # True: hasten's packing (a block mask: no padding, each example sees itself)
-    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only (sft.gradient_checkpointing_reentrant)
+    gradient_checkpointing_kwargs: dict | None = None  # {"use_reentrant": bool} only
 
 
 class SFTConfig(TrainingConfig, _SFTFields):
@@ -81,7 +90,8 @@ class SFTConfig(TrainingConfig, _SFTFields):
                  ("sft.gradient_accumulation_steps", self.gradient_accumulation_steps),
                  ("sft.warmup_steps", 0), ("sft.warmup_from_zero", True), ("sft.lr_schedule", self._schedule()),
                  ("sft.weight_decay", self.weight_decay), ("sft.max_grad_norm", self.max_grad_norm),
-                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()), ("sft.router_aux_loss_coef", self.router_aux_loss_coef), ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
+                 ("sft.seed", self.seed), ("sft.loss", self._loss_type()),
+                 ("sft.adamw", {"fused": "fused", "foreach": "foreach"}[self._optimizer()]),
                  ("sft.precision", mode or "auto"), ("sft.compile", "on" if self.torch_compile else "off"),
                  ("eval.num_examples", 0), ("eval.at_start", False)]
         if self.adam_beta1 != 0.9 or self.adam_beta2 != 0.999:
@@ -90,6 +100,13 @@ class SFTConfig(TrainingConfig, _SFTFields):
             raise self._error("When `padding_free=True` without packing, `max_length` is not enforced. Either "
                               "enable packing (packing=True), provide already truncated inputs, or set "
                               "max_length=None")
+        if self.router_aux_loss_coef is not None:  # None: resolved from the model once it is loaded
+            pairs.append(("sft.router_aux_loss_coef", self.router_aux_loss_coef))
+        if self.packing_strategy not in ("bfd", "wrapped"):
+            raise self._error(f"packing_strategy={self.packing_strategy!r} is not supported (bfd, wrapped)")
+        if set(self.dataset_kwargs or {}) - {"skip_prepare_dataset"}:  # TRL's only key
+            raise self._error(f"dataset_kwargs: only skip_prepare_dataset is supported (got "
+                              f"{', '.join(sorted(self.dataset_kwargs))})")
         if self.packing is not None or self.padding_free:
             pairs.append(("sft.packing", bool(self.packing or self.padding_free)))
         if self.gradient_checkpointing is not None:
@@ -134,12 +151,12 @@ class SFTTrainer:
             raise APIError(f"SFTTrainer: args must be a hasten SFTConfig (got {type(args).__name__})")
         if train_dataset is None:
             raise APIError("SFTTrainer: `train_dataset` is required")
+        skip = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
         for dataset in [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])]:
-            if getattr(dataset, "format", {}).get("type") == "custom":  # TRL refuses them too, in these words
-                raise APIError("SFTTrainer: a Dataset.with_transform() dataset is not supported: hasten tokenizes "
-                               "rows once, and TRL's way out (dataset_kwargs={'skip_prepare_dataset': True} with a "
-                               "transform that returns trainer-ready rows) is not supported; materialize the "
-                               "transform with Dataset.map() first")
+            if getattr(dataset, "format", {}).get("type") == "custom" and not skip:  # TRL's refusal, in its words
+                raise APIError("SFTTrainer: a Dataset.with_transform() dataset is not supported without "
+                               "dataset_kwargs={'skip_prepare_dataset': True} and a transform that returns "
+                               "trainer-ready rows (input_ids, labels); or materialize it with Dataset.map() first")
         self.args, self.log, self.callbacks = args, log, instantiate(callbacks)
         self.formatting_func, self.compute_metrics = formatting_func, compute_metrics
         rows = self._formatted(_rows(_head(train_dataset, args), "train_dataset"))
@@ -148,16 +165,29 @@ class SFTTrainer:
         self.config: Config = load_config(None, base + more, profile=None)
         random.seed(args.seed)
         torch.manual_seed(args.seed)
-        self.policy = build_policy(model, self.config, processing_class, peft_config, log)
+        self.policy = build_policy(model, self.config, processing_class, peft_config, log,
+                                   chat_template_path=args.chat_template_path, prompt_learning=True)
+        if is_prompt_learning(self.policy.model) and self.config.sft.packing:  # virtual tokens: the peft forward
+            if args.packing or args.padding_free:
+                raise APIError("SFTConfig: packing=True is not supported with prompt or prefix tuning (the virtual "
+                               "tokens come from peft's own forward, which hasten runs on padded batches)")
+            self.config.sft.packing = False
         tag_model(self.policy.model, ["trl", "sft", "hasten"])
+        self.config.sft.router_aux_loss_coef = self._router_coefficient()
         if self.aux_loss_enabled and self.config.sft.packing:  # the router loss comes from the padded pass
             if args.packing:
                 raise APIError("SFTConfig: packing=True is not supported on a mixture-of-experts model with "
                                "router_aux_loss_coef != 0 (hasten's router aux loss needs the padded pass)")
             self.config.sft.packing = False
-        kept: list = []
-        self.examples = to_examples(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args, log, kept)
-        self.train_dataset = prepared(kept)  # TRL's processed rows: input_ids and labels
+        # TRL's processed rows (input_ids and labels; packed: + seq_lengths), or the rows as given (skip_prepare)
+        self.examples, self.train_dataset = prepare(rows, self.policy.tokenizer, self.policy.eos_token_ids[0], args,
+                                                    log, packing=bool(args.packing))
+        self.train_dataset = train_dataset if self.train_dataset is None else self.train_dataset
+        if len(self.examples) != len(rows):  # wrapped blocks, or rows without a target: the steps count examples
+            steps, more = args.steps_and_warmup(len(self.examples))
+            for key, value in more:
+                set_key(self.config, key, value)
+            validate(self.config)
         # TRL's eval_dataset: one dataset, or a dict of them (each logged as eval_<name>_loss); kept prepared
         self.eval_sets, self.eval_dataset = self._eval_sets(eval_dataset)
         self.eval_examples = [example for examples in self.eval_sets.values() for example in examples]
@@ -185,9 +215,25 @@ class SFTTrainer:
     def aux_loss_enabled(self) -> bool:
         """TRL's: a mixture-of-experts model (its config has output_router_logits) and router_aux_loss_coef
         != 0; each micro-batch's loss then adds coef x the router load-balancing loss, logged as aux_loss."""
+        from ..rft.sft import router_aux_coefficient
+
+        return router_aux_coefficient(getattr(self.model, "config", None), self.config.sft.router_aux_loss_coef) != 0
+
+    def _router_coefficient(self) -> float:
+        """TRL's router_aux_loss_coef: None takes the model config's own (absent: 0, no aux loss); a value on
+        a model without router logits is TRL's error."""
         from ..train.learner import is_mixture_of_experts
 
-        return is_mixture_of_experts(getattr(self.model, "config", None)) and self.args.router_aux_loss_coef != 0
+        config = getattr(self.model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        given = self.args.router_aux_loss_coef
+        if given is None:
+            return float(getattr(text, "router_aux_loss_coef", None) or 0.0) if is_mixture_of_experts(config) else 0.0
+        if given and not is_mixture_of_experts(config):
+            raise APIError(f"SFTConfig: `router_aux_loss_coef` is set to {given} but {type(self.model).__name__} is "
+                           "not a Mixture-of-Experts model that returns its router logits, so there is no auxiliary "
+                           "loss to weight.")
+        return float(given)
 
     def _eval_sets(self, eval_dataset: Any) -> tuple[dict[str | None, list], Any]:
         """{name or None: Examples} and the prepared dataset(s), shaped as given (one, or a dict by name)."""
@@ -196,13 +242,13 @@ class SFTTrainer:
         named = dict(eval_dataset) if isinstance(eval_dataset, dict) else {None: eval_dataset}
         if not named:
             raise APIError("SFTTrainer: eval_dataset is an empty dict")
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing  # TRL's rule
         sets, shown = {}, {}
         for name, dataset in named.items():
-            kept: list = []
             label = "eval_dataset" if name is None else f"eval_dataset['{name}']"
-            sets[name] = to_examples(self._formatted(_rows(dataset, label)), self.policy.tokenizer, self.policy.eos_token_ids[0],
-                                     self.args, self.log, kept)
-            shown[name] = prepared(kept)
+            sets[name], shown[name] = prepare(self._formatted(_rows(dataset, label)), self.policy.tokenizer,
+                                              self.policy.eos_token_ids[0], self.args, self.log, bool(packing), label)
+            shown[name] = dataset if shown[name] is None else shown[name]  # skip_prepare_dataset: as given
         return sets, shown.get(None, shown)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
@@ -243,12 +289,12 @@ class SFTTrainer:
             path = Path(cfg.output.dir) / cfg.output.name if resume_from_checkpoint is True \
                 else Path(resume_from_checkpoint)
             run_dir, resume = loop.find_checkpoint(path)
-            _check_same_config(cfg, run_dir.path / "config.yaml")
+            check_same_config(cfg, run_dir.path / "config.yaml")
         evaluator = self.evaluate_loss if self.eval_examples and self.args.eval_strategy != "no" else None
         job = SFTJob(self.policy.model, self.examples, cfg, self.policy.pad_token_id, self.log, self.policy.tokenizer,
                      evaluator)
         if resume is None:
-            _say_where(cfg, self.log)
+            say_where(cfg, self.log)
         run, checkpoint = loop.open_run(cfg, resume)
         steps_per_epoch = max(1, -(-len(self.examples) // cfg.sft.batch_size))
         if evaluator is not None:  # the loop evaluates every eval_every steps and after the last
@@ -260,7 +306,7 @@ class SFTTrainer:
         hooks = make_trackers(cfg, run, list) + [bridge]
         summary = loop.run(job, cfg, run, self.log, checkpoint, created=resume is None, callbacks=hooks)
         self.run_dir = Path(summary["run_dir"])
-        losses = [r["loss"] for r in _records(self.run_dir) if isinstance(r.get("loss"), float)]
+        losses = [r["loss"] for r in run_records(self.run_dir) if isinstance(r.get("loss"), float)]
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), summary)
 
     def evaluate_loss(self) -> dict[str, float]:
@@ -273,48 +319,16 @@ class SFTTrainer:
         return metrics
 
     def _loss_on(self, examples: list) -> dict[str, float]:
-        import torch
+        """rft/batches.py's eval_loss (the SFT core's, on the padded batches training takes) with TRL's names."""
+        from ..rft.batches import eval_loss
 
-        model, pad = self.policy.model, self.policy.pad_token_id
-        device = next(model.parameters()).device
-        was_training, started = model.training, time.perf_counter()
-        model.eval()
-        total = tokens = correct = entropy = 0.0
-        size = self.args.per_device_eval_batch_size
-        kept_logits, kept_labels = [], []  # compute_metrics' EvalPrediction, as transformers gathers it
-        with torch.no_grad():
-            for start in range(0, len(examples), size):
-                batch = examples[start:start + size]
-                ids = [e.prompt_ids + e.completion_ids for e in batch]
-                width = max(map(len, ids))
-                inputs = torch.full((len(ids), width), pad, dtype=torch.long)
-                labels = torch.full((len(ids), width), -100, dtype=torch.long)
-                for row, (example, sequence) in enumerate(zip(batch, ids)):
-                    inputs[row, :len(sequence)] = torch.tensor(sequence)
-                    targets = torch.tensor(example.completion_ids)
-                    if example.target_mask is not None:  # context tokens inside the completion
-                        targets[~torch.tensor(example.target_mask, dtype=torch.bool)] = -100
-                    labels[row, len(example.prompt_ids):len(sequence)] = targets
-                attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
-                logits = model(input_ids=inputs.to(device), attention_mask=attention.to(device)).logits.float()
-                targets = labels[:, 1:].to(device)  # (B, L-1): each position predicts the next token
-                predictions = logits[:, :-1]  # (B, L-1, V)
-                total += float(torch.nn.functional.cross_entropy(predictions.transpose(1, 2), targets,
-                                                                 ignore_index=-100, reduction="sum"))
-                counted = targets != -100  # (B, L-1)
-                tokens += float(counted.sum())
-                correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's mean_token_accuracy
-                if self.compute_metrics is not None:
-                    kept_logits.append(logits.cpu())
-                    kept_labels.append(labels)
-                log_probs = torch.log_softmax(predictions, dim=-1)
-                entropy += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
-        model.train(was_training)
-        found = {"loss": total / max(tokens, 1.0), "mean_token_accuracy": correct / max(tokens, 1.0),
-                 "entropy": entropy / max(tokens, 1.0)}
+        started = time.perf_counter()
+        found = eval_loss(self.policy.model, examples, self.policy.pad_token_id, self.args.per_device_eval_batch_size,
+                          keep_logits=self.compute_metrics is not None)
+        metrics = found.means()
         if self.compute_metrics is not None:
-            found.update(self._user_metrics(kept_logits, kept_labels))
-        return {**found, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
+            metrics.update(self._user_metrics(found.logits, found.labels))
+        return {**metrics, "seconds": time.perf_counter() - started, "num_examples": len(examples)}
 
     def _user_metrics(self, logits: list, labels: list) -> dict[str, float]:
         """compute_metrics(EvalPrediction(predictions=logits (N, L, V), label_ids=labels (N, L))), the batches
@@ -374,6 +388,8 @@ def _rows(dataset: Any, argument: str = "train_dataset") -> list[dict[str, Any]]
         return _file_rows(str(dataset))
     if type(dataset).__name__ == "IterableDataset":  # datasets' streaming one: read it whole (eval sets)
         dataset = list(dataset)
+    if getattr(dataset, "format", {}).get("type") == "custom":  # with_transform: its rows are what it returns
+        return [dataset[index] for index in range(len(dataset))]
     if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
         return dataset.to_list()
     if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset) and dataset:

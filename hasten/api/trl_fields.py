@@ -40,18 +40,14 @@ GRPO_ONLY: dict[str, tuple[Any, str]] = {
 }
 
 SFT = "hasten's SFT (rft/sft.py) has no counterpart for this option"
-PACKING = ("hasten packs whole examples with a block mask (each sees only itself: the unpacked loss), as TRL's "
-           "bfd; wrapped packing, which cuts examples across rows, is not implemented")
 
 # SFTConfig's own fields (beyond TrainingArguments) hasten's SFTConfig does not take: name -> (TRL 1.16
 # default, why hasten does not take another value)
 SFT_ONLY: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, GRPO_ONLY["trust_remote_code"][1]),
-    "chat_template_path": (None, SFT),
-    "dataset_kwargs": (None, SFT), "dataset_num_proc": (None, "hasten tokenizes in its own process"),
+    "dataset_num_proc": (None, "hasten tokenizes in its own process"),
     "eos_token": (None, SFT), "pad_token": (None, SFT), "truncation_mode": ("keep_start", SFT),
-    "shuffle_dataset": (False, SFT), "packing_strategy": ("bfd", PACKING),
-    "pad_to_multiple_of": ("auto", SFT), "eval_packing": (None, SFT),
+    "shuffle_dataset": (False, SFT), "pad_to_multiple_of": ("auto", SFT),
     "activation_offloading": (False, SFT),
 }
 

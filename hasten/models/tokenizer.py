@@ -134,7 +134,8 @@ class FastTokenizer:
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Copy the tokenizer files, with the current special tokens in tokenizer_config.json."""
+        """Copy the tokenizer files, with the current special tokens in tokenizer_config.json and the current
+        chat template in chat_template.jinja."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for name in FILES:
@@ -143,6 +144,9 @@ class FastTokenizer:
         config_file = self.directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         config.update({name: token for name, token in self.special.items() if token is not None})
+        if self.chat_template:  # the template in use, which a user may have set (SFT's chat_template_path)
+            (directory / "chat_template.jinja").write_text(self.chat_template)
+            config.pop("chat_template", None)
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

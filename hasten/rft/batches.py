@@ -27,6 +27,9 @@ Both return the SUM of the per-token negative log-likelihood and the number
 of target tokens; the caller divides by the optimizer batch's total, so
 gradient accumulation over micro-batches equals one big batch, and the two
 paths give the same loss and gradients (tests/test_rft.py, 1e-4 in fp32).
+
+`eval_loss` is the padded path without gradients, in eval mode: the SFT
+eval loss (TRL's eval_loss, mean_token_accuracy, entropy) of an example set.
 """
 
 from __future__ import annotations
@@ -154,16 +157,31 @@ def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, dft: bool) -> t
     return (nll * torch.exp(-nll).detach()).sum() if dft else nll.sum()
 
 
-def _chunk_nll(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = False) -> torch.Tensor:
+@dataclass
+class TokenTally:
+    """What a training pass counts beside its loss: targets whose most likely token is the target (TRL's
+    mean_token_accuracy is correct / targets)."""
+
+    correct: float = 0.0
+
+
+def _correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many targets are the argmax of their logits (n, V) x (n,); ignored targets never count."""
+    return ((logits.detach().argmax(-1) == targets) & (targets != IGNORE)).sum()
+
+
+def _chunk_nll(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()  # (chunk, V); fp32 for the softmax whatever the autocast dtype
-    return _token_loss_sum(logits, targets, dft)
+    return _token_loss_sum(logits, targets, dft), _correct(logits, targets)
 
 
 def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backbone=None,
-                   dft: bool = False) -> torch.Tensor:
+                   dft: bool = False, tally: TokenTally | None = None) -> torch.Tensor:
     """Sum of -log p(target) over the batch's completion tokens, from a packed pass.
 
     `backbone` replaces the decoder call (a torch.compile'd one); default: the model's own.
+    tally: gets the count of correctly predicted targets (from the forward; a recompute adds nothing).
     """
     decoder, head = backbone_and_head(model)
     device = head.weight.device
@@ -178,20 +196,76 @@ def packed_nll_sum(model, batch: PackedSFTBatch, chunk_tokens: int = 1024, backb
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (head, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], dft)
         # Recomputed in backward: a chunk's (chunk x 49k) logits are the largest activation of the pass.
-        total = total + (checkpoint(_chunk_nll, *args, use_reentrant=False) if torch.is_grad_enabled()
-                         else _chunk_nll(*args))
+        nll, correct = (checkpoint(_chunk_nll, *args, use_reentrant=False) if torch.is_grad_enabled()
+                        else _chunk_nll(*args))
+        total = total + nll
+        if tally is not None:
+            tally.correct += float(correct)
     return total
 
 
-def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool = False, dft: bool = False):
+def padded_nll_sum(model, batch: PaddedSFTBatch, backbone=None, router_aux: bool = False, dft: bool = False,
+                   tally: TokenTally | None = None):
     """The plain reference: full logits on every position of a padded batch, prompt and padding ignored.
     router_aux: returns (nll, the mixture-of-experts model's router load-balancing loss over the batch's
-    unpadded tokens) instead, as the model's own forward computes it (output_router_logits=True)."""
+    unpadded tokens) instead, as the model's own forward computes it (output_router_logits=True).
+    tally: gets the count of correctly predicted targets."""
     device = next(model.parameters()).device
     forward = backbone or model
     outputs = forward(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                       **({"output_router_logits": True} if router_aux else {}))
-    logits = outputs.logits  # (B, L, V)
+    # (B, L, V): a prompt-tuning peft model returns its virtual tokens' logits first; the inputs' are the last L
+    logits = outputs.logits[:, -batch.input_ids.shape[1]:]
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(L-1), V): position t predicts t+1
-    nll = _token_loss_sum(shifted, batch.labels[:, 1:].reshape(-1).to(device), dft)
+    targets = batch.labels[:, 1:].reshape(-1).to(device)  # (B*(L-1),)
+    nll = _token_loss_sum(shifted, targets, dft)
+    if tally is not None:
+        tally.correct += float(_correct(shifted, targets))
     return (nll, outputs.aux_loss) if router_aux else nll
+
+
+@dataclass
+class EvalLoss:
+    """Sums over an eval set's target tokens; the means are what TRL logs (eval_loss, mean_token_accuracy,
+    entropy). logits / labels: each batch's (B, L, V) logits and (B, L) labels, when kept."""
+
+    loss_sum: float = 0.0
+    targets: float = 0.0
+    correct: float = 0.0
+    entropy_sum: float = 0.0
+    logits: list[torch.Tensor] | None = None
+    labels: list[torch.Tensor] | None = None
+
+    def means(self) -> dict[str, float]:
+        count = max(self.targets, 1.0)
+        return {"loss": self.loss_sum / count, "mean_token_accuracy": self.correct / count,
+                "entropy": self.entropy_sum / count}
+
+
+def eval_loss(model, examples: list[Example], pad_token_id: int, batch_size: int, keep_logits: bool = False
+              ) -> EvalLoss:
+    """The loss training takes (padded batches, the same targets), without gradients and in eval mode, in
+    batches of `batch_size` examples; keep_logits keeps what transformers' compute_metrics receives."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    found = EvalLoss(logits=[] if keep_logits else None, labels=[] if keep_logits else None)
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = pad_examples(examples[start:start + batch_size], pad_token_id)
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+                           ).logits[:, -batch.input_ids.shape[1]:].float()  # (B, L, V): as padded_nll_sum
+            predictions = logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
+            targets = batch.labels[:, 1:].to(device)  # (B, L-1)
+            counted = targets != IGNORE  # (B, L-1)
+            found.loss_sum += float(_token_loss_sum(predictions.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                    dft=False))
+            found.targets += float(counted.sum())
+            found.correct += float(((predictions.argmax(-1) == targets) & counted).sum())  # TRL's token accuracy
+            log_probs = torch.log_softmax(predictions, dim=-1)
+            found.entropy_sum += float((-(log_probs.exp() * log_probs).sum(-1) * counted).sum())
+            if keep_logits:
+                found.logits.append(logits.cpu())
+                found.labels.append(batch.labels)
+    model.train(was_training)
+    return found

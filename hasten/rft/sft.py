@@ -55,7 +55,6 @@ from ..config import Config, ConfigError, SFTConfig
 from ..device import configure_device, resolve_device
 from ..errors import Interrupted
 from ..models import load_policy, load_trained_weights
-from ..rollout.prompts import encode_prompt
 from ..kernels.allocator import check_in_process as check_allocator, loaded as loaded_allocator
 from ..kernels.precision import AUTOCAST_DTYPES
 from ..tasks import make_task
@@ -66,8 +65,9 @@ from ..train.outputs import RunDir, save_model_files
 from ..train.preflight import check_output_dir
 from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..train.tracking import check_trackers, make_trackers
-from .batches import Example, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
-from .data import RFTRecord, load_records
+from .batches import Example, TokenTally, pack_examples, packed_nll_sum, pad_examples, padded_nll_sum
+from .data import load_records
+from .examples import record_examples
 from .demonstrations import DEMONSTRATIONS_FILE, check_demonstrations, demonstration_examples, save_demonstrations
 from .prompts import PromptFormat
 
@@ -94,14 +94,6 @@ class SFTReport:
         out["adapter_mb" if self.lora else "model_mb"] = out.pop("weights_mb")
         out["tokens_per_second"] = self.trained_tokens / max(self.train_seconds, 1e-9)
         return out
-
-
-def to_examples(records: list[RFTRecord], prompt_format: PromptFormat, tokenizer, eos_id: int) -> list[Example]:
-    return [
-        Example(encode_prompt(tokenizer, prompt_format(record.question)),
-                tokenizer(record.reasoning, add_special_tokens=False)["input_ids"] + [eos_id])
-        for record in records
-    ]
 
 
 def resolve_precision(setting: str, device: torch.device) -> torch.dtype | None:
@@ -139,6 +131,22 @@ class CompiledOrEager:
             return self.fn(*args, **kwargs)
         self.proven = True
         return out
+
+
+def router_aux_coefficient(model_config, configured: float, log: Callable[[str], None] | None = None) -> float:
+    """The weight of the router load-balancing loss SFT adds: 0 on a dense model, and 0 on a mixture-of-experts
+    architecture whose config declares no router_aux_loss_coef (Glm4Moe balances its experts by a bias and its
+    forward returns no aux loss: TRL takes the model's own coefficient, absent = 0); else `configured`.
+    log: where a configured coefficient that has no loss to weigh is said (once, not silently dropped)."""
+    if not is_mixture_of_experts(model_config):
+        return 0.0
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if getattr(text, "router_aux_loss_coef", None) is None:
+        if configured and log is not None:
+            log(f"sft: {type(model_config).__name__} declares no router load-balancing loss; "
+                f"router_aux_loss_coef={configured:g} adds nothing")
+        return 0.0
+    return float(configured)
 
 
 def plan_steps(num_examples: int, sft: SFTConfig) -> list[list[list[int]]]:
@@ -228,7 +236,7 @@ class SFTJob:
         self.total_steps, self.eval_at_start, self.eval_every = len(self.plan), False, 0
         # TRL's MoE auxiliary loss: on a mixture-of-experts model, the padded pass returns the router's
         # load-balancing loss and coef x it joins each micro-batch's loss (logged as aux_loss)
-        self.router_coef = sft.router_aux_loss_coef if is_mixture_of_experts(getattr(model, "config", None)) else 0.0
+        self.router_coef = router_aux_coefficient(getattr(model, "config", None), sft.router_aux_loss_coef, log)
         if self.router_coef and sft.packing:  # the packed pass has no router loss: said, not silently dropped
             log("sft: mixture-of-experts model with sft.packing on: no router aux loss (sft.packing=false adds it)")
             self.router_coef = 0.0
@@ -251,15 +259,17 @@ class SFTJob:
         step_targets = sum(self.examples[i].num_targets for micro in self.plan[step - 1] for i in micro)
         micro_batches = self.share[step - 1]  # this rank's (all of them in one process)
         loss_total = aux_total = 0.0
+        tally = TokenTally()
         for _ in micro_batches:
             batch = next(self.batches)
             with self.optimization.autocast():
                 dft = self.sft.loss == "dft"
                 if self.router_coef:
-                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft)
+                    nll, aux = padded_nll_sum(self.model, batch, backbone=self.forward, router_aux=True, dft=dft,
+                                              tally=tally)
                 else:
-                    nll = (packed_nll_sum(self.model, batch, backbone=self.forward, dft=dft) if self.sft.packing
-                           else padded_nll_sum(self.model, batch, backbone=self.forward, dft=dft))
+                    pass_sum = packed_nll_sum if self.sft.packing else padded_nll_sum
+                    nll = pass_sum(self.model, batch, backbone=self.forward, dft=dft, tally=tally)
             loss = nll / step_targets  # this micro-batch's share of the step's token-mean loss
             if self.router_coef:
                 loss = loss + self.router_coef * aux / len(micro_batches)
@@ -274,7 +284,8 @@ class SFTJob:
         self.train_seconds += seconds
         tokens = sum(self.examples[i].input_length for micro in self.plan[step - 1] for i in micro)
         record = {"step": step, "loss": loss_total, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                  "target_tokens": step_targets, "time/step": seconds}
+                  "target_tokens": step_targets, "time/step": seconds,
+                  "mean_token_accuracy": distributed.sum_over_ranks(tally.correct) / step_targets}  # TRL's metric
         if self.router_coef:
             record["aux_loss"] = distributed.mean_over_ranks({"aux_loss": aux_total})["aux_loss"]
         return record
@@ -355,7 +366,7 @@ def run_sft(cfg: Config, log: Callable[[str], None] = print, profile: str | None
     policy = load_policy(cfg.model, log)
     policy.model.to(device)
     distributed.broadcast_parameters(policy.model)  # the LoRA init is equal by seed; rank 0's by construction
-    examples = (to_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0]) if from_records
+    examples = (record_examples(records, PromptFormat(task), policy.tokenizer, policy.eos_token_ids[0]) if from_records
                 else demonstration_examples(cfg, task, policy.tokenizer))  # sft.source=task: tool conversations
     if cfg.output.name is None:
         cfg.output.name = f"{time.strftime('%Y%m%d-%H%M%S')}-sft-{task.name}" + (f"-{profile}" if profile else "")

@@ -13,7 +13,7 @@ has no file yet, or when asked (HASTEN_TRL_CONTROL=1, `make trl-control`);
 each TRL run it does adds its outcomes to that file. hasten's side always runs.
 
 Models are built here, tiny and random (no hub downloads): causal LMs of the
-architectures TRL's tests name (Qwen2, Llama, Qwen3-MoE) and sequence-
+architectures TRL's tests name (Qwen2, Llama, Qwen3-MoE, Glm4-MoE) and sequence-
 classification reward models (Qwen2, Llama), each saved with hasten's
 offline byte-level ChatML tokenizer so both libraries load the same files.
 """
@@ -38,6 +38,10 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8}),
+    # a mixture of experts whose config declares no router_aux_loss_coef and whose forward returns no aux loss
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 8}),
 }
 REWARD_ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification"),
                         "llama": ("LlamaConfig", "LlamaForSequenceClassification")}

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-FILES = {"main": "test_trl_conformance.py", "more": "test_trl_conformance_more.py"}
+FILES = {"main": "test_trl_conformance.py", "more": "test_trl_conformance_more.py", "options": "test_sft_options.py"}
 
 
 def _tests(file: str) -> set[str]:
@@ -16,8 +16,8 @@ def _tests(file: str) -> set[str]:
 
 
 def named_mirrors() -> list[tuple[str, str]]:
-    """(file key, test name) for every `main::test_x` / `more::test_x` in COVERAGE.md."""
-    return re.findall(r"`(main|more)::(test_\w+)`", (HERE / "COVERAGE.md").read_text())
+    """(file key, test name) for every `main::test_x` / `more::test_x` / `options::test_x` in COVERAGE.md."""
+    return re.findall(r"`(main|more|options)::(test_\w+)`", (HERE / "COVERAGE.md").read_text())
 
 
 def test_coverage_names_only_existing_tests():

@@ -126,7 +126,6 @@ def test_sft_train_packing(lib, models, tmp_path):  # TRL's test_train_packing[b
     _train_packed(lib, models, tmp_path, "bfd")
 
 
-@unsupported_on_hasten("wrapped packing cuts examples across rows; hasten packs whole examples with a block mask")
 def test_sft_train_packing_wrapped(lib, models, tmp_path):  # TRL's test_train_packing[wrapped]
     _train_packed(lib, models, tmp_path, "wrapped")
 
@@ -170,7 +169,6 @@ def test_sft_train_with_iterable_dataset(lib, models, tmp_path):
     _sft_trained(trainer, before)
 
 
-@unsupported_on_hasten("peft prompt tuning (PromptEncoderConfig): hasten trains LoRA adapters only")
 def test_sft_prompt_tuning(lib, models, tmp_path):
     from peft import PromptEncoderConfig, TaskType
 

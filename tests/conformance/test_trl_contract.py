@@ -230,15 +230,18 @@ def test_iterable_dataset_forces_num_workers_zero(lib, models, tmp_path):
     assert trainer.args.dataloader_num_workers == 0
 
 
-@unsupported_on_hasten("prompt learning's virtual tokens are not in hasten's forward")
-def test_sft_prompt_tuning_peft_model_is_refused(lib, models, tmp_path):
+def test_sft_prompt_tuning_peft_model_trains_its_virtual_tokens(lib, models, tmp_path):
     from peft import PromptTuningConfig, TaskType, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(models["qwen2"]),
                            PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
     trainer = lib.SFTTrainer(model=model, args=sft_args(lib, tmp_path), train_dataset=sft_dataset("language_modeling"))
+    before = {name: value.detach().clone() for name, value in trainer.model.named_parameters()}
     trainer.train()
+    for name, value in before.items():
+        changed = not torch.equal(value, trainer.model.get_parameter(name))
+        assert changed == ("prompt_encoder" in name), f"{name}: changed={changed}"
 
 
 TRAINING_CHATML = (  # ChatML with the assistant turns marked, as TRL's training templates mark them
