@@ -119,12 +119,13 @@ def test_no_import_circles():
     assert circles == []
 
 
-def test_no_private_names_cross_packages():
+def test_no_private_names_cross_modules():
+    """A `_name` is its file's own: no other module imports it, in its package or outside."""
     crossing = {}
     for module, path in SOURCES.items():
         for target, names in imports(path):
             private = [name for name in names if name.startswith("_") and not name.startswith("__")]
-            if private and layer_of(target) != layer_of(module):
+            if private and target != module:
                 crossing.setdefault(module, []).extend(f"{target}.{name}" for name in private)
     assert crossing == {}
 
@@ -166,6 +167,13 @@ def test_the_checker_finds_a_circle_through_type_checking(monkeypatch):
     plant(monkeypatch, PACKAGE / "agent" / "calls.py", "if TYPE_CHECKING:\n    from .tools import ToolRunner\n")
     with pytest.raises(AssertionError):
         test_no_import_circles()
+
+
+def test_the_checker_finds_a_private_name_taken_from_a_sibling_module(monkeypatch):
+    """Within one package too (rewards/scoring.py took runner's _Batch, as it did)."""
+    plant(monkeypatch, PACKAGE / "rewards" / "scoring.py", "def late():\n    from .runner import _prompt_start\n")
+    with pytest.raises(AssertionError):
+        test_no_private_names_cross_modules()
 
 
 def test_every_speed_flag_names_the_one_module_that_implements_it():
