@@ -104,7 +104,7 @@ def test_config_yaml_records_the_mapping_with_trl_defaults(tmp_path):
     trainer.train()
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["train"]["adam_beta2"] == 0.999 and saved["generation"]["stop_strings"] == ["\n"]
-    from hasten.train.outputs import TRAINING_PANELS
+    from hasten.train.progress_plot import TRAINING_PANELS
 
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert {key for key, _ in TRAINING_PANELS} <= set(record)  # every progress.png panel has data (beta > 0: KL)
