@@ -16,9 +16,6 @@ sections beside GRPO are hasten/config_jobs.py's.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +24,8 @@ from typing import Any
 
 from .config_jobs import CHOICES as _JOB_CHOICES, RANGES as _JOB_RANGES
 from .config_jobs import CodeConfig, GameConfig, RFTConfig, SFTConfig  # noqa: F401 (hasten.config's names)
-from .config_yaml import MOVED, Raw, current_name, read_file
-from .config_yaml import parse_override, parse_overrides  # noqa: F401 (hasten.config's names)
+from .config_yaml import MOVED, Raw, coerce, current_name, read_file
+from .config_yaml import parse_override, parse_overrides, type_name  # noqa: F401 (hasten.config's names)
 from .device import DEVICE_SETTING, world_size_from_env
 from .errors import ConfigError, UserError  # noqa: F401 (ConfigError: hasten.config's name too)
 
@@ -374,62 +371,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 # ---------------------------------------------------------------- type checks
 
 
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is dict:
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Return `value` as type `tp`, or raise ConfigError naming `key`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError:
-                pass
-        raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads `lr: 1e-5` (no dot) as a string; every user means the number
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is dict:  # free-form (chat template variables): string keys, YAML-safe values
-        if isinstance(value, dict) and all(isinstance(name, str) for name in value):
-            return dict(value)
-    raise ConfigError(f"config error: {key} must be {_type_name(tp)} (got {value!r})")
-
-
 def _fields(section: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(type(section))
     return {f.name: hints[f.name] for f in dataclasses.fields(section)}
@@ -459,7 +400,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     field_type = fields[parts[1]]
     if isinstance(value, Raw):
         value = value.parse(field_type)
-    setattr(section, parts[1], _coerce(dotted, value, field_type))
+    setattr(section, parts[1], coerce(dotted, value, field_type))
 
 
 def validate(cfg: Config) -> Config:

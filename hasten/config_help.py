@@ -1,7 +1,7 @@
 """`hasten config [SECTION ...]`: every config key with its type, default, allowed values and help.
 
 Generated from config.py (and config_jobs.py) itself, so it cannot drift: the keys and defaults
-are the dataclasses', the types `config._type_name`'s, the allowed values
+are the dataclasses', the types `config.type_name`'s, the allowed values
 `CHOICES` and the range checks' own wording, and the help line is the
 field's trailing comment in config.py or config_jobs.py (read from the source with
 `tokenize`; tests/test_config_help.py checks every key has one). Per-task
@@ -70,7 +70,7 @@ def keys() -> list[KeyHelp]:
             key = f"{section.name}.{item.name}"
             allowed = " | ".join(config.CHOICES[key]) if key in config.CHOICES else ranges.get(key, "")
             tasks = {task: values[key] for task, values in config.TASK_DEFAULTS.items() if key in values}
-            out.append(KeyHelp(key, config._type_name(hints[item.name]), getattr(value, item.name), allowed,
+            out.append(KeyHelp(key, config.type_name(hints[item.name]), getattr(value, item.name), allowed,
                                comments.get((type(value).__name__, item.name), ""), tasks))
     return out
 

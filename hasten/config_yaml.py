@@ -1,7 +1,7 @@
 """Reading config text: a YAML file and the command line's `--section.key=value` overrides.
 
 Both become (section.key, value) pairs that hasten/config.py sets on the dataclasses in order
-(later pairs win) and type-checks there. Two choices are made here: a key given twice in one
+(later pairs win), each value made the field's type by `coerce` (below) or one error naming the key. Two choices are made here: a key given twice in one
 YAML mapping is an error (plain YAML keeps the later value silently), and an override's text
 stays a `Raw` string until the field it sets is known (`Raw.parse`), so a str field takes the
 text as it is. `MOVED` is the one table of old key names: keys that left `speed` because they
@@ -10,6 +10,8 @@ change what is learned (a `speed` switch never does: tests/test_speed_exact.py).
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 import types
 import typing
@@ -159,3 +161,62 @@ def parse_overrides(extra: list[str]) -> list[tuple[str, object]]:
         pairs.append(parse_override(item[2:]))
         index += 1
     return pairs
+
+
+# ------------------------------------------------------------------ values to a field's type
+
+def type_name(tp: Any) -> str:
+    """A config type as `hasten config` and errors spell it: "int or null", "list of str"."""
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    if tp is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config error: {key} must be {type_name(tp)} (got {value!r})")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config error: {key} must be {type_name(tp)} (got {value!r})")
+        (item_tp,) = typing.get_args(tp)
+        return [coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads `lr: 1e-5` (no dot) as a string; every user means the number
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:  # free-form (chat template variables): string keys, YAML-safe values
+        if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+            return dict(value)
+    raise ConfigError(f"config error: {key} must be {type_name(tp)} (got {value!r})")
