@@ -1,16 +1,17 @@
 """pytest plugin loaded into both runs (TRL's and hasten's) of TRL's test files.
 
-- `load_dataset("trl-internal-testing/zen", config, split=..., streaming=...)`
-  reads the local copies hub.py wrote (split slices like "train[:2]" included);
-  any other dataset id goes to the real `load_dataset`, which fails offline.
-- Tests for what this box cannot run are skipped on both sides: vLLM, liger,
-  vision-language models, kernels, GPU offloading.
+- `load_dataset("trl-internal-testing/<name>", config, split=..., streaming=...)`
+  reads the local copies hub.py built with TRL's scripts (split slices like
+  "train[:2]" included); any other dataset id goes to the real `load_dataset`,
+  which fails offline.
+- Nothing is skipped or deselected here: only pytest's own marks (require_cuda,
+  require_vllm, ...) skip, and they skip on both sides alike.
 - Each test gets a wall-clock limit (SIGALRM), so one hang cannot eat the run.
-- Each test's outcome and the first line of its error go to
+- Each test's outcome and the first line of its error (a skip's reason) go to
   $TRL_CONFORMANCE_RESULTS (JSON, nodeid -> [status, line, kind]); the kind is "trainer" when
   its source (or its class's) names one of the switched public classes, else
   "internal": those exercise TRL's private helpers, which stay TRL's on both
-  sides, so they say nothing about hasten and are not counted.
+  sides. They are counted like any other; run.py says how many there are.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ import pytest
 
 DATA = Path(os.environ["TRL_CONFORMANCE_DATA"])
 TEST_SECONDS = int(os.environ.get("TRL_CONFORMANCE_TEST_SECONDS", "300"))
-SKIP = re.compile(r"vllm|liger|vlm|vision|image|gemma_3n|offloading|kernels|flash|ForConditionalGeneration"
-                  r"|bitsandbytes|qlora|quantiz|RemoteForCausalLM|trust_remote_code", re.IGNORECASE)
 PUBLIC = re.compile(r"\b(GRPOConfig|GRPOTrainer|SFTConfig|SFTTrainer)\b")
 
 _real_load_dataset = datasets.load_dataset
 
 
 def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
-    if path != "trl-internal-testing/zen":
+    local = DATA / path.removeprefix("trl-internal-testing/") / str(name)
+    if not (path.startswith("trl-internal-testing/") and local.is_dir()):
         return _real_load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
-    splits = datasets.load_from_disk(str(DATA / "zen" / name))
+    splits = datasets.load_from_disk(str(local))
     if split is None:
         if streaming:
             return datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in splits.items()})
@@ -65,12 +65,7 @@ def _kind(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    kinds = {}
-    for item in items:
-        kinds[item.nodeid] = _kind(item)
-        if SKIP.search(item.nodeid) or any(SKIP.search(str(v)) for v in getattr(item, "callspec", None)
-                                           and item.callspec.params.values() or []):
-            item.add_marker(pytest.mark.skip(reason="not run by the conformance script (GPU/vLLM/liger/VLM)"))
+    kinds = {item.nodeid: _kind(item) for item in items}
     RESULTS.update({nodeid: ["missing", "not run", kind] for nodeid, kind in kinds.items()})
 
 
@@ -86,7 +81,9 @@ def _first_line(report) -> str:
 def pytest_runtest_logreport(report):
     entry = RESULTS.setdefault(report.nodeid, ["missing", "not run", "trainer"])
     if report.skipped and entry[0] in ("missing", "passed"):
-        entry[:2] = ["skipped", ""]
+        reason = (f"xfail: {report.wasxfail}" if hasattr(report, "wasxfail")
+                  else report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr))
+        entry[:2] = ["skipped", reason.removeprefix("Skipped: ")[:200]]
     elif report.failed:
         entry[:2] = ["failed", _first_line(report)] if entry[0] != "failed" else entry[:2]
     elif report.when == "call" and report.passed and entry[0] == "missing":
