@@ -46,6 +46,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def run_all(sides: list[str], roots: dict, args, env: dict) -> None:
         while waiting and len(running) < args.jobs:
             side, name = waiting.pop(0)
             running.append(launch(side, roots[side], name, args, env))
-        running[0].wait()
+        time.sleep(2)  # whichever child ends first frees its slot
         running = [process for process in running if process.poll() is None]
 
 
