@@ -147,12 +147,19 @@ def pytest_runtest_logreport(report):
         entry[:2] = ["failed", _first_line(report)] if entry[0] != "failed" else entry[:2]
     elif report.when == "call" and report.passed and entry[0] == "missing":
         entry[:2] = ["passed", ""]
+    if report.when == "teardown":
+        _write()  # after every test, so that an interrupted run keeps what it measured
+
+
+def _write() -> None:
+    out = os.environ.get("TRL_CONFORMANCE_RESULTS")
+    if out:
+        Path(out + ".part").write_text(json.dumps({"tests": RESULTS, "stand-ins": STOOD_IN}, indent=0))
+        os.replace(out + ".part", out)
 
 
 def pytest_sessionfinish(session):
-    out = os.environ.get("TRL_CONFORMANCE_RESULTS")
-    if out:
-        Path(out).write_text(json.dumps({"tests": RESULTS, "stand-ins": STOOD_IN}, indent=0))
+    _write()
 
 
 class TestTimeout(Exception):

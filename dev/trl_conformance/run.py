@@ -112,6 +112,7 @@ def prepare(side: str, tree: Path, work: Path, names: list[str]) -> Path:
     shutil.rmtree(root / "tests", ignore_errors=True)
     for name in names:
         (root / f"results-{name}.json").unlink(missing_ok=True)
+        (root / f"selection-{name}.json").unlink(missing_ok=True)  # the control's stamp, rewritten once it ran
     shutil.copytree(tree / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     if side == "hasten":
         for name in names:
@@ -174,16 +175,23 @@ def report(control: dict, hasten: dict, names: list[str], version: str) -> dict:
     return summary
 
 
-def run_all(sides: list[str], roots: dict, args, env: dict) -> None:
-    """One pytest per (side, file), --jobs of them at a time."""
+def run_all(sides: list[str], roots: dict, args, env: dict, stamps: dict) -> None:
+    """One pytest per (side, file), --jobs of them at a time; a control file's stamp is written as soon as its
+    results are in, so that an interrupted run still leaves them for --reuse-control."""
     waiting = [(side, name) for side in sides for name in args.files]
-    running: list[subprocess.Popen] = []
+    running: dict[tuple[str, str], subprocess.Popen] = {}
     while waiting or running:
         while waiting and len(running) < args.jobs:
             side, name = waiting.pop(0)
-            running.append(launch(side, roots[side], name, args, env))
+            running[side, name] = launch(side, roots[side], name, args, env)
         time.sleep(2)  # whichever child ends first frees its slot
-        running = [process for process in running if process.poll() is None]
+        for (side, name), process in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[side, name]
+            if side == "trl" and (roots[side] / f"results-{name}.json").exists():
+                path, selection = stamps[name]
+                path.write_text(selection)
 
 
 def main() -> None:
@@ -226,15 +234,11 @@ def main() -> None:
     sides = [] if args.report_only else ["hasten"] if reuse or args.hasten_only else ["trl", "hasten"]
     for side in sides:
         roots[side] = prepare(side, tree, args.work / "runs", args.files)
-    run_all(sides, roots, args, env)
+    run_all(sides, roots, args, env, stamps)
     if args.hasten_only:
         for nodeid, (status, line, _) in sorted(outcomes(roots["hasten"]).items()):
             print(f"{status.upper():7} {nodeid} {line}")
         return
-    if "trl" in sides:
-        for path, selection in stamps.values():
-            path.write_text(selection)
-
     missing = stand_ins(roots["trl"])
     if missing:
         print(f"\nthe test files import names trl {version} lacks (stood in; tests that use them fail on the "
