@@ -151,13 +151,16 @@ def report(control: dict, hasten: dict, names: list[str], version: str) -> dict:
         prefix = FILES[name] + "::"
         mine = sorted(n for n in control if n.startswith(prefix))
         counted = [n for n in mine if control[n][0] == "passed"]
-        out = [n for n in mine if n not in counted]
+        unrun = [n for n in mine if control[n][0] == "missing"]  # an interrupted control: neither in nor out
+        out = [n for n in mine if n not in counted and n not in unrun]
         internal = [n for n in counted if control[n][2] == "internal"]
         passed = [n for n in counted if hasten.get(n, ["missing"])[0] == "passed"]
         failed = {n.removeprefix(prefix): " ".join(hasten.get(n, ["missing", "not run"])[:2]).strip()
                   for n in counted if n not in passed}
         summary[name] = {"passed": len(passed), "of": len(counted), "internal": len(internal), "failed": failed,
-                         "out": {n.removeprefix(prefix): " ".join(control[n][:2]) for n in out}}
+                         "out": {n.removeprefix(prefix): " ".join(control[n][:2]) for n in out}, "not_run": len(unrun)}
+        if unrun:
+            print(f"\n{FILES[name]}: {len(unrun)} selected tests never ran on the control (interrupted?)")
         print(f"\n{FILES[name]}: out of the count ({len(out)} fail or skip on trl {version}):")
         for test, why in summary[name]["out"].items():
             print(f"  OUT  {test}: {why}")
