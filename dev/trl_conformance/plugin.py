@@ -21,16 +21,15 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import inspect
 import json
 import os
 import re
 import signal
 from pathlib import Path
-
-import ast
-import importlib
-import importlib.util
 
 import datasets
 import pytest
