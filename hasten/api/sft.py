@@ -172,6 +172,12 @@ class SFTTrainer:
                 raise APIError("SFTConfig: packing=True is not supported with prompt or prefix tuning (the virtual "
                                "tokens come from peft's own forward, which hasten runs on padded batches)")
             self.config.sft.packing = False
+        if rows and isinstance(rows[0], dict) and ("image" in rows[0] or "images" in rows[0]):
+            if getattr(getattr(self.policy.model, "config", None), "vision_config", None) is None:  # TRL's words
+                raise APIError("The dataset appears to be vision-related (contains 'image' or 'images' keys), but the "
+                               "provided model does not seem to be a vision-language model. Please check your model "
+                               "and dataset.")
+            raise APIError("SFTTrainer: image datasets are not supported by hasten (it trains text-only models)")
         tag_model(self.policy.model, ["trl", "sft", "hasten"])
         self.config.sft.router_aux_loss_coef = self._router_coefficient()
         if self.aux_loss_enabled and self.config.sft.packing:  # the router loss comes from the padded pass

@@ -214,3 +214,15 @@ def test_hasten_prompt_learning_loss_is_the_peft_models_own(models, tmp_path, ki
     with torch.no_grad():
         expected = float(trainer.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss)
     assert trainer.evaluate(eval_dataset=rows)["eval_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_sft_vision_dataset_with_text_model_raises(lib, models, tmp_path):  # TRL's test of the same name
+    from datasets import Dataset
+    from PIL import Image
+
+    image = Image.new("RGB", (8, 8))
+    dataset = Dataset.from_dict({"messages": [[{"role": "user", "content": "What is shown?"},
+                                               {"role": "assistant", "content": "A square."}]] * 2,
+                                 "images": [[image], [image]]})
+    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
+        lib.SFTTrainer(model=models["qwen2"], args=sft_args(lib, tmp_path), train_dataset=dataset)
