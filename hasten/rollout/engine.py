@@ -71,7 +71,12 @@ class KVCacheEngine:
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, num_generations, sampling, seed, rows, DynamicCache())
+            # the model's config shapes the cache as generate() would: a hybrid model's (NemotronH) mamba layers
+            # keep conv / ssm states, not keys and values; a config-less cache has no layer for them
+            config = getattr(self.model, "config", None)
+            cache = DynamicCache(config=config) if config is not None and hasattr(config, "num_hidden_layers") \
+                else DynamicCache()
+            return self._generate(prompts, num_generations, sampling, seed, rows, cache)
         finally:
             self.model.train(was_training)
 
@@ -92,7 +97,8 @@ class KVCacheEngine:
             logits_to_keep=1,
         )
         logits = out.logits[:, -1].repeat_interleave(num_generations, dim=0)  # (B*G, V)
-        cache.batch_repeat_interleave(num_generations)  # share the prefix across the group
+        regroup(cache, torch.arange(len(prompts), device=device).repeat_interleave(num_generations),
+                lambda layers: layers.batch_repeat_interleave(num_generations))  # share the prefix across the group
         attention = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # (B*G, P)
         next_position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
@@ -101,7 +107,7 @@ class KVCacheEngine:
 
         def keep_rows(keep: torch.Tensor) -> None:
             nonlocal attention, next_position
-            cache.batch_select_indices(keep)
+            regroup(cache, keep, lambda layers: layers.batch_select_indices(keep))
             attention, next_position = attention[keep], next_position[keep]
 
         def forward(token: torch.Tensor) -> torch.Tensor:
@@ -114,3 +120,13 @@ class KVCacheEngine:
 
         decode(state, logits, sampling, keep_rows, forward)
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
+
+
+def regroup(cache, rows: torch.Tensor, batch_op) -> None:
+    """Keep `rows` of the cache's batch, in that order (repeated rows allowed): `batch_op` on a cache whose every
+    layer has the batch operations (attention layers), else by index on every layer: a hybrid model's linear
+    attention layers (NemotronH's mamba states) have reorder_cache only. Both pick the same rows."""
+    if all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [])):
+        batch_op(cache)
+    else:
+        cache.reorder_cache(rows)

@@ -42,6 +42,10 @@ ARCHITECTURES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 8}),
+    # a hybrid: one mamba layer (its cache holds conv and ssm states, not keys and values), one attention layer
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   {"hybrid_override_pattern": "M*", "layers_block_type": ["mamba", "attention"], "mamba_num_heads": 4,
+                    "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16}),
 }
 REWARD_ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification"),
                         "llama": ("LlamaConfig", "LlamaForSequenceClassification")}

@@ -84,6 +84,16 @@ def test_moe_without_declared_coef_trains_without_aux_loss(lib, glm4_moe, tmp_pa
     assert "aux_loss" not in trainer.state.log_history[-1]
 
 
+def test_a_hybrid_mamba_model_samples_and_trains(lib, models, tmp_path):
+    """test_train[tiny-NemotronHForCausalLM-nano]: the hf engine's cache is built from the model's config, so a
+    mamba layer gets its conv / ssm state layer, and the group's rows are repeated and dropped on it too."""
+    trainer = lib.GRPOTrainer(model=models["nemotron_h"], reward_funcs=varied_reward, train_dataset=prompt_dataset(),
+                              args=grpo_args(lib, tmp_path))
+    before = snapshot(trainer)
+    trainer.train()
+    assert_trained(trainer, before)
+
+
 def test_aux_loss_coef_on_a_dense_model_raises(lib, models, tmp_path):
     """TRL 1.16's construction check: a coefficient for a model that has no router loss to weight."""
     with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
