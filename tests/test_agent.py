@@ -372,3 +372,24 @@ def test_environment_without_reset_is_an_error():
 
     with pytest.raises(ToolError, match="NoReset has no reset"):
         Environments(NoReset)
+
+
+def test_qwen3s_own_template_is_swapped_for_trls_prefix_preserving_training_version():
+    """Qwen3's template drops earlier turns' <think> blocks, so a tool turn changes the text before it: as
+    TRL 1.16 does, auto renders tool turns with TRL's qwen3 training template (bundled), saying so once."""
+    trl_templates = pytest.importorskip("trl.chat_template_utils")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = trl_templates.qwen3_chat_template
+    own = ToolTemplate(tokenizer, trl_templates.qwen3_chat_template)
+    assert not own.preserves_prefix()
+    with pytest.raises(ConfigError, match="prefix-preserving"):
+        own.tool_turn_ids([("multiply", "6")])
+    said: list[str] = []
+    template = resolve_template(tokenizer, "auto", log=said.append)
+    assert template.template == trl_templates.qwen3_training_chat_template  # the bundled copy is TRL's file
+    assert template.preserves_prefix() and template.tool_turn_ids([("multiply", "6")])
+    assert len(said) == 1 and "qwen3_training.jinja" in said[0]
+    # a template that preserves prefixes is kept as it is, silently
+    tokenizer.chat_template = trl_templates.qwen3_training_chat_template
+    assert resolve_template(tokenizer, "auto", log=said.append).template == trl_templates.qwen3_training_chat_template
+    assert len(said) == 1

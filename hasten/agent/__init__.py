@@ -44,9 +44,9 @@ class AgentParts:
         """What the environments bring: one get_reward function per class that has one."""
         return self.environments.reward_functions() if self.environments is not None else []
 
-    def build(self, tokenizer, pad_token_id: int) -> Agent:
+    def build(self, tokenizer, pad_token_id: int, log: Callable[[str], None] = print) -> Agent:
         generation = self.cfg.generation
-        template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs)
+        template = resolve_template(tokenizer, generation.tool_template, generation.chat_template_kwargs, log)
         settings = AgentSettings(generation.max_tool_turns, generation.tool_timeout, tuple(generation.stop_strings),
                                  generation.tool_kv_cache, generation.tool_isolation)
         return Agent(tokenizer, template, self.tools, self.environments, settings, pad_token_id, self.fork_server)

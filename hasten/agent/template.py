@@ -8,7 +8,11 @@ system turn; the assistant calls them as `<tool_call>{"name": ...,
 `<tool_response>...</tool_response>`. generation.tool_template picks it:
 
     auto    the tokenizer's own template when it renders tools, else HERMES_TEMPLATE
-            for a ChatML tokenizer (<|im_start|>), else a one-line error
+            for a ChatML tokenizer (<|im_start|>), else a one-line error. An own template
+            that is not prefix-preserving (Qwen3's drops earlier turns' <think> blocks, so a
+            tool turn changes what came before) is swapped, as TRL 1.16 swaps it, for TRL's
+            training version where hasten bundles one (templates/: TRL's
+            qwen3_training.jinja, Apache-2.0), said in one line; else tool turns are an error
     hermes  HERMES_TEMPLATE
     a path  a .jinja file (transformers' template variables: messages, tools,
             add_generation_prompt, the special tokens)
@@ -20,8 +24,9 @@ the text is then tokenized without special tokens added, as encode_prompt does.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError
 from ..models.tokenizer import compile_template
@@ -61,6 +66,11 @@ HERMES_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
+# sha256 of a model family's own chat template -> TRL 1.16's prefix-preserving training version, bundled
+TRAINING_TEMPLATES = {
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3_training.jinja",  # Qwen3's own
+}
+
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.",
                                                 "parameters": {"type": "object", "properties": {}}}}
 
@@ -90,6 +100,19 @@ class ToolTemplate:
         As TRL's _get_tool_suffix_ids: rendered after a dummy assistant turn that called the tool, cut at
         that turn's last EOS (the model stops there; the template's newline after it is part of the suffix).
         """
+        prefix, full = self._around_tool_turn(results)
+        if not full.startswith(prefix):
+            raise ConfigError("config error: the tool template renders a conversation whose start changes when a "
+                              "tool turn is added; generation.tool_template needs a prefix-preserving template")
+        return self.text_ids(full[len(prefix):])
+
+    def preserves_prefix(self) -> bool:
+        """Does adding a tool turn leave the text before it unchanged? (TRL's is_chat_template_prefix_preserving)"""
+        prefix, full = self._around_tool_turn([("tool", "dummy")])
+        return full.startswith(prefix)
+
+    def _around_tool_turn(self, results: list[tuple[str, str]]) -> tuple[str, str]:
+        """(a dummy assistant turn that called the tool, cut at its last EOS; the same with the results after it)."""
         name = results[0][0] if results else "tool"
         before = [{"role": "user", "content": "dummy"},
                   {"role": "assistant", "content": "",
@@ -99,10 +122,7 @@ class ToolTemplate:
         full = self.render(before + tool_messages, None, add_generation_prompt=True)
         if self.eos_text and self.eos_text in prefix:
             prefix = prefix[:prefix.rindex(self.eos_text) + len(self.eos_text)]
-        if not full.startswith(prefix):
-            raise ConfigError("config error: the tool template renders a conversation whose start changes when a "
-                              "tool turn is added; generation.tool_template needs a prefix-preserving template")
-        return self.text_ids(full[len(prefix):])
+        return prefix, full
 
     def text_ids(self, text: str) -> list[int]:
         """Text as ids, no special tokens added (as encode_prompt tokenizes a rendered prompt)."""
@@ -124,7 +144,8 @@ def renders_tools(tokenizer, template: str | None) -> bool:
     return "probe-result-7" in text and text.count("probe_tool") >= 2
 
 
-def resolve_template(tokenizer, choice: str, template_kwargs: dict | None = None) -> ToolTemplate:
+def resolve_template(tokenizer, choice: str, template_kwargs: dict | None = None,
+                     log: Callable[[str], None] = print) -> ToolTemplate:
     """generation.tool_template -> the ToolTemplate a tool-using run renders with (see the module docstring)."""
     if choice == "hermes":
         return ToolTemplate(tokenizer, HERMES_TEMPLATE, template_kwargs)
@@ -139,7 +160,14 @@ def resolve_template(tokenizer, choice: str, template_kwargs: dict | None = None
         return ToolTemplate(tokenizer, template, template_kwargs)
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, str) and renders_tools(tokenizer, own):
-        return ToolTemplate(tokenizer, own, template_kwargs)
+        template = ToolTemplate(tokenizer, own, template_kwargs)
+        training = TRAINING_TEMPLATES.get(hashlib.sha256(own.encode()).hexdigest())
+        if training is not None and not template.preserves_prefix():
+            log(f"generation.tool_template=auto: the model's chat template changes earlier turns when a tool turn "
+                f"is added; tool turns render with TRL's {training} (hasten/agent/templates/), as TRL does")
+            return ToolTemplate(tokenizer, (Path(__file__).parent / "templates" / training).read_text(),
+                                template_kwargs)
+        return template
     if isinstance(own, str) and "<|im_start|>" in own:
         return ToolTemplate(tokenizer, HERMES_TEMPLATE, template_kwargs)
     raise ConfigError("config error: the model's chat template has no tool format and is not ChatML; set "

@@ -35,6 +35,7 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 def compile_template(template: str):
     """A chat template compiled in the sandboxed jinja environment transformers renders templates in."""
     import jinja2
+    import jinja2.ext
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -44,7 +45,18 @@ def compile_template(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """Training templates' {% generation %}...{% endgeneration %} (transformers' assistant-mask markers):
+        the text between them renders as it is; hasten finds assistant spans itself (api/sft_rows.py)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols, Generation])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -152,7 +152,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
         log(f"loading model {cfg.model.name} ...")  # the first line of a run: the load (and a first conversion) take seconds
         with Ticker(f"loading model {cfg.model.name}", unit="s") as tick:  # elapsed; a first conversion counts tensors
             policy = load_policy(cfg.model, tick.wrap(log), native=use_native_model(cfg, log))
-    agent = parts.build(policy.tokenizer, policy.pad_token_id) if parts is not None else None
+    agent = parts.build(policy.tokenizer, policy.pad_token_id, log) if parts is not None else None
     policy.model.to(device)  # before the engine and the optimizer: both keep references to its tensors
     place_reward_models(rewards, device)  # reward models score where the policy runs
     distributed.init(device)  # torchrun: join the process group (nothing without it)
