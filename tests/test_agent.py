@@ -393,3 +393,17 @@ def test_qwen3s_own_template_is_swapped_for_trls_prefix_preserving_training_vers
     tokenizer.chat_template = trl_templates.qwen3_training_chat_template
     assert resolve_template(tokenizer, "auto", log=said.append).template == trl_templates.qwen3_training_chat_template
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("body", ['{"arguments": {"a": 3}}', '{"name": "multiply", "arguments": {a: 3}}'])
+def test_a_turn_with_an_unreadable_call_makes_no_call(body):
+    """TRL's test_train_with_malformed_tool_calls: no name, or not JSON, is no tool call (no second turn); a
+    readable call in the same shape is one."""
+    from hasten.agent.loop import Conversation
+
+    turn = Conversation(prompt=[], prompt_ids=[1], tools={})
+    turn.add_model_turn([5, 6], [0.0, 0.0], ended=True, text=f"<tool_call>\n{body}\n</tool_call>")
+    assert turn.pending == [] and "tool_calls" not in turn.messages[-1]
+    turn.add_model_turn([5, 6], [0.0, 0.0], ended=True,
+                        text='<tool_call>\n{"name": "multiply", "arguments": {"a": 3}}\n</tool_call>')
+    assert [call.name for call in turn.pending] == ["multiply"] and turn.messages[-1]["tool_calls"]

@@ -80,7 +80,10 @@ class Conversation:
         self.logprobs += logprobs
         self.tool_mask += [1] * len(ids)
         self.ended = ended
-        self.pending = parse_tool_calls(text) if ended else []  # a cut-off turn's call is not run (TRL: no EOS)
+        calls = parse_tool_calls(text) if ended else []  # a cut-off turn's call is not run (TRL: no EOS)
+        # a turn with an unreadable call (not JSON, no name) makes no call: its text is the answer, as TRL's
+        # parse_response finds no tool_calls in it and generates no tool turn
+        self.pending = [] if any(call.error is not None for call in calls) else calls
         self.messages.append(tool_call_message(CALL_PATTERN.sub("", text).strip(), self.pending))
 
 
