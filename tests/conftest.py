@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from hasten.models.tiny import tiny_model, tiny_tokenizer
+
+# the TRL conformance summary's hooks, here so that every pytest process (the xdist controller too) has them
+from conformance.summary import pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
 from hasten.rollout import KVCacheEngine, SamplingParams
 
 
