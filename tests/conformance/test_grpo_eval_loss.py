@@ -66,7 +66,17 @@ def _run(models, tmp_path: Path, **fields) -> tuple[list[dict], list[dict]]:
     return [record for record in records if "loss" in record], evals
 
 
-def test_eval_during_training_leaves_training_unchanged(models, tmp_path):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for both runs: speed.adaptive_threads follows the box's load (at most the threads the
+    process has), and another thread count only reorders float sums, which this bitwise comparison would see."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_eval_during_training_leaves_training_unchanged(models, tmp_path, one_thread):
     plain, no_evals = _run(models, tmp_path / "plain")
     evaluated, evals = _run(models, tmp_path / "evaluated", eval_strategy="steps", eval_steps=1, eval_on_start=True)
     assert no_evals == [] and [entry["step"] for entry in evals] == [0, 1, 2, 3]
