@@ -97,8 +97,13 @@ class KVCacheEngine:
             logits_to_keep=1,
         )
         logits = out.logits[:, -1].repeat_interleave(num_generations, dim=0)  # (B*G, V)
-        regroup(cache, torch.arange(len(prompts), device=device).repeat_interleave(num_generations),
-                lambda layers: layers.batch_repeat_interleave(num_generations))  # share the prefix across the group
+        # a hybrid model's linear-attention layers (NemotronH's mamba states) have no batch operations, only
+        # reorder_cache by index; both pick the same rows. Decided once: the layers exist after the prefill.
+        batched = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", []))
+        if batched:
+            cache.batch_repeat_interleave(num_generations)  # share the prefix across the group
+        else:
+            cache.reorder_cache(torch.arange(len(prompts), device=device).repeat_interleave(num_generations))
         attention = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # (B*G, P)
         next_position = prompt_mask.sum(-1).repeat_interleave(num_generations).to(device)  # (B*G,)
 
@@ -107,7 +112,10 @@ class KVCacheEngine:
 
         def keep_rows(keep: torch.Tensor) -> None:
             nonlocal attention, next_position
-            regroup(cache, keep, lambda layers: layers.batch_select_indices(keep))
+            if batched:
+                cache.batch_select_indices(keep)
+            else:
+                cache.reorder_cache(keep)
             attention, next_position = attention[keep], next_position[keep]
 
         def forward(token: torch.Tensor) -> torch.Tensor:
@@ -120,13 +128,3 @@ class KVCacheEngine:
 
         decode(state, logits, sampling, keep_rows, forward)
         return state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
-
-
-def regroup(cache, rows: torch.Tensor, batch_op) -> None:
-    """Keep `rows` of the cache's batch, in that order (repeated rows allowed): `batch_op` on a cache whose every
-    layer has the batch operations (attention layers), else by index on every layer: a hybrid model's linear
-    attention layers (NemotronH's mamba states) have reorder_cache only. Both pick the same rows."""
-    if all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [])):
-        batch_op(cache)
-    else:
-        cache.reorder_cache(rows)

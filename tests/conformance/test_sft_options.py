@@ -12,21 +12,13 @@ import pytest
 import torch
 
 from .conftest import PROMPTS, TEST_PROMPTS, sft_dataset
-from .test_trl_conformance import sft_args, snapshot
+from .test_trl_conformance import assert_trained_but_unrouted, sft_args, snapshot
 
 
 def _text(prompts: list[str]):
     from datasets import Dataset
 
     return Dataset.from_dict({"text": [f"{prompt} is better than ugly." for prompt in prompts]})
-
-
-def _changed(trainer, before) -> None:
-    assert trainer.state.log_history[-1]["train_loss"] is not None
-    for name, value in before.items():
-        if "experts" in name or "router" in name or "gate.weight" in name:
-            continue  # experts no example routes to keep their values, on both sides
-        assert not torch.equal(value, trainer.model.get_parameter(name)), f"{name} did not change"
 
 
 def test_sft_wrapped_packing_cuts_the_concatenated_rows_into_blocks(lib, models, tmp_path):
@@ -41,7 +33,7 @@ def test_sft_wrapped_packing_cuts_the_concatenated_rows_into_blocks(lib, models,
     assert all(len(block) == 16 for block in blocks[:-1]) and 0 < len(blocks[-1]) <= 16
     before = snapshot(trainer)
     trainer.train()
-    _changed(trainer, before)
+    assert_trained_but_unrouted(trainer, before)
 
 
 def test_sft_eval_packing_gives_both_datasets_seq_lengths(lib, models, tmp_path):  # TRL's test_eval_packing
@@ -86,7 +78,7 @@ def test_sft_skip_prepare_dataset_trains_on_the_rows_as_given(lib, models, tmp_p
     assert trainer.train_dataset.to_dict()["input_ids"] == dataset.to_dict()["input_ids"]
     before = snapshot(trainer)
     trainer.train()
-    _changed(trainer, before)
+    assert_trained_but_unrouted(trainer, before)
 
 
 def test_sft_skip_prepare_dataset_with_masks_but_no_labels_raises(lib, models, tmp_path):
@@ -110,7 +102,7 @@ def test_sft_chat_template_path_takes_a_template_file(lib, models, tmp_path):
     assert trainer.processing_class.chat_template == TEMPLATE
     before = snapshot(trainer)
     trainer.train()
-    _changed(trainer, before)
+    assert_trained_but_unrouted(trainer, before)
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "chat_template.jinja").read_text() == TEMPLATE
 
@@ -131,7 +123,7 @@ def test_sft_chat_template_path_clones_a_tokenizer(lib, models, tmp_path):
     assert rows % 64 == 0 and rows == len(tokenizer.vocab)  # grown to a multiple of 64, every row named
     before = snapshot(trainer)
     trainer.train()
-    _changed(trainer, before)
+    assert_trained_but_unrouted(trainer, before)
 
 
 def test_sft_moe_without_a_router_coefficient_trains_without_aux_loss(lib, models, tmp_path):  # Glm4Moe
@@ -140,7 +132,7 @@ def test_sft_moe_without_a_router_coefficient_trains_without_aux_loss(lib, model
     assert trainer.aux_loss_enabled is False  # the config's own coefficient: absent, so 0
     before = snapshot(trainer)
     trainer.train()
-    _changed(trainer, before)
+    assert_trained_but_unrouted(trainer, before)
 
 
 def test_sft_router_aux_loss_coef_on_a_dense_model_raises(lib, models, tmp_path):
