@@ -84,7 +84,7 @@ class GenerationConfig:
     tool_isolation: str = "process"  # process: each user tool call in a child killed at the timeout (a hang, crash or os._exit is that call's error) | thread: in the trainer, TRL's contract (tools can share state with it) (docs/agentic.md)
     tool_template: str = "auto"  # auto | hermes | path/to/template.jinja: the chat template with tools
     tool_kv_cache: bool = True  # lean engine: keep each conversation's K/V between turns (false: re-prefill)
-    precision: str = "fp32"  # auto (bf16 where the lean engine samples on a CPU with native bf16, else fp32; --profile balanced) | fp32 | bf16 | int8: the lean engine's sampling matmuls, TIS-corrected
+    precision: str = "auto"  # auto (bf16 where the lean engine samples on a CPU with native bf16 with the correction on, else fp32: docs/precision.md) | fp32 | bf16 | int8: the lean engine's sampling matmuls, TIS-corrected
 
 
 @dataclass

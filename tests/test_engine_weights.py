@@ -152,11 +152,14 @@ def test_factory_resolves_auto_once_and_logs_it(model, tokenizer, monkeypatch):
         logged: list[str] = []
         engine = make_engine(load_config(overrides=[("model.device", "cpu")]), policy, logged.append)
         assert engine.weights == expected
-        assert len(logged) == 1 and logged[0].startswith(f"speed.engine_weights=auto: {expected} (")
+        weights = [line for line in logged if line.startswith("speed.engine_weights")]
+        assert len(weights) == 1 and weights[0].startswith(f"speed.engine_weights=auto: {expected} (")
+        assert logged[0].startswith("generation.precision=auto: fp32 (")  # decided first: it sizes the copy
     for setting in ("copy", "shared"):
         logged = []
         cfg = load_config(overrides=[("model.device", "cpu"), ("speed.engine_weights", setting)])
-        assert make_engine(cfg, policy, logged.append).weights == setting and not logged
+        assert make_engine(cfg, policy, logged.append).weights == setting
+        assert not [line for line in logged if line.startswith("speed.engine_weights")]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])

@@ -133,30 +133,81 @@ def test_plan_line_says_the_precision_and_why(monkeypatch):
     assert precision_module.FP32_HEAD_MODES == ("bf16_fp32head",)
 
 
-def test_a_run_stays_fp32_unless_asked_and_balanced_asks_for_auto():
+def test_a_run_learns_in_fp32_and_samples_at_auto_unless_asked():
     """B5 over 6 seeds put bf16_fp32head with bf16 sampling 0.018 below fp32's final accuracy, past the 0.01 a
-    default may lose (docs/precision.md): the default stays fp32; balanced, which trades, takes auto."""
+    default may lose: learning stays fp32 unless asked (balanced asks for auto). bf16 sampling, importance-
+    weighted, learned as fp32 sampling did (docs/precision.md): sampling is auto by default; conservative
+    and baseline keep it fp32."""
     from hasten.config import Config, load_config
 
     loaded = load_config(overrides=[("model.name", "tiny")])
-    assert (loaded.train.precision, loaded.generation.precision) == ("fp32", "fp32")
-    assert (Config().train.precision, Config().generation.precision) == ("fp32", "fp32")
-    asked = load_config(overrides=[("model.name", "tiny"), ("train.precision", "auto")])
+    assert (loaded.train.precision, loaded.generation.precision) == ("fp32", "auto")
+    assert (Config().train.precision, Config().generation.precision) == ("fp32", "auto")
+    asked = load_config(overrides=[("model.name", "tiny"), ("train.precision", "auto"), ("generation.precision", "fp32")])
     assert asked.train.precision == "auto" and asked.generation.precision == "fp32"
     balanced = load_config(overrides=[("model.name", "tiny"), ("model.device", "cpu")], profile="balanced")
     assert (balanced.train.precision, balanced.generation.precision) == ("auto", "auto")
-    assert load_config(overrides=[("model.name", "tiny")], profile="conservative").train.precision == "fp32"
+    for exact in ("conservative", "baseline"):
+        chosen = load_config(overrides=[("model.name", "tiny")], profile=exact)
+        assert (chosen.train.precision, chosen.generation.precision) == ("fp32", "fp32")
 
 
-@pytest.mark.parametrize("native, hidden, engine, expected", [
-    (True, 576, "auto", "bf16"), (False, 576, "auto", "fp32"), (True, 64, "auto", "fp32"), (True, 576, "hf", "fp32")])
-def test_auto_sampling_is_bf16_only_where_the_lean_engine_gains(monkeypatch, model, tokenizer, native, hidden, engine,
-                                                                 expected):
+@pytest.mark.parametrize("native, hidden, settings, expected, why", [
+    (True, 576, {}, "bf16", "native bf16"),
+    (False, 576, {}, "fp32", "no native bf16"),
+    (True, 64, {}, "fp32", "too small"),
+    (True, 576, {"speed.engine": "hf"}, "fp32", "speed.engine=hf"),
+    (True, 576, {"speed.engine_weights": "shared"}, "fp32", "engine_weights=shared"),
+    (True, 576, {"algo.vllm_importance_sampling_correction": False}, "fp32", "uncorrected"),
+    (True, 576, {"algo.loss": "vespo"}, "fp32", "vespo"),
+    (True, 576, {"algo.async_steps": 1}, "fp32", "async_steps"),
+    (True, 576, {"generation.precision": "fp32"}, "fp32", "as set"),
+    (True, 576, {"generation.precision": "int8"}, "int8", "as set")])
+def test_auto_sampling_is_bf16_only_where_it_was_measured(monkeypatch, model, tokenizer, native, hidden, settings,
+                                                          expected, why):
+    """bf16 where the lean engine samples its own copy on a CPU with native bf16, corrected by truncated
+    importance weights, synchronously; fp32 (with the reason) anywhere else."""
+    from hasten.config import set_key
     from hasten.models import Policy
     from hasten.rollout.factory import auto_generation_precision
 
     monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
-    cfg = tiny_config(engine=engine)
-    cfg.generation.precision = "auto"
+    cfg = tiny_config()
+    assert cfg.generation.precision == "auto"
+    for key, value in settings.items():
+        set_key(cfg, key, value)
     model.config.hidden_size = hidden  # what the rule reads; the tiny model's shapes are not touched
-    assert auto_generation_precision(cfg, Policy(model, tokenizer, "tiny")) == expected
+    choice, reason = auto_generation_precision(cfg, Policy(model, tokenizer, "tiny"))
+    assert choice == expected and why in reason
+
+
+def test_the_factory_says_what_auto_sampling_chose_and_the_plan_line_shows_it(monkeypatch, model, tokenizer):
+    from hasten.models import Policy
+    from hasten.rollout.factory import make_engine
+    from hasten.train.plan import Plan
+
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("hasten.kernels.precision.AUTO_BF16_MIN_HIDDEN", 1)  # the tiny model counts as wide
+    cfg, lines = tiny_config(), []
+    policy = Policy(model, tokenizer, "tiny")
+    engine = make_engine(cfg, policy, lines.append)
+    assert cfg.generation.precision == "bf16" and engine.sample_precision == "bf16"
+    assert "generation.precision=auto: bf16 (the CPU has native bf16; importance-weighted)" in lines
+    described = Plan.resolve(cfg, policy, engine, False).describe()
+    assert "lean engine (bf16 sampling" in described and "importance weights capped at 2 (bf16_sampler)" in described
+
+
+def test_auto_sampling_stays_fp32_where_a_bf16_copy_would_bind_memory(monkeypatch):
+    """speed.engine_weights=auto samples from the training weights where a copy would take over 1/8 of the
+    machine's memory; auto sampling then stays fp32 (a bf16 copy there would cost the memory shared saves)."""
+    from hasten.rollout.factory import sampling_precision
+
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("hasten.device.machine_bytes", lambda device="cpu": 16 * 2**30)
+    cfg, cpu = tiny_config(), torch.device("cpu")
+    assert sampling_precision(cfg, cpu, 896, 494_000_000)[0] == "bf16"  # 0.92 GiB <= 2 GiB
+    choice, why = sampling_precision(cfg, cpu, 1536, 1_540_000_000)  # 2.87 GiB > 2 GiB
+    assert choice == "fp32" and "memory binds: a bf16 copy would take 2.87 GiB, > 1/8 of 16.0 GiB" in why
+    cfg.speed.engine_weights = "copy"  # asked for a copy: memory is the user's call
+    assert sampling_precision(cfg, cpu, 1536, 1_540_000_000)[0] == "bf16"
+

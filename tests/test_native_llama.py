@@ -237,7 +237,8 @@ def test_lora_runs_on_the_native_model_and_the_lean_engine(tokenizer):
     policy = load_policy(cfg.model, logged.append, native=use_native_model(cfg, logged.append))
     assert isinstance(policy.model.get_base_model(), NativeLlamaForCausalLM) and policy.lora
     assert isinstance(make_engine(cfg, policy, logged.append), LeanEngine)
-    assert all(line.startswith("speed.engine_weights=auto: ") for line in logged)  # no fallback to report
+    assert all(line.startswith(("speed.engine_weights=auto: ", "generation.precision=auto: "))
+               for line in logged)  # no fallback to report
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         for name, parameter in policy.model.named_parameters():

@@ -171,28 +171,30 @@ def memory_estimate(shape: cost.Shape, cfg, side: str, prompt_tokens: int | None
     (speed.token_budget, resolved as the learner resolves it)."""
     from ..train.learner import token_budget
     from ..train.microbatch import COPY_BYTES, MOMENT_BYTES, effective_logit_chunk
+    from .workloads import run_precisions
 
     samples = cfg.train.prompts_per_step * cfg.generation.num_generations
     prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
     budget = token_budget(cfg, False, model_config) if side == "hasten" and model_config is not None else 0
+    sampling = run_precisions(cfg, shape.hidden, parameters=shape.parameters(tied=True))[0] if side == "hasten" else "fp32"
     return cost.training_memory_bytes(
         shape, samples, cfg.generation.num_generations, prompt_tokens, cfg.generation.max_new_tokens, cfg.model.lora,
         prompt_per_sample=side == "trl",
         logits_chunk=effective_logit_chunk(cfg.speed.logit_chunk_tokens, shape.vocab) if side == "hasten" else 0,
         checkpointing=cfg.speed.gradient_checkpointing,
-        copy_bytes=COPY_BYTES[cfg.generation.precision] if side == "hasten" and engine_copy(shape, cfg) else 0,
+        copy_bytes=COPY_BYTES[sampling] if side == "hasten" and engine_copy(shape, cfg, sampling) else 0,
         moment_bytes=MOMENT_BYTES[cfg.train.optimizer_moments] if side == "hasten" else MOMENT_BYTES["fp32"],
         token_budget=budget)
 
 
-def engine_copy(shape: cost.Shape, cfg) -> bool:
+def engine_copy(shape: cost.Shape, cfg, sampling: str) -> bool:
     """Whether hasten's lean engine keeps its own copy of the weights: speed.engine_weights resolved by the
-    engine's rule (rollout/shared_weights.py) on this machine; shared reads the training weights."""
+    engine's rule (rollout/shared_weights.py) on this machine for the resolved `sampling` precision; shared
+    reads the training weights."""
     from ..device import machine_bytes
     from ..rollout.shared_weights import resolve
 
-    choice, _ = resolve(cfg.speed.engine_weights, shape.parameters(tied=True), cfg.generation.precision,
-                        machine_bytes())
+    choice, _ = resolve(cfg.speed.engine_weights, shape.parameters(tied=True), sampling, machine_bytes())
     return choice == "copy"
 
 
@@ -426,7 +428,7 @@ def cell_rows(cell: Cell, cfg, shape: cost.Shape, opts) -> list[Row]:
     hasten = cell.side == "hasten"
     from .workloads import run_precisions
 
-    precisions = run_precisions(cfg, shape.hidden) if hasten else ("fp32", "fp32")
+    precisions = run_precisions(cfg, shape.hidden, parameters=shape.parameters(tied=True)) if hasten else ("fp32", "fp32")
     # The floor counts the completions' work alone (no prompt tokens, no KV read of the prompt): a lower bound
     phases = [step_work(size, shape, 0.0, step["completion_tokens"], cell.length, 0.0, precisions, cfg.model.lora)
               for step in measured]

@@ -192,16 +192,18 @@ def b1_flops(size: ModelSize, prompt_tokens: float, completion_tokens: float, lo
                                                                                     completion_tokens, lora)
 
 
-def run_precisions(cfg, hidden_size: int, device: str = "cpu") -> tuple[str, str]:
-    """(sampling, learning) precisions a run of `cfg` on a model `hidden_size` wide resolves to on `device`:
-    the engine factory's and the learner's `auto` rules, for a cell whose model lives in another process."""
+def run_precisions(cfg, hidden_size: int, device: str = "cpu", parameters: int | None = None) -> tuple[str, str]:
+    """(sampling, learning) precisions a run of `cfg` on a model `hidden_size` wide (of `parameters`, tied ones
+    once) resolves to on `device`: the engine factory's and the learner's `auto` rules, for a cell whose model
+    lives in another process."""
     import torch
 
     from ..kernels.precision import resolve_precision
     from ..rollout.factory import sampling_precision
 
     where = torch.device(device)
-    return (sampling_precision(cfg, where, hidden_size), resolve_precision(cfg.train.precision, where, hidden_size)[0])
+    return (sampling_precision(cfg, where, hidden_size, parameters)[0],
+            resolve_precision(cfg.train.precision, where, hidden_size)[0])
 
 
 def step_work(size: ModelSize, shape: cost.Shape, prompt_tokens: float, completion_tokens: float, steps: float,

@@ -80,4 +80,6 @@ def load_generator(cfg, log: Callable[[str], None]):
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
         log("LoRA adapters merged into the base weights for generation")
+    if cfg.generation.precision == "auto":  # bf16 sampling is measured with GRPO's importance correction only
+        cfg.generation.precision = "fp32"
     return policy, make_engine(cfg, policy, log)

@@ -56,9 +56,12 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
             raise ConfigError(f"config error: speed.engine={choice}: the model's generate is the user's ({custom}) "
                               "and rollouts go through it, as TRL; leave speed.engine=auto")
         log(f"speed.engine=auto: sampling through model.generate ({custom})")
+        if cfg.generation.precision == "auto":  # the user's generate samples in the model's own precision
+            cfg.generation.precision = "fp32"
         return ModelGenerateEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
     if cfg.generation.precision == "auto":  # resolved here, once, where the model is known
-        cfg.generation.precision = auto_generation_precision(cfg, policy)
+        cfg.generation.precision, why = auto_generation_precision(cfg, policy)
+        log(f"generation.precision=auto: {cfg.generation.precision} ({why})")
     if cfg.generation.precision == "bf16":
         from ..device import cpu_has_native_bf16
 
@@ -113,35 +116,58 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
     return KVCacheEngine(policy.model, policy.pad_token_id, policy.eos_token_ids)
 
 
-def auto_generation_precision(cfg: Config, policy: Policy) -> str:
-    """generation.precision=auto for this policy: sampling_precision's rule, on its device and width, where the
-    lean engine can run it (else the hf engine samples, in fp32)."""
+def auto_generation_precision(cfg: Config, policy: Policy) -> tuple[str, str]:
+    """generation.precision=auto for this policy as (choice, why): sampling_precision's rule, on its device and
+    width, where the lean engine can run it (else the hf engine samples, in fp32)."""
     from ..rollout.lean import check_supported
 
     device = next(policy.model.parameters()).device
     try:
         check_supported(policy.model)
-    except ValueError:  # the hf engine will sample: fp32
-        return "fp32"
-    return sampling_precision(cfg, device, getattr(policy.model.config, "hidden_size", None))
+    except ValueError:
+        return "fp32", "the hf engine samples this model"
+    parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
+    return sampling_precision(cfg, device, getattr(policy.model.config, "hidden_size", None), sum(parameters.values()))
 
 
-def sampling_precision(cfg: Config, device, hidden_size: int | None) -> str:
-    """generation.precision=auto: bf16 where the lean engine samples with its own copy on a CPU with
-    native bf16 and a model wide enough for bf16 to pay (kernels.precision's rule), fp32 elsewhere.
+def sampling_precision(cfg: Config, device, hidden_size: int | None,
+                       parameters: int | None = None) -> tuple[str, str]:
+    """generation.precision as (choice, why). auto is bf16 where the lean engine samples from its own copy on a
+    CPU with native bf16, for a model wide enough for bf16 to pay (kernels.precision's rule), and the learner
+    corrects for it as measured; fp32 elsewhere.
 
-    bf16 sampling is importance-weighted (train/learner.py's Correction), and measured on B5 to learn as fp32
-    sampling does (docs/precision.md). Not on a GPU (not measured there), not with vLLM or the hf engine
-    (they sample in their own precision), not with engine_weights=shared (it samples from the fp32 weights).
-    The bench calls it for a model it has the shape of (bench/scaling.py)."""
+    bf16 sampling is importance-weighted (train/learner.py's Correction) and measured on B5 to learn as fp32
+    sampling does (docs/precision.md), synchronous, with the truncated importance weights on. So auto stays fp32
+    on a GPU (not measured there), with vLLM or the hf engine (they sample in their own precision), with
+    engine_weights=shared (it samples from the fp32 weights), with the correction off (bf16 sampling would go
+    uncorrected), with VESPO (which refuses the correction) and under algo.async_steps (not measured). And
+    where memory binds: with speed.engine_weights=auto, a bf16 copy of the `parameters` over 1/COPY_SHARE of
+    the machine's memory (rollout/shared_weights.py's rule) leaves the engine sampling from the training
+    weights, in fp32. The bench calls it for a model it has the shape of (bench/scaling.py)."""
+    from ..device import machine_bytes
     from ..kernels.precision import auto_bf16_reason
+    from .shared_weights import COPY_SHARE
 
     if cfg.generation.precision != "auto":
-        return cfg.generation.precision
-    if (cfg.speed.engine not in ("auto", "lean") or cfg.speed.engine_weights == "shared" or device.type != "cpu"
-            or auto_bf16_reason(device, hidden_size) is not None):
-        return "fp32"
-    return "bf16"
+        return cfg.generation.precision, "as set"
+    why_not = auto_bf16_reason(device, hidden_size)
+    for reason, applies in (
+            (f"speed.engine={cfg.speed.engine} samples in its own precision", cfg.speed.engine not in ("auto", "lean")),
+            ("speed.engine_weights=shared samples from the fp32 weights", cfg.speed.engine_weights == "shared"),
+            ("bf16 sampling is measured on the CPU only", device.type != "cpu"),
+            ("algo.vllm_importance_sampling_correction=false would leave bf16 sampling uncorrected",
+             not cfg.algo.vllm_importance_sampling_correction),
+            ("algo.loss=vespo refuses a sampler's correction", cfg.algo.loss == "vespo"),
+            ("bf16 sampling is not measured with algo.async_steps", bool(cfg.algo.async_steps)),
+            (why_not, why_not is not None)):
+        if applies:
+            return "fp32", reason
+    if cfg.speed.engine_weights == "auto" and parameters is not None:
+        copy_bytes, memory = 2 * parameters, machine_bytes(str(device))
+        if copy_bytes * COPY_SHARE > memory:
+            return "fp32", (f"memory binds: a bf16 copy would take {copy_bytes / 1024**3:.2f} GiB, > 1/{COPY_SHARE} "
+                            f"of {memory / 1024**3:.1f} GiB, so the engine samples from the training weights")
+    return "bf16", "the CPU has native bf16; importance-weighted"
 
 
 def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = print) -> str:

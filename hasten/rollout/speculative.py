@@ -227,6 +227,7 @@ class SpeculativeEngine:
             raise ValueError(f"speculative decoding needs k >= 1 draft tokens (got {num_draft_tokens})")
         self.engine, self.drafter, self.k = engine, drafter, num_draft_tokens
         self.model, self.pad_token_id, self.eos_token_ids = engine.model, engine.pad_token_id, engine.eos_token_ids
+        self.sample_precision = engine.sample_precision  # generation.precision, for the plan line
 
     def weights_changed(self) -> None:
         self.engine.weights_changed()

@@ -30,6 +30,7 @@ class Plan:
     threads: int = 0  # torch's intra-op threads when the run starts (0: not known)
     cores: int = 0  # the cores this process may run on
     decode_attention: bool = False  # the lean engine's decode attention runs the fused kernel (speed.decode_attention)
+    sampling: str = "fp32"  # generation.precision, resolved: the sampled rollouts' matmuls (fp32 | bf16 | int8)
     held_back: tuple[str, ...] = ()  # what the profile left out because this launch cannot run it (profiles.py)
 
     @classmethod
@@ -51,7 +52,8 @@ class Plan:
         return cls(device, engine_kind, "native" if native else "transformers",
                    LearningPlan.resolve(cfg, sharded, model.config, device), sharded, adaptive_threads, cfg.algo.async_steps,
                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
-                   bool(getattr(engine, "decode_attention", False)), tuple(held_back_notes(cfg)))
+                   decode_attention=bool(getattr(engine, "decode_attention", False)),
+                   sampling=getattr(engine, "sample_precision", "fp32"), held_back=tuple(held_back_notes(cfg)))
 
     def describe(self) -> str:
         """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy, 2 threads
@@ -59,7 +61,9 @@ class Plan:
         extras = (["FSDP-sharded"] if self.sharded else []) + (
             [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + [self.describe_threads()] + (
             [f"profile left out for this launch: {'; '.join(self.held_back)}"] if self.held_back else [])
-        engine = f"{self.engine} engine" + (" (fused decode attention)" if self.decode_attention else "")
+        details = ([f"{self.sampling} sampling"] if self.sampling != "fp32" else []) + (
+            ["fused decode attention"] if self.decode_attention else [])
+        engine = f"{self.engine} engine" + (f" ({', '.join(details)})" if details else "")
         return (f"plan: {self.device}, {engine}, {self.model_impl} forward, {self.learning.describe()}"
                 + "".join(f", {extra}" for extra in extras if extra))
 
