@@ -147,7 +147,7 @@ class TrainConfig:
     shuffle: bool = True  # prompts in a fresh seeded shuffle each epoch; false: in dataset order (TRL's shuffle_dataset)
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     distributed: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (FSDP2, sharded per layer: train/fsdp.py)
-    precision: str = "fp32"  # learning pass: auto (bf16_fp32head where bf16 is native and the model >= 256 wide, else fp32; --profile balanced) | fp32 | bf16 autocast (learns less) | bf16_fp32head (bf16 body, fp32 head and log-softmax: docs/precision.md) | fp16 (with a GradScaler)
+    precision: str = "auto"  # learning pass: auto (bf16_fp32head where bf16 is native and the model >= 256 wide, else fp32: docs/precision.md) | fp32 | bf16 autocast (learns less) | bf16_fp32head (bf16 body, fp32 head and log-softmax: docs/precision.md) | fp16 (with a GradScaler)
     attention_fp32: bool | str = "auto"  # under bf16/fp16 autocast, attention in fp32: auto = on CPU (kernels/precision.py)
     tf32: bool = False  # CUDA only: TF32 matmuls (changes numerics a little)
     optimizer_moments: str = "fp32"  # fp32 | bf16: AdamW's two moments kept in bf16 (stochastic rounding), half its state; changes numerics

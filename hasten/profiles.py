@@ -9,14 +9,15 @@ and under the command-line overrides (defaults <- YAML <- profile <-
                   dense attention, for-loop AdamW,
                   rewards scored inline, nothing cached or prefetched)
     conservative  every acceleration that cannot change what is learned (equal
-                  to the code defaults of the speed: section; fp32 learning and sampling)
+                  to the code defaults of the speed: section; fp32 learning and
+                  sampling, where a run's default takes both at auto)
     balanced      conservative + DAPO dynamic sampling (one extra generation
                   round at most) + the early-termination gate as configured +
-                  the precisions at `auto`: where the hardware has native bf16
-                  (AVX512-BF16, AMX, a bf16 GPU), a bf16 learning pass with the LM
-                  head and its log-softmax in fp32 and bf16 sampling
-                  (importance-weighted), measured on B5 (docs/precision.md) +
-                  when the model lives on a GPU (model.device): TF32 and torch.compile
+                  the precisions at `auto`, as a run's default: where the hardware
+                  has native bf16 (AVX512-BF16, AMX, a bf16 GPU), a bf16 learning
+                  pass with the LM head and its log-softmax in fp32 and bf16
+                  sampling (importance-weighted), measured on B5 (docs/precision.md)
+                  + when the model lives on a GPU (model.device): TF32 and torch.compile
     aggressive    balanced + half the generations per prompt, 3/4 of the
                   completion budget and an easy-first curriculum; on a CPU
                   without native bf16, sampling in int8 (importance-weighted;
@@ -120,8 +121,8 @@ BALANCED: dict[str, Value] = {
     "algo.dynamic_sampling": True,
     "algo.dynamic_sampling_max_rounds": 1,
     # bf16 learning with an fp32 head and bf16 sampling (importance-weighted) where the hardware has native bf16
-    # and the model is wide enough, fp32 elsewhere. On B5 (6 seeds): +20 points in 1.02x fp32's steps, final
-    # accuracy 0.018 below fp32's, past the 0.01 a default may lose (docs/precision.md): here, not the default.
+    # and the model is wide enough, fp32 elsewhere: the run defaults (B5 over 12 seeds, docs/precision.md),
+    # which conservative sets back to fp32.
     "train.precision": "auto",
     "generation.precision": "auto",
     "train.tf32": True,  # only a CUDA model reads it
@@ -151,9 +152,7 @@ TRADES: dict[str, str] = {
     "conservative": "",
     "balanced": "changes the batch: algo.dynamic_sampling drops zero-variance groups and refills them (DAPO, "
                 "algo.dynamic_sampling_max_rounds=1); "
-                "algo.gate_reward, where set, gives gated samples a fixed reward; train.precision=auto and "
-                "generation.precision=auto: bf16 learning with an fp32 head and bf16 sampling where bf16 is native "
-                "(B5: final accuracy 0.018 below fp32's over 6 seeds); on a GPU, train.tf32",
+                "algo.gate_reward, where set, gives gated samples a fixed reward; on a GPU, train.tf32",
     "aggressive": "trades quality: half the generations per prompt, 3/4 of the completion tokens, easy prompts "
                   "first (algo.curriculum over algo.curriculum_warmup_steps); on a CPU without native bf16, "
                   "generation.precision=int8 (importance-weighted); plus balanced's changes",

@@ -260,16 +260,18 @@ def test_baseline_switches_every_acceleration_off():
     assert speed.nan_guard  # a safety net, on in every profile
 
 
-def test_conservative_is_the_code_defaults_with_fp32_sampling():
-    """conservative changes nothing learned: the defaults, except that it samples in fp32 where a run's
-    default samples at generation.precision=auto (bf16 where native: measured to learn as fp32 sampling does,
-    docs/precision.md, but not the same samples)."""
+def test_conservative_is_the_code_defaults_with_fp32_precisions():
+    """conservative changes nothing learned: the defaults, except that it samples and learns in fp32 where a
+    run's default takes both precisions at auto (bf16 where native: measured to learn as fp32 does,
+    docs/precision.md, but not the same numbers)."""
     defaults = load_config()  # a run's defaults
     chosen = resolve("conservative", Config())
-    assert chosen["generation.precision"] == "fp32" and defaults.generation.precision == "auto"
+    precisions = ("generation.precision", "train.precision")
+    assert [chosen[key] for key in precisions] == ["fp32", "fp32"]
+    assert (defaults.generation.precision, defaults.train.precision) == ("auto", "auto")
     for key, value in chosen.items():
         section, name = key.split(".")
-        if key != "generation.precision":
+        if key not in precisions:
             assert getattr(getattr(defaults, section), name) == value, key
     assert TRADES["conservative"] == "" and TRADES["baseline"] == ""
 
@@ -279,7 +281,7 @@ def test_profiles_that_trade_name_the_moved_keys_they_change():
     line names that key by its new name; the exact profiles set none away from the default. "Away" is from both
     a run's default (auto precisions) and the dataclass's exact value (fp32): baseline's fp32 is the reference."""
     run_defaults, exact = load_config(), Config()
-    exact.generation.precision = "fp32"  # the exact reference samples in fp32; a run's default is auto
+    exact.generation.precision = exact.train.precision = "fp32"  # the exact reference; a run's default is auto
     for name in PROFILES:
         told = TRADES[name] + (TRADES["balanced"] if "balanced's" in TRADES[name] else "")
         for key, value in resolve(name, Config()).items():

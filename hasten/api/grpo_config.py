@@ -14,8 +14,10 @@ Rules:
   adam_beta2 0.999 (CLI 0.99), a linear schedule (CLI cosine), warmup
   starting from lr 0 (CLI from lr/warmup), save_minutes off (TRL saves by
   steps only). Where TRL's default is a GPU default, hasten keeps its own
-  and documents it: gradient_checkpointing and bf16 default to None = off
-  on this path (TRL: on), set either explicitly to turn it on.
+  and documents it: gradient_checkpointing defaults to None = off on this
+  path (TRL: on), and bf16 to None = hasten's train.precision=auto (bf16
+  with an fp32 LM head where the hardware has native bf16 and the model is
+  at least 256 wide, else fp32); set either explicitly to choose.
 - Batch arithmetic is TRL's: generation_batch_size completions per
   generation = per_device_train_batch_size x steps_per_generation, split
   into gradient_accumulation_steps micro-batches for one optimizer step.
@@ -80,7 +82,7 @@ class TrainingFields:
     save_only_model: bool = False  # True: checkpoints keep the model files, not trainer_state.pt (no resume)
     disable_tqdm: bool | None = None
     # precision and memory
-    bf16: bool | None = None  # None: fp32 on CPU (TRL: bf16); True: bf16 autocast
+    bf16: bool | None = None  # None: hasten's train.precision=auto (bf16_fp32head where bf16 is native, else fp32); True: bf16 autocast
     fp16: bool = False
     tf32: bool | None = None
     gradient_checkpointing: bool | None = None  # None: off (TRL: on); memory is rarely the limit on CPU
@@ -190,7 +192,7 @@ class TrainingConfig:
         return APIError(f"{type(self).__name__}: {text}")
 
     def _precision_mode(self) -> str | None:
-        """bf16 | fp16 | None (hasten's default: fp32 on CPU)."""
+        """bf16 | fp16 | None (hasten's default: train.precision=auto)."""
         if self.bf16 and self.fp16:
             raise self._error("bf16 and fp16 can not both be True")
         return "bf16" if self.bf16 else "fp16" if self.fp16 else None
