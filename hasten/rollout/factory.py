@@ -126,8 +126,13 @@ def auto_generation_precision(cfg: Config, policy: Policy) -> tuple[str, str]:
         check_supported(policy.model)
     except ValueError:
         return "fp32", "the hf engine samples this model"
-    parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
-    return sampling_precision(cfg, device, getattr(policy.model.config, "hidden_size", None), sum(parameters.values()))
+    return sampling_precision(cfg, device, getattr(policy.model.config, "hidden_size", None),
+                              parameter_count(policy.model))
+
+
+def parameter_count(model) -> int:
+    """The model's parameters, a tied tensor (embedding and head) counted once: what a copy of them holds."""
+    return sum({parameter.data_ptr(): parameter.numel() for parameter in model.parameters()}.values())
 
 
 def sampling_precision(cfg: Config, device, hidden_size: int | None,
@@ -146,7 +151,7 @@ def sampling_precision(cfg: Config, device, hidden_size: int | None,
     weights, in fp32. The bench calls it for a model it has the shape of (bench/scaling.py)."""
     from ..device import machine_bytes
     from ..kernels.precision import auto_bf16_reason
-    from .shared_weights import COPY_SHARE
+    from .shared_weights import COPY_SHARE, copy_binds
 
     if cfg.generation.precision != "auto":
         return cfg.generation.precision, "as set"
@@ -164,7 +169,7 @@ def sampling_precision(cfg: Config, device, hidden_size: int | None,
             return "fp32", reason
     if cfg.speed.engine_weights == "auto" and parameters is not None:
         copy_bytes, memory = 2 * parameters, machine_bytes(str(device))
-        if copy_bytes * COPY_SHARE > memory:
+        if copy_binds(copy_bytes, memory):
             return "fp32", (f"memory binds: a bf16 copy would take {copy_bytes / 1024**3:.2f} GiB, > 1/{COPY_SHARE} "
                             f"of {memory / 1024**3:.1f} GiB, so the engine samples from the training weights")
     return "bf16", "the CPU has native bf16; importance-weighted"
@@ -179,10 +184,8 @@ def engine_weights(cfg: Config, policy: Policy, log: Callable[[str], None] = pri
     setting = cfg.speed.engine_weights
     if setting != "auto":
         return setting
-    parameters = {parameter.data_ptr(): parameter.numel() for parameter in policy.model.parameters()}  # tied: once
     device = next(policy.model.parameters()).device
-    choice, why = resolve(setting, sum(parameters.values()), cfg.generation.precision,
-                          machine_bytes(str(device)))
+    choice, why = resolve(setting, parameter_count(policy.model), cfg.generation.precision, machine_bytes(str(device)))
     log(f"speed.engine_weights=auto: {choice} ({why})")
     return choice
 

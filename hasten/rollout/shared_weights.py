@@ -27,6 +27,11 @@ import torch.nn.functional as F
 COPY_SHARE = 8  # auto: shared when the fp32 copy would exceed 1/COPY_SHARE of the machine's memory
 
 
+def copy_binds(copy_bytes: int, machine_bytes: int) -> bool:
+    """The `auto` rule: a copy of `copy_bytes` would take more than 1/COPY_SHARE of the machine's memory."""
+    return copy_bytes * COPY_SHARE > machine_bytes
+
+
 def resolve(setting: str, parameters: int, generation_precision: str, machine_bytes: int) -> tuple[str, str]:
     """speed.engine_weights -> ("copy" | "shared", why); auto decided from the copy's size (4 bytes a parameter)."""
     if setting != "auto":
@@ -34,7 +39,7 @@ def resolve(setting: str, parameters: int, generation_precision: str, machine_by
     if generation_precision not in ("fp32", "auto"):  # auto: the factory resolves it first; else as fp32
         return "copy", f"generation.precision={generation_precision}: the copy is low precision"
     copy_bytes = 4 * parameters
-    choice = "shared" if copy_bytes * COPY_SHARE > machine_bytes else "copy"
+    choice = "shared" if copy_binds(copy_bytes, machine_bytes) else "copy"
     relation = ">" if choice == "shared" else "<="
     return choice, (f"an fp32 copy would take {copy_bytes / 1024**3:.2f} GiB, {relation} 1/{COPY_SHARE} of "
                     f"{machine_bytes / 1024**3:.1f} GiB")
