@@ -50,6 +50,7 @@ from ..algo.zero_advantage import learning_rows
 from ..config import Config
 from ..device import machine_bytes
 from ..kernels.fast_linear import onednn_linears
+from ..kernels.recast_linear import active as recast_active, recast_linears
 from ..kernels.fast_linear import resolve as resolve_fast_linear
 from ..kernels.memory import on_device, set_gradient_checkpointing
 from ..kernels.precision import FP32_HEAD_MODES, fp32_head, resolve_precision
@@ -75,11 +76,12 @@ class LogprobPass:
     shared_prefix: bool  # speed.shared_prefix: the prompts' common prefix once (grouped packed pass only)
     fast_linear: bool  # speed.fast_linear, auto resolved (fast_linear.resolve)
     fp32_head: bool = False  # the learning precision keeps the LM head fp32 under autocast (bf16_fp32head)
+    recast: bool = True  # under bf16 autocast, linears that hold no bf16 weight copy for backward (recast_linear.py)
 
     @classmethod
     def choose(cls, cfg: Config, precision: str = "fp32") -> LogprobPass:
         """precision: the learning precision as resolved (kernels.precision.resolve_precision)."""
-        # fast_linear and grouped_attention switch the model's kernels for the forward only. With
+        # fast_linear, recast linears and grouped_attention switch the model's kernels for the forward only. With
         # gradient checkpointing, backward recomputes layers after that switch is undone and
         # torch rejects the mismatch, so checkpointing runs them on the plain kernels. (The learner
         # sets the model's checkpointing from the same key, so the key is what the model will do.)
@@ -87,15 +89,21 @@ class LogprobPass:
         plain_kernels = speed.gradient_checkpointing
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
                    speed.grouped_attention and not plain_kernels, speed.shared_prefix,
-                   resolve_fast_linear(speed.fast_linear) and not plain_kernels, precision in FP32_HEAD_MODES)
+                   resolve_fast_linear(speed.fast_linear) and not plain_kernels, precision in FP32_HEAD_MODES,
+                   recast=not plain_kernels)
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool,
                  entropy_grad: bool = False, router_aux: bool = False) -> TokenStats:
         """entropy_grad: the entropy keeps its gradient (the entropy bonus). router_aux: a mixture-of-experts
         model's load-balancing loss too, which the padded pass alone returns (its router sees TRL's batch)."""
         temperature = rollout.sampling.temperature
-        head = backbone_and_head(model)[1] if self.fp32_head else None  # bf16_fp32head: the head stays fp32
-        with onednn_linears(model, self.fast_linear), fp32_head(head, head is not None, onednn=self.fast_linear):
+        recast = self.recast and recast_active()  # under bf16 autocast on the CPU
+        lm_head = backbone_and_head(model)[1] if self.fp32_head or recast else None
+        head = lm_head if self.fp32_head else None  # bf16_fp32head: the head stays fp32
+        # fp32 passes: oneDNN's linears where fast_linear says; bf16 autocast: the decoder's linears recast
+        # (the same bits, no bf16 weight copy held for backward), the head left to autocast or its fp32 forward
+        with onednn_linears(model, self.fast_linear), fp32_head(head, head is not None, onednn=self.fast_linear), \
+                recast_linears(model, recast, leave=lm_head):
             # min_pack_ratio 0 packs every batch: its fill is not measured (host syncs on a GPU)
             if self.packed and not router_aux and (self.min_pack_ratio <= 0
                                                    or pack_ratio(rollout, rows) >= self.min_pack_ratio):

@@ -1,0 +1,130 @@
+"""The learning pass's linears under bf16 autocast, without a bf16 copy of the weights held for backward.
+
+Under CPU autocast (train.precision bf16 / bf16_fp32head) `F.linear` casts its
+fp32 weight to bf16 and autograd saves that cast for the backward's input
+gradient: from the end of the forward to the end of the backward, a bf16 copy
+of every projection lives beside the fp32 weights, at the learning pass's
+peak (0.7 GB at Qwen2.5-0.5B, 2.6 GB at 1.5B, whose base weights under LoRA
+are cast in the same way). And q, k, v (gate, up) each save their own bf16
+copy of the one input they share.
+
+`RecastLinear` computes the same products with the same kernels, so forward
+output and every gradient are bit-identical to autocast's (tests/test_recast_linear.py
+compares them with torch.equal), but saves the fp32 weight itself (a
+reference, no memory) and casts it again in backward, one layer at a time,
+and casts a shared input once. The cost is one more cast of each weight per
+micro-batch, a pass over the weights' bytes (~0.1 s at 0.5B, against a
+learning pass of tens of seconds).
+
+`recast_linears(model)` routes the model's large nn.Linear modules through it
+while its block runs, on the CPU under bf16 autocast only (elsewhere it routes
+nothing and the pass runs as before). The learner enters it with
+speed.fast_linear's oneDNN routing, which does the same for fp32 passes, and
+leaves both out under gradient checkpointing (train/learner.py LogprobPass).
+The LM head stays on autocast's linear (recast_linears' `leave`), and under bf16_fp32head it has its own
+fp32 forward anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+MIN_FEATURES = 128  # LoRA's rank-16 A and B stay on autocast's F.linear (kernels/fast_linear.py's bound)
+
+
+class _SharedInputCast:
+    """The last input cast to bf16, so q, k and v (gate and up) share one saved copy of their input.
+
+    One entry: a projection's input replaces it; kept only for the block (recast_linears clears it),
+    and only while the input is unchanged (its version)."""
+
+    def __init__(self):
+        self.source: torch.Tensor | None = None
+        self.version = -1
+        self.cast: torch.Tensor | None = None
+
+    def get(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.source or x._version != self.version:
+            self.source, self.version = x, x._version
+            self.cast = x.to(torch.bfloat16)  # autocast's cast: the same rounding
+        return self.cast
+
+    def clear(self) -> None:
+        self.source = self.cast = None
+
+
+class RecastLinear(torch.autograd.Function):
+    """y = F.linear(x, weight, bias) as bf16 autocast runs it, the weight cast again in backward; x contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                shared: _SharedInputCast) -> torch.Tensor:
+        x_bf16 = shared.get(x)
+        out = F.linear(x_bf16, weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+        ctx.save_for_backward(x_bf16, weight)  # the fp32 parameter: no copy
+        ctx.input_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # AddmmBackward's products on the flattened input (mm_mat1_backward, mm_mat2_backward), each gradient
+        # then cast to its leaf's dtype as autocast's casts' backward does: the bits autocast's graph gives.
+        x_bf16, weight = ctx.saved_tensors
+        grad_flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_flat.mm(weight.to(torch.bfloat16)).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = grad_x.to(ctx.input_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_flat.t().mm(x_bf16.reshape(-1, x_bf16.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_flat.sum(0).float()
+        return grad_x, grad_weight, grad_bias, None
+
+
+def eligible(module: torch.nn.Module) -> bool:
+    return (type(module) is torch.nn.Linear  # peft's LoRA layers wrap an nn.Linear: that base layer is routed
+            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+            and min(module.in_features, module.out_features) >= MIN_FEATURES
+            and (module.bias is None or module.bias.dtype == torch.float32))
+
+
+def _forward(module: torch.nn.Linear, shared: _SharedInputCast, x: torch.Tensor) -> torch.Tensor:
+    # A strided input (a transposed view) takes other backward products in autograd (mm_mat1_backward's
+    # column-major branch): autocast's own linear keeps those bits. The decoder's inputs are contiguous.
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or not active():
+        return torch.nn.Linear.forward(module, x)
+    return RecastLinear.apply(x, module.weight, module.bias, shared)
+
+
+def active() -> bool:
+    """Whether recast_linears routes anything now: CPU autocast to bf16."""
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+@contextlib.contextmanager
+def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn.Module | None = None):
+    """Route the model's large CPU linears through RecastLinear while the block runs, under bf16 autocast.
+
+    leave: a linear kept on autocast's own (the LM head: its logit chunks all use one cached bf16 cast of
+    the weight, whose gradient autograd sums over the chunks in bf16; a cast per chunk would sum them in
+    fp32, other bits). Yields the number of layers routed (0 when disabled or not under CPU bf16 autocast).
+    The original forward is restored, and the shared input cast dropped, even if the block raises."""
+    routed: list[torch.nn.Module] = []
+    shared = _SharedInputCast()
+    if enabled and active():
+        for module in model.modules():
+            if module is not leave and eligible(module) and "forward" not in vars(module):
+                module.forward = functools.partial(_forward, module, shared)
+                routed.append(module)
+    try:
+        yield len(routed)
+    finally:
+        for module in routed:
+            del module.forward
+        shared.clear()

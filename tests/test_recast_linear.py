@@ -1,0 +1,177 @@
+"""kernels/recast_linear.py: under bf16 autocast, linears that save the fp32 weight and cast it again in backward
+give autocast's F.linear bits exactly (output and every gradient, torch.equal), hold no bf16 copy of a weight
+for backward, share one saved cast of a shared input, route only under CPU bf16 autocast, and leave the
+model as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rollout_of
+from hasten.kernels import recast_linear
+from hasten.kernels.precision import Precision, fp32_head
+from hasten.kernels.recast_linear import RecastLinear, _SharedInputCast, recast_linears
+from hasten.train.packing import backbone_and_head, packed_logprobs
+
+
+@pytest.fixture
+def route_small_layers(monkeypatch):
+    """The tiny model's layers are below MIN_FEATURES; route them anyway."""
+    monkeypatch.setattr(recast_linear, "MIN_FEATURES", 1)
+
+
+def _run(function, x, weight, bias, upstream):
+    for tensor in (x, weight, bias):
+        if tensor is not None and tensor.grad is not None:
+            tensor.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = function(x, weight, bias)
+    (out.float() * upstream).sum().backward()
+    return out.detach(), [None if t is None or t.grad is None else t.grad.clone() for t in (x, weight, bias)]
+
+
+@pytest.mark.parametrize("shape", [(37, 160), (3, 11, 160)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])  # a LoRA base weight: no weight gradient
+def test_the_bits_of_autocast_f_linear(shape, with_bias, frozen):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    weight = torch.randn(144, 160, requires_grad=not frozen)
+    bias = torch.randn(144, requires_grad=True) if with_bias else None
+    upstream = torch.randn(*shape[:-1], 144)
+    expected, expected_grads = _run(F.linear, x, weight, bias, upstream)
+    actual, actual_grads = _run(lambda *a: RecastLinear.apply(*a, _SharedInputCast()), x, weight, bias, upstream)
+    assert actual.dtype == expected.dtype == torch.bfloat16 and torch.equal(actual, expected)
+    for a, b in zip(actual_grads, expected_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_a_transposed_input_runs_autocast_s_own_linear():
+    """A strided input takes autograd's column-major products: the routed layer leaves it to autocast."""
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(160, 144)
+    base = torch.randn(160, 29, requires_grad=True)
+    upstream = torch.randn(29, 144)
+
+    def run(routed: bool):
+        layer.zero_grad(set_to_none=True)
+        base.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layer, routed) as count:
+            assert count == int(routed)
+            out = layer(base.t())
+        (out.float() * upstream).sum().backward()
+        return [out.detach(), base.grad, layer.weight.grad, layer.bias.grad]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+def _saved_bf16(function) -> list[tuple[int, int]]:
+    """(numel, storage) of each bf16 tensor autograd saves while `function` runs."""
+    saved = []
+
+    def pack(tensor):
+        if tensor.dtype == torch.bfloat16:
+            saved.append((tensor.numel(), tensor.untyped_storage().data_ptr()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return saved
+
+
+def test_no_bf16_weight_is_saved_and_q_k_v_share_their_input():
+    """autocast saves a bf16 copy of each weight and one of the shared input per projection; the recast linears
+    save the input once and no weight at all."""
+    torch.manual_seed(2)
+    layers = torch.nn.ModuleList(torch.nn.Linear(160, width) for width in (160, 128, 128))  # q, k, v
+    x = torch.randn(2, 9, 160, requires_grad=True) * 1.0  # a norm's output: not a leaf (autocast caches leaves)
+    weights = {layer.weight.numel() for layer in layers}
+
+    def project():
+        return [layer(x) for layer in layers]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = _saved_bf16(project)
+    assert weights <= {numel for numel, _ in plain}
+    assert len({storage for numel, storage in plain if numel == x.numel()}) == 3  # a cast of x per projection
+    with recast_linears(layers) as routed:
+        assert routed == 0  # not under autocast: nothing routed
+    with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layers) as routed:
+        assert routed == 3
+        recast = _saved_bf16(project)
+    assert {numel for numel, _ in recast} == {x.numel()}  # every weight is saved as its fp32 self
+    assert len({storage for _, storage in recast}) == 1  # the one shared cast of x
+    assert all("forward" not in vars(layer) for layer in layers)
+
+
+def test_an_input_changed_in_place_is_cast_again():
+    shared = _SharedInputCast()
+    x = torch.ones(4, 8)
+    first = shared.get(x)
+    assert shared.get(x) is first
+    x.mul_(3.0)
+    again = shared.get(x)
+    assert again is not first and torch.equal(again, torch.full((4, 8), 3.0, dtype=torch.bfloat16))
+
+
+def test_routes_only_under_cpu_bf16_autocast():
+    layer = torch.nn.Linear(160, 160)
+    for dtype, expected in ((torch.bfloat16, 1), (torch.float16, 0)):
+        with torch.autocast("cpu", dtype=dtype), recast_linears(layer) as routed:
+            assert routed == expected
+    with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layer, enabled=False) as routed:
+        assert routed == 0
+    assert "forward" not in vars(layer)
+
+
+def test_the_model_is_restored_when_the_block_raises():
+    layer = torch.nn.Linear(160, 160)
+    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16):
+        with recast_linears(layer) as routed:
+            assert routed == 1 and "forward" in vars(layer)
+            raise RuntimeError("boom")
+    assert "forward" not in vars(layer)
+
+
+def _pass_gradients(model, rollout, advantages, precision: str, recast: bool, chunk: int):
+    model.zero_grad(set_to_none=True)
+    rows = torch.arange(rollout.num_samples)
+    head = backbone_and_head(model)[1]
+    with Precision(precision, torch.device("cpu")).autocast(), \
+            fp32_head(head, precision == "bf16_fp32head"), recast_linears(model, recast, leave=head) as routed:
+        logps = packed_logprobs(model, rollout, rows, 1.0, True, chunk, grouped=True, shared_prefix=True).logps
+    mask = rollout.completion_mask.to(logps.dtype)
+    (-(advantages[:, None] * logps * mask).sum() / mask.sum()).backward()
+    return routed, logps.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_fp32head"])
+@pytest.mark.parametrize("chunk", [0, 7])  # 7: logit chunks, each recomputed in backward (checkpointed)
+def test_a_packed_pass_gives_autocast_bits(route_small_layers, short_model, tokenizer, precision, chunk):
+    """The learning pass with recast linears: log-probs and every parameter's gradient equal to autocast's
+    (the head left to autocast under bf16, to its fp32 forward under bf16_fp32head)."""
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
+    advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(short_model)
+    _, plain_logps, plain_grads = _pass_gradients(model, rollout, advantages, precision, False, chunk)
+    routed, logps, grads = _pass_gradients(model, rollout, advantages, precision, True, chunk)
+    layers = len(backbone_and_head(model)[0].layers)
+    assert routed == 7 * layers
+    assert torch.equal(logps, plain_logps)
+    assert len(grads) == len(plain_grads) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_the_learner_routes_them_unless_checkpointing():
+    from conftest import tiny_config
+    from hasten.train.learner import LogprobPass
+
+    cfg = tiny_config(precision="bf16_fp32head")
+    assert LogprobPass.choose(cfg, "bf16_fp32head").recast
+    cfg.speed.gradient_checkpointing = True
+    assert not LogprobPass.choose(cfg, "bf16_fp32head").recast
