@@ -238,3 +238,45 @@ def test_token_budget_counts_no_engine_copy_under_shared(monkeypatch):
     assert budgets["shared"] > budgets["copy"] and budgets["auto"] == budgets["shared"]
     copy_bytes = 4 * microbatch.parameter_count(large)
     assert microbatch.static_bytes(large, True, 2048) - microbatch.static_bytes(large, True, 2048, False) == copy_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_released_copy_is_freed_and_rebuilt_to_the_same_samples(model, tokenizer, precision):
+    """release_weights (the trainer's call before each learning pass) drops the copy; the next generate
+    rebuilds it and samples what a kept copy samples. Shared weights hold nothing to release."""
+    ids = (tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    kept, released = (LeanEngine(model, *ids, sample_precision=precision) for _ in range(2))
+    prompts, sampling = encode(tokenizer, PROMPTS), SamplingParams(max_new_tokens=12, temperature=0.9)
+    assert_same_rollout(kept.generate(prompts, 3, sampling, seed=0), released.generate(prompts, 3, sampling, seed=0))
+    released.release_weights()
+    assert released.layers == [] and released.head is None
+    assert_same_rollout(kept.generate(prompts, 3, sampling, seed=1), released.generate(prompts, 3, sampling, seed=1))
+    assert len(released.layers) == len(kept.layers)
+    shared = LeanEngine(model, *ids, weights="shared")
+    shared.release_weights()
+    assert len(shared.layers) == len(kept.layers)  # views of the live parameters, kept
+
+
+def test_training_releases_the_copy_before_each_learning_pass_and_learns_the_same(letters_task, monkeypatch):
+    """Three GRPO steps: the trainer releases the engine's copy before every learning pass, and the run's
+    rewards, losses and gradient norms are those of a run whose copy is kept (release made a no-op)."""
+    from conftest import letters_config, run_metrics
+
+    from hasten.train.trainer import train
+
+    calls = []
+    release = LeanEngine.release_weights
+
+    def counted(engine):
+        calls.append(len(engine.layers))
+        release(engine)
+
+    records = {}
+    for label, method in (("released", counted), ("kept", lambda engine: None)):
+        monkeypatch.setattr(LeanEngine, "release_weights", method)
+        cfg = letters_config(letters_task, label, **{"speed.engine_weights": "copy", "train.steps": 3})
+        records[label] = run_metrics(train(cfg, log=lambda _: None))
+    assert len(calls) == 3 and all(calls)  # a built copy each time
+    for released, kept in zip(records["released"], records["kept"], strict=True):
+        for key in ("reward_mean", "loss", "grad_norm", "completion_length", "entropy"):
+            assert released[key] == kept[key], key

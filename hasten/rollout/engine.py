@@ -59,6 +59,9 @@ class KVCacheEngine:
     def weights_changed(self) -> None:
         """Nothing to refresh: every forward reads the policy's own parameters."""
 
+    def release_weights(self) -> None:
+        """Nothing held: the policy's own parameters."""
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,

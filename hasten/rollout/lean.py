@@ -210,9 +210,10 @@ class Matmul:
     def prepare(self, weight: torch.Tensor, previous=None, exact: bool = False, name: str = ""):
         """The weight in this Matmul's form; bf16 writes into `previous` (the last sync's copy) when it fits.
 
-        In place, the bf16 copies keep their memory from step to step; allocated anew
-        they took holes the learning pass had used, which then grew the heap: seconds of
-        fresh page faults per bf16 learning pass. int8's form is made anew (a quarter of the fp32 bytes),
+        In place, a bf16 copy kept through a learning pass (one the trainer did not release: algo.async_steps
+        samples during it) keeps its memory from step to step; allocated anew while the pass ran, such copies
+        took holes the pass had used, which then grew the heap: seconds of fresh page faults per bf16 learning
+        pass. A released copy (release_weights) is allocated anew after the pass, from the memory it freed. int8's form is made anew (a quarter of the fp32 bytes),
         smoothed by the activations its last int8 form under the same `name` saw (kernels/int8.py);
         `exact` keeps that weight in bf16 or fp32 (`self.exact`).
         """
@@ -333,6 +334,18 @@ class LeanEngine:
         self.weight_versions = []
         if any(is_sharded_tensor(parameter) for parameter in self.model.parameters()):
             self.layers, self.head = [], None
+
+    def release_weights(self) -> None:
+        """Free the sampling copy (speed.engine_weights=copy) until the next generate rebuilds it.
+
+        The trainer calls this before the learning pass: the update changes every weight, so the copy would
+        be rebuilt anyway, and the pass runs without it (a model's size in bf16 or fp32 less at the step's
+        peak). Its memory goes back to the allocator while the pass needs it, and the rebuilt copy takes it
+        again; the samples are those of a copy kept (the same weights, cast and packed the same way).
+        Shared weights are views of the live parameters: nothing to free."""
+        if self.weights == "copy":
+            self.layers, self.head = [], None
+            self.weight_versions = []
 
     def ready_for(self, sampling: SamplingParams) -> None:
         """Weights current and in the call's precision: generation.precision (bf16 | int8) for sampled

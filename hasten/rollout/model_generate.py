@@ -77,6 +77,9 @@ class ModelGenerateEngine:
     def weights_changed(self) -> None:
         """Nothing to refresh: generate reads the policy's own parameters."""
 
+    def release_weights(self) -> None:
+        """Nothing held: generate reads the policy's own parameters."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingParams, seed: int,
                  rows: RowRange | None = None) -> Rollout:

@@ -232,6 +232,9 @@ class SpeculativeEngine:
     def weights_changed(self) -> None:
         self.engine.weights_changed()
 
+    def release_weights(self) -> None:
+        self.engine.release_weights()
+
     def state_dict(self) -> dict:
         return self.engine.state_dict()
 

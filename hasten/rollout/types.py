@@ -111,6 +111,10 @@ class Engine(Protocol):
         """The policy's weights were updated (an optimizer step, a resume): engines that keep their own
         copy (fused matrices, a vLLM server) refresh it before the next generate."""
 
+    def release_weights(self) -> None:
+        """The learning pass is next, and nothing samples until the update: an engine that holds its own copy
+        of the weights in this process may free it (the next generate rebuilds it from the updated weights)."""
+
     def state_dict(self) -> dict:
         """What the engine carries from one step to the next that decides later samples (the int8
         sampler's activation statistics), saved in checkpoints so a resume samples as the straight

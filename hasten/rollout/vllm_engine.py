@@ -159,6 +159,9 @@ class VLLMEngine:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def release_weights(self) -> None:
+        """vLLM's own copy stays: its engine allocates it once, at start."""
+
     def weights_changed(self) -> None:
         """Push the policy's current weights into vLLM (no disk), and drop KV blocks computed with the old ones."""
         self.load_weights(merged_weights(self.model))

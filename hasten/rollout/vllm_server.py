@@ -67,6 +67,9 @@ class VLLMServerEngine:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def release_weights(self) -> None:
+        """The weights are the server's, in another process: nothing here to free."""
+
     def weights_changed(self) -> None:
         from safetensors.torch import save
 

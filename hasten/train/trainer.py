@@ -240,7 +240,8 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
     started = time.perf_counter()
     threads = session.threads or ThreadGovernor(False)
     phase_threads = {}
-    if collected is None:
+    generated_here = collected is None
+    if generated_here:
         phase_threads["threads/generate"] = threads.adjust()
         policy = session.policy  # a generate the user replaced after prepare samples from now on (TRL's tests)
         engine = sampling_engine(session.engine, policy.model, policy.pad_token_id, policy.eos_token_ids)
@@ -264,6 +265,8 @@ def grpo_step(session: Session, learner: Learner, feeder: Feeder, step: int,
         # cut at max_new_tokens get no loss (TRL's tool_mask and option)
         loss_mask = batch.rollout.loss_mask(cfg.algo.mask_truncated_completions)
         phase_threads["threads/learn"] = threads.adjust()
+        if generated_here:  # under algo.async_steps the engine samples the next batch while this one learns
+            session.engine.release_weights()  # a lean engine's own copy, rebuilt at the next generate
         learned_metrics = learner.step(batch.rollout, advantages, loss_mask)
         session.engine.weights_changed()  # engines that cache weights (lean.py) re-read them
     finished = time.perf_counter()
