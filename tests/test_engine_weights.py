@@ -110,7 +110,8 @@ def engine_tensors(value, seen=None):
 def test_shared_holds_nothing_weight_sized_of_its_own(model, tokenizer, lora):
     policy = lora_pair(tokenizer)[1] if lora else model
     copy_engine, shared_engine = engines(policy, tokenizer)
-    shared_engine.generate(encode(tokenizer, PROMPTS), 2, SamplingParams(max_new_tokens=4), seed=0)
+    for engine in (copy_engine, shared_engine):  # each builds its weights at its first generate
+        engine.generate(encode(tokenizer, PROMPTS), 2, SamplingParams(max_new_tokens=4), seed=0)
     storages = {parameter.untyped_storage().data_ptr() for parameter in policy.parameters()}
     smallest = min(parameter.numel() for parameter in policy.parameters() if parameter.dim() == 2)
 
@@ -241,6 +242,19 @@ def test_token_budget_counts_no_engine_copy_under_shared(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_copy_is_built_by_the_first_generate_in_its_precision(model, tokenizer, precision):
+    """No copy at construction (an fp32 one there set the peak of a bf16 run): the first sampled generate
+    builds it in generation.precision; a greedy one (evaluation) in fp32."""
+    engine = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], sample_precision=precision)
+    assert engine.layers == [] and engine.head is None and engine.num_layers == len(model.model.layers)
+    engine.generate(encode(tokenizer, PROMPTS), 2, SamplingParams(max_new_tokens=4, temperature=1.0), seed=0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert len(engine.layers) == engine.num_layers and engine.layers[0].gate_up.dtype == dtype
+    engine.generate(encode(tokenizer, PROMPTS), 1, SamplingParams(max_new_tokens=4, temperature=0.0), seed=0)
+    assert engine.layers[0].gate_up.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_released_copy_is_freed_and_rebuilt_to_the_same_samples(model, tokenizer, precision):
     """release_weights (the trainer's call before each learning pass) drops the copy; the next generate
     rebuilds it and samples what a kept copy samples. Shared weights hold nothing to release."""
@@ -253,6 +267,7 @@ def test_a_released_copy_is_freed_and_rebuilt_to_the_same_samples(model, tokeniz
     assert_same_rollout(kept.generate(prompts, 3, sampling, seed=1), released.generate(prompts, 3, sampling, seed=1))
     assert len(released.layers) == len(kept.layers)
     shared = LeanEngine(model, *ids, weights="shared")
+    shared.generate(prompts, 1, sampling, seed=0)
     shared.release_weights()
     assert len(shared.layers) == len(kept.layers)  # views of the live parameters, kept
 

@@ -140,7 +140,10 @@ def test_fused_adamw_update_is_followed_after_weights_changed(tokenizer):
 
 def test_sync_weights_rebuilds_only_after_a_change(model, tokenizer):
     engine = lean_engine(model, tokenizer)
+    assert engine.layers == []  # built by the first generate (or sync), not at construction
+    engine.sync_weights()
     prepared = engine.layers
+    assert len(prepared) == len(model.model.layers)
     engine.sync_weights()
     assert engine.layers is prepared  # nothing changed: no copy, no repacking
     with torch.no_grad():

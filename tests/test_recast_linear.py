@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rollout_of
-from hasten.kernels import recast_linear
+from hasten.kernels import fast_linear
 from hasten.kernels.precision import Precision, fp32_head
 from hasten.kernels.recast_linear import RecastLinear, _SharedInputCast, recast_linears
 from hasten.train.packing import backbone_and_head, packed_logprobs
@@ -21,7 +21,7 @@ from hasten.train.packing import backbone_and_head, packed_logprobs
 @pytest.fixture
 def route_small_layers(monkeypatch):
     """The tiny model's layers are below MIN_FEATURES; route them anyway."""
-    monkeypatch.setattr(recast_linear, "MIN_FEATURES", 1)
+    monkeypatch.setattr(fast_linear, "MIN_FEATURES", 1)
 
 
 def _run(function, x, weight, bias, upstream):

@@ -151,22 +151,29 @@ def eligible(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def onednn_linears(model: torch.nn.Module, enabled: bool = True):
-    """Route the model's large fp32 CPU linears through oneDNN while the block runs.
-
-    Yields the number of layers routed (0 when disabled or
-    unavailable). The original forward is restored even if the block raises.
-    """
+def route_linears(model: torch.nn.Module, chosen, forward):
+    """While the block runs, every module of `model` that `chosen(module)` accepts and that has no instance
+    forward of its own calls `forward(module, x)` instead. Yields how many; restored even if the block raises."""
     routed: list[torch.nn.Module] = []
-    # Under autocast (train.precision=bf16/fp16) the linears must run in the autocast dtype: an
-    # autograd Function is not autocast-aware, so routing them here would silently keep them fp32.
-    if enabled and available() and not torch.is_autocast_enabled("cpu"):
-        for module in model.modules():
-            if eligible(module) and "forward" not in vars(module):
-                module.forward = functools.partial(_forward, module)
-                routed.append(module)
+    for module in model.modules():
+        if chosen(module) and "forward" not in vars(module):
+            module.forward = functools.partial(forward, module)
+            routed.append(module)
     try:
         yield len(routed)
     finally:
         for module in routed:
-            del module.forward  # back to nn.Linear.forward
+            del module.forward  # back to the class's forward
+
+
+def onednn_linears(model: torch.nn.Module, enabled: bool = True):
+    """Route the model's large fp32 CPU linears through oneDNN while the block runs (a context manager).
+
+    Yields the number of layers routed (0 when disabled or
+    unavailable). The original forward is restored even if the block raises.
+    """
+    # Under autocast (train.precision=bf16/fp16) the linears must run in the autocast dtype: an
+    # autograd Function is not autocast-aware, so routing them here would silently keep them fp32.
+    if enabled and available() and not torch.is_autocast_enabled("cpu"):
+        return route_linears(model, eligible, _forward)
+    return contextlib.nullcontext(0)

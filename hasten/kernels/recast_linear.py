@@ -28,12 +28,12 @@ fp32 forward anyway.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 
-MIN_FEATURES = 128  # LoRA's rank-16 A and B stay on autocast's F.linear (kernels/fast_linear.py's bound)
+from . import fast_linear
+
 
 
 class _SharedInputCast:
@@ -88,10 +88,9 @@ class RecastLinear(torch.autograd.Function):
 
 
 def eligible(module: torch.nn.Module) -> bool:
-    return (type(module) is torch.nn.Linear  # peft's LoRA layers wrap an nn.Linear: that base layer is routed
-            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
-            and min(module.in_features, module.out_features) >= MIN_FEATURES
-            and (module.bias is None or module.bias.dtype == torch.float32))
+    """fast_linear's rule (a plain nn.Linear: peft's base layer, not its rank-16 A and B; fp32 on the CPU,
+    at least MIN_FEATURES wide), with an fp32 bias."""
+    return fast_linear.eligible(module) and (module.bias is None or module.bias.dtype == torch.float32)
 
 
 def _forward(module: torch.nn.Linear, shared: _SharedInputCast, x: torch.Tensor) -> torch.Tensor:
@@ -115,16 +114,13 @@ def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn
     the weight, whose gradient autograd sums over the chunks in bf16; a cast per chunk would sum them in
     fp32, other bits). Yields the number of layers routed (0 when disabled or not under CPU bf16 autocast).
     The original forward is restored, and the shared input cast dropped, even if the block raises."""
-    routed: list[torch.nn.Module] = []
+    if not (enabled and active()):
+        yield 0
+        return
     shared = _SharedInputCast()
-    if enabled and active():
-        for module in model.modules():
-            if module is not leave and eligible(module) and "forward" not in vars(module):
-                module.forward = functools.partial(_forward, module, shared)
-                routed.append(module)
     try:
-        yield len(routed)
+        with fast_linear.route_linears(model, lambda module: module is not leave and eligible(module),
+                                       lambda module, x: _forward(module, shared, x)) as routed:
+            yield routed
     finally:
-        for module in routed:
-            del module.forward
         shared.clear()

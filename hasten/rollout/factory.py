@@ -205,9 +205,9 @@ def speculative(cfg: Config, policy: Policy, engine, log: Callable[[str], None] 
     except ValueError as error:
         raise ConfigError(f"config error: {error}") from None
     if layers is not None:
-        if layers > len(engine.layers):
+        if layers > engine.num_layers:
             raise ConfigError(f"config error: speed.draft_model={speed.draft_model}: the policy has "
-                              f"{len(engine.layers)} layers")
+                              f"{engine.num_layers} layers")
         return SpeculativeEngine(engine, ModelDrafter(layers=layers), speed.speculative_tokens)
     return SpeculativeEngine(engine, ModelDrafter(draft_engine(cfg, policy, log)), speed.speculative_tokens)
 

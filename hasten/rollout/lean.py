@@ -310,10 +310,16 @@ class LeanEngine:
         if sample_precision != "fp32":
             self.matmuls[sample_precision] = Matmul(weight.dtype, weight.device, sample_precision)
         self.linear = self.matmuls["fp32"]
+        # The prepared weights are built by the first generate, in the precision it asks for (ready_for): built
+        # here, they were an fp32 copy that a bf16 run replaced at its first sample, after it had set the
+        # process's peak (5.9 GB more at Qwen2.5-1.5B).
         self.layers: list[LayerWeights] = []
-        self.head = weight  # lm_head's weight, prepared
+        self.head: torch.Tensor | None = None  # lm_head's weight, prepared
         self.weight_versions: list[tuple[int, int]] = []
-        self.sync_weights()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.base.model.layers)
 
     def state_dict(self) -> dict:
         """int8 sampling: each projection's activation statistics (the next quantization's smoothing)."""
