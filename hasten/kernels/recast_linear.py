@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from . import fast_linear
 
 
-
 class _SharedInputCast:
     """The last input cast to bf16, so q, k and v (gate and up) share one saved copy of their input.
 

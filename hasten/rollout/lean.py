@@ -213,7 +213,8 @@ class Matmul:
         In place, a bf16 copy kept through a learning pass (one the trainer did not release: algo.async_steps
         samples during it) keeps its memory from step to step; allocated anew while the pass ran, such copies
         took holes the pass had used, which then grew the heap: seconds of fresh page faults per bf16 learning
-        pass. A released copy (release_weights) is allocated anew after the pass, from the memory it freed. int8's form is made anew (a quarter of the fp32 bytes),
+        pass. A released copy (release_weights) is allocated anew after the pass, from the memory it freed.
+        int8's form is made anew (a quarter of the fp32 bytes),
         smoothed by the activations its last int8 form under the same `name` saw (kernels/int8.py);
         `exact` keeps that weight in bf16 or fp32 (`self.exact`).
         """
