@@ -151,3 +151,39 @@ def test_fast_linear_setting_accepts_true_false_auto_only():
     assert load_config(overrides=[("speed.fast_linear", False)]).speed.fast_linear is False
     with pytest.raises(ConfigError, match="speed.fast_linear must be true, false or auto"):
         load_config(overrides=[("speed.fast_linear", "fast")])
+
+
+@pytest.mark.parametrize("wrap", ["lora", "modules_to_save"])
+def test_a_peft_wrapped_head_recomputes_its_chunks_on_the_kernels_it_ran(short_model, tokenizer, route_small_layers,
+                                                                        wrap):
+    """peft's head wrapper holds a routed nn.Linear: a logit chunk recomputed in backward, after the routing
+    ended, runs through oneDNN again (it ran F.linear and torch's checkpoint raised), with F.linear's sums."""
+    import copy
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from hasten.train.packing import packed_logprobs
+
+    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
+            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
+        model = get_peft_model(copy.deepcopy(short_model), lora)
+    rollout = rollout_of(short_model, tokenizer, num_generations=4)
+    rows = torch.arange(rollout.num_samples)
+
+    def gradients(fast: bool):
+        model.zero_grad(set_to_none=True)
+        with onednn_linears(model, fast) as routed:
+            logps = packed_logprobs(model, rollout, rows, 1.0, True, 5).logps
+        logps.sum().backward()
+        return routed, logps.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    _, plain_logps, plain_grads = gradients(False)
+    routed, logps, grads = gradients(True)
+    assert routed > 0
+    assert torch.allclose(logps, plain_logps, atol=1e-5)
+    assert len(grads) == len(plain_grads) > 0
+    for a, b in zip(grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -109,16 +109,18 @@ def active() -> bool:
 def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn.Module | None = None):
     """Route the model's large CPU linears through RecastLinear while the block runs, under bf16 autocast.
 
-    leave: a linear kept on autocast's own (the LM head: its logit chunks all use one cached bf16 cast of
-    the weight, whose gradient autograd sums over the chunks in bf16; a cast per chunk would sum them in
-    fp32, other bits). Yields the number of layers routed (0 when disabled or not under CPU bf16 autocast).
-    The original forward is restored, and the shared input cast dropped, even if the block raises."""
+    leave: a linear kept on autocast's own, with every module inside it (the LM head, or peft's wrapper of
+    it: its logit chunks all use one cached bf16 cast of the weight, whose gradient autograd sums over the
+    chunks in bf16; a cast per chunk would sum them in fp32, other bits). Yields the number of layers routed
+    (0 when disabled or not under CPU bf16 autocast). The original forward is restored, and the shared input
+    cast dropped, even if the block raises."""
     if not (enabled and active()):
         yield 0
         return
     shared = _SharedInputCast()
     try:
-        with fast_linear.route_linears(model, lambda module: module is not leave and eligible(module),
+        left = set(leave.modules()) if leave is not None else set()  # a peft-wrapped head: its inner linears too
+        with fast_linear.route_linears(model, lambda module: module not in left and eligible(module),
                                        lambda module, x: _forward(module, shared, x)) as routed:
             yield routed
     finally:

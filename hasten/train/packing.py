@@ -259,34 +259,37 @@ class TargetLogSoftmax(torch.autograd.Function):
 
 
 class _HeadAsItRan:
-    """Calls `head` with its hooks and the forward it had when this was made.
+    """Calls `head` with its hooks and the forwards it and its submodules had when this was made.
 
-    A kernel switch (kernels.fast_linear) routes a Linear by setting an instance
-    `forward` and deletes it afterwards; a checkpointed chunk recomputed in backward
-    must run through the same kernel, and through the module's hooks (peft, test
-    fixtures), so the instance forward is put back for the call only.
+    A kernel switch (kernels.fast_linear, kernels.recast_linear) routes a Linear by setting an instance
+    `forward` and deletes it afterwards; a checkpointed chunk recomputed in backward must run through the
+    same kernels, and through the modules' hooks (peft, test fixtures), so the instance forwards are put
+    back for the call only. Submodules too: a peft-wrapped head (LoRA on lm_head, modules_to_save) holds
+    the routed nn.Linear inside it.
     """
 
     def __init__(self, head):
         self.head = head
-        self.forward = vars(head).get("forward")
+        self.forwards = [(module, vars(module).get("forward")) for module in head.modules()]
 
     def __call__(self, hidden):
-        head = self.head
-        now = vars(head).get("forward")
-        if now is self.forward:
-            return head(hidden)
-        if self.forward is None:
-            del head.forward
-        else:
-            head.forward = self.forward
+        now = [(module, vars(module).get("forward")) for module, _ in self.forwards]
+        if all(current is then for (_, current), (_, then) in zip(now, self.forwards)):
+            return self.head(hidden)
+        _set_forwards(self.forwards)
         try:
-            return head(hidden)
+            return self.head(hidden)
         finally:
-            if now is None:
-                vars(head).pop("forward", None)
-            else:
-                head.forward = now
+            _set_forwards(now)
+
+
+def _set_forwards(forwards) -> None:
+    """Give each module the instance forward listed (None: its class's own)."""
+    for module, forward in forwards:
+        if forward is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = forward
 
 
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
