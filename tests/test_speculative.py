@@ -289,3 +289,23 @@ def test_speculative_settings_from_the_config_keep_the_exact_distribution(tokeni
     engine = make_engine(_config(**settings), policy, log=lambda text: None)
     assert isinstance(engine, SpeculativeEngine)
     assert sequence_statistic(engine, prompt, sampling, table, 3000, seed=1) < 2.5 * len(table)
+
+
+def test_a_released_engine_s_weights_are_not_held_by_the_drafter(tokenizer):
+    """The self-draft (layers:N) drafts from a shallow copy of the policy's engine and its own cache; both are
+    dropped when the generate ends, so release_weights frees the prepared matrices for the learning pass."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    engine = LeanEngine(tiny_model(len(tokenizer)), tokenizer.pad_token_id, [tokenizer.eos_token_id],
+                        sample_precision="bf16")
+    spec = SpeculativeEngine(engine, ModelDrafter(layers=1), 3)
+    spec.generate(encode(tokenizer), 2, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0)
+    prepared = [weakref.ref(engine.head), weakref.ref(engine.layers[0].qkv)]
+    assert spec.drafter.cache is None and spec.drafter.draft is None
+    spec.release_weights()
+    gc.collect()
+    assert all(ref() is None for ref in prepared)
+    again = spec.generate(encode(tokenizer), 2, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0)
+    assert again.completion_ids.shape[0] == 2 * len(encode(tokenizer))

@@ -47,6 +47,9 @@ class Drafter(Protocol):
     def keep(self, keep: torch.Tensor) -> None:
         """Finished rows left the batch: keep (live_after,) batch indices."""
 
+    def finish(self) -> None:
+        """The generate call ended (or raised): drop what it held, so the engine's released weights go."""
+
 
 class NgramDrafter:
     """Prompt lookup: propose what followed the most recent earlier occurrence of the row's last n tokens."""
@@ -60,6 +63,9 @@ class NgramDrafter:
         pass
 
     def keep(self, keep: torch.Tensor) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
     def propose(self, sequences, uniforms, k, sampling):
@@ -122,6 +128,13 @@ class ModelDrafter:
 
     def keep(self, keep: torch.Tensor) -> None:
         self.cache.keep(keep)
+
+    def finish(self) -> None:
+        """Drop the call's cache and, drafting with the policy's first layers, the shallow copy of the policy's
+        engine: it holds that generate's prepared matrices, which the trainer releases for the learning pass."""
+        self.cache = None
+        if self.layers is not None:
+            self.draft = None
 
     def propose(self, sequences, uniforms, k, sampling):
         draft, cache = self.draft, self.cache

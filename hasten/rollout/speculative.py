@@ -275,41 +275,45 @@ class SpeculativeEngine:
         uniforms = draws[:, rows.first:rows.first + num_rows].transpose(0, 1).to(device)  # (N, T+k+1, 3)
         sequences = self._sequences(prompt_ids, prompt_mask, num_generations, steps + k + 1, device)
         self.drafter.start(engine, prompt_ids, prompt_mask, num_generations, cache, steps + k, sampling)
-
-        token, logprob = sample_tokens(first_logits, sampling, uniforms[:, 0, RESAMPLE])  # (N,) position 0
-        tokens = token[:, None]  # (N, 1)
-        logprobs, counts = logprob[:, None], torch.ones(num_rows, dtype=torch.long, device=device)
-        live = torch.arange(num_rows, device=device)  # batch row -> output row
-        stats = {"rows": num_rows, "drafted": 0, "accepted": 0, "committed": 0, "row_forwards": 0, "forwards": 0}
-        count = ticker.tally("generating", steps, "token", rows=num_rows)  # the progress views read it
-        while True:
-            keep = self._commit(state, sequences, live, tokens, logprobs, counts, steps)
-            if keep is not None:
-                if keep.numel() == 0:
-                    break
-                live = live[keep]
-                cache.keep(keep)
-                self.drafter.keep(keep)
-            lengths = sequences.committed - 1  # (live,) own K/V held: all committed but the last
-            cache.lengths, cache.max_length = lengths, int(lengths.max())
-            count.done, count.live = min(cache.max_length + 1, steps), len(live)  # the longest row; no new sync
-            row_uniforms = uniforms[live[:, None], sequences.committed[:, None] + torch.arange(k + 1, device=device)]
-            drafts, draft_probs = self.drafter.propose(sequences, row_uniforms[:, :k, DRAFT], k, sampling)  # (live, k)
-            last = sequences.context.gather(1, sequences.length[:, None] - 1)  # (live, 1)
-            feed = torch.cat([last, drafts], dim=1)  # (live, k+1)
-            position = sequences.prompt_length[:, None] + lengths[:, None] + torch.arange(k + 1, device=device)
-            hidden = engine._layers(F.embedding(feed, embedding),  # (live, k+1, H)
-                                    cos[position][:, None], signed_sin[position][:, None], cache.attend_step)
-            logits = engine._logits(hidden)  # (live, k+1, V)
-            tokens, accepted = verify(logits, drafts, draft_probs, row_uniforms, sampling)
-            tempered = logits.float() / (sampling.temperature if not sampling.greedy else 1.0)
-            logprobs = torch.log_softmax(tempered, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # (live, k+1)
-            counts = accepted + 1
-            stats["drafted"] += k * len(live)
-            stats["accepted"] += int(accepted.sum())
-            stats["row_forwards"] += len(live)
-            stats["forwards"] += 1
-        count.finish()
+        try:
+            token, logprob = sample_tokens(first_logits, sampling, uniforms[:, 0, RESAMPLE])  # (N,) position 0
+            tokens = token[:, None]  # (N, 1)
+            logprobs, counts = logprob[:, None], torch.ones(num_rows, dtype=torch.long, device=device)
+            live = torch.arange(num_rows, device=device)  # batch row -> output row
+            stats = {"rows": num_rows, "drafted": 0, "accepted": 0, "committed": 0, "row_forwards": 0, "forwards": 0}
+            count = ticker.tally("generating", steps, "token", rows=num_rows)  # the progress views read it
+            while True:
+                keep = self._commit(state, sequences, live, tokens, logprobs, counts, steps)
+                if keep is not None:
+                    if keep.numel() == 0:
+                        break
+                    live = live[keep]
+                    cache.keep(keep)
+                    self.drafter.keep(keep)
+                lengths = sequences.committed - 1  # (live,) own K/V held: all committed but the last
+                cache.lengths, cache.max_length = lengths, int(lengths.max())
+                count.done, count.live = min(cache.max_length + 1, steps), len(live)  # the longest row; no new sync
+                window = sequences.committed[:, None] + torch.arange(k + 1, device=device)  # (live, k+1)
+                row_uniforms = uniforms[live[:, None], window]
+                # (live, k)
+                drafts, draft_probs = self.drafter.propose(sequences, row_uniforms[:, :k, DRAFT], k, sampling)
+                last = sequences.context.gather(1, sequences.length[:, None] - 1)  # (live, 1)
+                feed = torch.cat([last, drafts], dim=1)  # (live, k+1)
+                position = sequences.prompt_length[:, None] + lengths[:, None] + torch.arange(k + 1, device=device)
+                hidden = engine._layers(F.embedding(feed, embedding),  # (live, k+1, H)
+                                        cos[position][:, None], signed_sin[position][:, None], cache.attend_step)
+                logits = engine._logits(hidden)  # (live, k+1, V)
+                tokens, accepted = verify(logits, drafts, draft_probs, row_uniforms, sampling)
+                tempered = logits.float() / (sampling.temperature if not sampling.greedy else 1.0)
+                logprobs = torch.log_softmax(tempered, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # (live, k+1)
+                counts = accepted + 1
+                stats["drafted"] += k * len(live)
+                stats["accepted"] += int(accepted.sum())
+                stats["row_forwards"] += len(live)
+                stats["forwards"] += 1
+            count.finish()
+        finally:
+            self.drafter.finish()
         stats["committed"] = int(state.mask.sum())
         rollout = state.rollout(prompt_ids, prompt_mask, num_generations, sampling)
         rollout.stats = summary(stats)
