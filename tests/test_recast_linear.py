@@ -167,13 +167,15 @@ def test_a_packed_pass_gives_autocast_bits(route_small_layers, short_model, toke
     assert len(grads) == len(plain_grads) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
-def test_the_learner_routes_them_unless_checkpointing():
+@pytest.mark.parametrize("switch", ["gradient_checkpointing", "compile"])
+def test_the_learner_routes_them_unless_checkpointing_or_compiling(switch):
+    """Checkpointing's recompute must see the forward's kernels; dynamo cannot trace the shared input cast."""
     from conftest import tiny_config
     from hasten.train.learner import LogprobPass
 
     cfg = tiny_config(precision="bf16_fp32head")
     assert LogprobPass.choose(cfg, "bf16_fp32head").recast
-    cfg.speed.gradient_checkpointing = True
+    setattr(cfg.speed, switch, True)
     assert not LogprobPass.choose(cfg, "bf16_fp32head").recast
 
 

@@ -85,12 +85,14 @@ class LogprobPass:
         # gradient checkpointing, backward recomputes layers after that switch is undone and
         # torch rejects the mismatch, so checkpointing runs them on the plain kernels. (The learner
         # sets the model's checkpointing from the same key, so the key is what the model will do.)
+        # Recast linears also stay off under speed.compile: dynamo cannot trace their shared input cast (it
+        # leaves the Function through a cache), so each compiled layer would fall back to eager with a long log.
         speed = cfg.speed
         plain_kernels = speed.gradient_checkpointing
         return cls(speed.packed_learning, speed.min_pack_ratio, speed.logit_chunk_tokens,
                    speed.grouped_attention and not plain_kernels, speed.shared_prefix,
                    resolve_fast_linear(speed.fast_linear) and not plain_kernels, precision in FP32_HEAD_MODES,
-                   recast=not plain_kernels)
+                   recast=not (plain_kernels or speed.compile))
 
     def __call__(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool,
                  entropy_grad: bool = False, router_aux: bool = False) -> TokenStats:
