@@ -44,7 +44,10 @@ def test_the_bits_of_autocast_f_linear(shape, with_bias, frozen):
     bias = torch.randn(144, requires_grad=True) if with_bias else None
     upstream = torch.randn(*shape[:-1], 144)
     expected, expected_grads = _run(F.linear, x, weight, bias, upstream)
-    actual, actual_grads = _run(lambda *a: RecastLinear.apply(*a, _SharedInputCast()), x, weight, bias, upstream)
+    def recast(x, weight, bias):  # as recast_linears runs it: the Function on the rows, the view outside
+        return RecastLinear.apply(x, weight, bias, _SharedInputCast()).view(*x.shape[:-1], weight.shape[0])
+
+    actual, actual_grads = _run(recast, x, weight, bias, upstream)
     assert actual.dtype == expected.dtype == torch.bfloat16 and torch.equal(actual, expected)
     for a, b in zip(actual_grads, expected_grads):
         assert (a is None) == (b is None)
@@ -206,3 +209,24 @@ def test_a_peft_wrapped_head_is_left_to_autocast_whole(route_small_layers, short
     assert routed > 0 and not any("forward" in vars(module) for module in head.modules())
     assert torch.equal(logps, plain_logps)
     assert len(grads) == len(plain_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_routed_output_can_be_changed_in_place(with_bias):
+    """A model may clamp a projection's output in place (OLMo's clip_qkv): autocast's linear allows it, and a
+    view returned by an autograd Function would not; the gradient is autocast's."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(160, 144, bias=with_bias)
+    x = torch.randn(3, 11, 160, requires_grad=True)
+
+    def run(recast: bool):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layer, recast) as routed:
+            out = layer(x).clamp_(-0.5, 0.5)
+        out.float().square().sum().backward()
+        return routed, out.detach(), x.grad.clone(), layer.weight.grad.clone()
+
+    plain, routed = run(False), run(True)
+    assert routed[0] == 1 and plain[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain[1:], routed[1:]))

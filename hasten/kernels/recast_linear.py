@@ -20,7 +20,8 @@ learning pass of tens of seconds).
 while its block runs, on the CPU under bf16 autocast only (elsewhere it routes
 nothing and the pass runs as before). The learner enters it with
 speed.fast_linear's oneDNN routing, which does the same for fp32 passes, and
-leaves both out under gradient checkpointing (train/learner.py LogprobPass).
+leaves both out under gradient checkpointing, and recast under speed.compile (train/learner.py
+LogprobPass).
 The LM head stays on autocast's linear (recast_linears' `leave`), and under bf16_fp32head it has its own
 fp32 forward anyway.
 """
@@ -63,9 +64,14 @@ class RecastLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 shared: _SharedInputCast) -> torch.Tensor:
         x_bf16 = shared.get(x)
-        out = F.linear(x_bf16, weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+        # On the flattened input, as F.linear runs an N-D one (addmm or mm, then a view): the product is returned
+        # whole and _forward takes the view, so a model may change a projection's output in place (autograd
+        # forbids that on a view a Function returned)
+        out = F.linear(x_bf16.reshape(-1, x.shape[-1]), weight.to(torch.bfloat16),
+                       None if bias is None else bias.to(torch.bfloat16))  # (M, N)
         ctx.save_for_backward(x_bf16, weight)  # the fp32 parameter: no copy
         ctx.input_dtype = x.dtype
+        ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
         return out
 
@@ -77,7 +83,7 @@ class RecastLinear(torch.autograd.Function):
         grad_flat = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_flat.mm(weight.to(torch.bfloat16)).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = grad_flat.mm(weight.to(torch.bfloat16)).view(ctx.input_shape)
             grad_x = grad_x.to(ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             grad_weight = grad_flat.t().mm(x_bf16.reshape(-1, x_bf16.shape[-1])).to(weight.dtype)
@@ -97,7 +103,8 @@ def _forward(module: torch.nn.Linear, shared: _SharedInputCast, x: torch.Tensor)
     # column-major branch): autocast's own linear keeps those bits. The decoder's inputs are contiguous.
     if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or not active():
         return torch.nn.Linear.forward(module, x)
-    return RecastLinear.apply(x, module.weight, module.bias, shared)
+    out = RecastLinear.apply(x, module.weight, module.bias, shared)  # (M, N)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def active() -> bool:
