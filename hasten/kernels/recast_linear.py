@@ -8,15 +8,13 @@ peak (0.7 GB at Qwen2.5-0.5B, 2.6 GB at 1.5B, whose base weights under LoRA
 are cast in the same way). And q, k, v (gate, up) each save their own bf16
 copy of the one input they share.
 
-`RecastLinear` computes the same products with the same kernels, so forward
-output and every gradient are bit-identical to autocast's (tests/test_recast_linear.py
-compares them with torch.equal; that holds where each routed weight and each shared leaf input is used once
-per pass, as in every decoder hasten supports: autocast sums a reused cast's gradients in bf16, this in fp32),
-but saves the fp32 weight itself (a
-reference, no memory) and casts it again in backward, one layer at a time,
-and casts a shared input once. The cost is one more cast of each weight per
-micro-batch, a pass over the weights' bytes (~0.1 s at 0.5B, against a
-learning pass of tens of seconds).
+`RecastLinear` computes the same products with the same kernels, so forward output and every gradient are
+bit-identical to autocast's (tests/test_recast_linear.py compares them with torch.equal; that holds where each
+routed weight and each shared leaf input is used once per pass, as in every decoder hasten supports: autocast
+sums a reused cast's gradients in bf16, this in fp32), but saves the fp32 weight itself (a reference, no
+memory) and casts it again in backward, one layer at a time, and casts a shared input once. The cost is one
+more cast of each weight per micro-batch, a pass over the weights' bytes (~0.1 s at 0.5B, against a learning
+pass of tens of seconds).
 
 `recast_linears(model)` routes the model's large nn.Linear modules through it
 while its block runs, on the CPU under bf16 autocast only (elsewhere it routes
