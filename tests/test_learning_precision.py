@@ -210,3 +210,63 @@ def test_auto_sampling_stays_fp32_where_a_bf16_copy_would_bind_memory(monkeypatc
     cfg.speed.engine_weights = "copy"  # asked for a copy: memory is the user's call
     assert sampling_precision(cfg, cpu, 1536, 1_540_000_000)[0] == "bf16"
 
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_with_bf16_weights_learns_in_bf16(monkeypatch, short_model, tokenizer, native):
+    """model.dtype=bfloat16 (or a bf16 model passed in): an fp32 head has no fp32 weight to multiply, so auto
+    is bf16 wherever it runs, and a learning step goes through (it raised a dtype error under the fp32 head)."""
+    from hasten.models import Policy
+    from hasten.train.learner import Learner, LearningPlan
+
+    monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
+    cfg = tiny_config(fast_linear=False)
+    assert cfg.train.precision == "auto"
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=8)
+    learner = Learner.from_config(Policy(copy.deepcopy(short_model).to(torch.bfloat16), tokenizer, "tiny"), cfg,
+                                  log=lambda text: None)
+    assert learner.optimization.precision.mode == "bf16"
+    plan = LearningPlan.resolve(cfg, False, short_model.config, "cpu", torch.bfloat16)
+    assert (plan.precision, plan.precision_reason) == ("bf16", "auto: the model's weights are bfloat16")
+    metrics = learner.step(rollout, torch.randn(rollout.num_samples))
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_an_fp32_head_over_weights_that_are_not_fp32_is_a_config_error():
+    from hasten.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.precision=bf16_fp32head keeps the LM head in fp32, but the "
+                                          r"model's weights are bfloat16"):
+        resolve_precision("bf16_fp32head", torch.device("cpu"), 576, torch.bfloat16)
+    assert resolve_precision("auto", torch.device("cpu"), 576, torch.float16)[0] == "fp32"  # no autocast
+    assert resolve_precision("bf16", torch.device("cpu"), 576, torch.bfloat16) == ("bf16", "as set")
+
+
+def test_a_resume_where_auto_resolves_otherwise_is_an_error(monkeypatch, short_model, tokenizer):
+    """A checkpoint records the precision its run resolved; resumed where `auto` resolves to another (a CPU
+    without native bf16), the run stops with one line instead of learning on in another precision. The NaN
+    guard's own fallback to fp32 (mode fp32, resolved as before) still resumes as fp32."""
+    from hasten.config import ConfigError
+    from hasten.models import Policy
+    from hasten.train.learner import Learner
+
+    monkeypatch.setattr("hasten.kernels.precision.AUTO_BF16_MIN_HIDDEN", 1)  # the tiny model counts as wide
+
+    def learner(native: bool):
+        monkeypatch.setattr("hasten.device.cpu_has_native_bf16", lambda: native)
+        return Learner.from_config(Policy(copy.deepcopy(short_model), tokenizer, "tiny"),
+                                   tiny_config(fast_linear=False), log=lambda text: None)
+
+    trained = learner(True)
+    state = trained.optimization.state_dict()
+    assert state["precision"]["resolved"] == "bf16_fp32head"
+    with pytest.raises(ConfigError, match=r"resume error: this run learned in train.precision=bf16_fp32head, "
+                                          r"which resolves to fp32 here"):
+        learner(False).optimization.load_state_dict(state)
+    same = learner(True)
+    same.optimization.load_state_dict(state)
+    assert same.optimization.precision.mode == "bf16_fp32head"
+    trained.optimization.precision.disable()  # the NaN guard switched autocast off before the save
+    guarded = learner(True)
+    guarded.optimization.load_state_dict(trained.optimization.state_dict())
+    assert guarded.optimization.precision.mode == "fp32"

@@ -186,3 +186,27 @@ def test_grpo_trains_on_the_vllm_engine_with_importance_correction(model_dir, tm
     for record in records:
         assert record["vllm/logp_abs_diff"] < 1e-3  # the same weights: only kernel rounding between them
         assert record["vllm/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_every_sampling_setting_reaches_vllm(monkeypatch):
+    """generation.min_p and generation.repetition_penalty go to vLLM's SamplingParams with the rest (they were
+    accepted with speed.engine=vllm and then dropped). A stand-in `vllm` module records what is asked."""
+    import sys
+    import types
+
+    from hasten.rollout.vllm_engine import VLLMEngine
+
+    asked = []
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **settings: asked.append(settings)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **prompt: prompt
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    engine = object.__new__(VLLMEngine)  # no model: only the request is under test
+    engine.eos_token_ids = [2]
+    engine.llm = types.SimpleNamespace(generate=lambda requests, params, use_tqdm: [])
+    engine.sample([[1, 5, 6]], 2, SamplingParams(8, 0.9, 0.95, 20, 0.1, 1.3), 0)
+    assert asked and {key: asked[0][key] for key in ("temperature", "top_p", "top_k", "min_p",
+                                                     "repetition_penalty", "max_tokens")} == {
+        "temperature": 0.9, "top_p": 0.95, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.3, "max_tokens": 8}

@@ -119,13 +119,30 @@ def auto_bf16_reason(device: torch.device, hidden_size: int | None) -> str | Non
     return None
 
 
-def resolve_precision(setting: str, device: torch.device, hidden_size: int | None = None) -> tuple[str, str]:
+def resolve_precision(setting: str, device: torch.device, hidden_size: int | None = None,
+                      weight_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """The learning precision `setting` (auto | fp32 | bf16 | bf16_fp32head | fp16) as (mode, why), for the plan line.
 
     auto is bf16_fp32head where the hardware has native bf16 matmuls (a CPU with AVX512-BF16 or AMX, a GPU
     that runs bf16 without emulation) and the model is wide enough for them to pay, fp32 elsewhere.
     bf16_fp32head is the mode measured to learn as fp32 does (docs/precision.md); plain bf16 is not.
+    weight_dtype: the model's (model.dtype, or the API's model_init_kwargs). An fp32 head needs fp32 weights:
+    with bf16 weights auto is bf16 (autocast over weights already bf16), with others fp32's mode (no autocast:
+    they run in their own dtype; fp16's scaler refuses fp16 gradients), and an explicit bf16_fp32head is a
+    config error.
     """
+    if weight_dtype != torch.float32:
+        name = str(weight_dtype).removeprefix("torch.")
+        if setting in FP32_HEAD_MODES:
+            from ..config import ConfigError
+
+            raise ConfigError(f"config error: train.precision={setting} keeps the LM head in fp32, but the model's "
+                              f"weights are {name}: load them in float32 (model.dtype=float32) or set "
+                              f"train.precision=bf16")
+        if setting == "auto":
+            if weight_dtype == torch.bfloat16:
+                return "bf16", "auto: the model's weights are bfloat16"
+            return "fp32", f"auto: the model's weights are {name}, and run in it: no autocast"
     if setting != "auto":
         return setting, "as set"
     why_not = auto_bf16_reason(device, hidden_size)
@@ -146,6 +163,7 @@ class Precision:
 
     def __init__(self, mode: str, device: torch.device, tf32: bool = False, attention_fp32: bool | str = "auto"):
         self.mode = mode
+        self.resolved = mode  # as the run resolved it: mode turns fp32 if the NaN guard switches autocast off
         self.device_type = device.type
         self.attention_fp32 = resolve_attention_fp32(attention_fp32, device)
         self.scaler = torch.amp.GradScaler(self.device_type) if mode == "fp16" else None
@@ -192,7 +210,8 @@ class Precision:
             self.scaler.update()
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "scaler": None if self.scaler is None else self.scaler.state_dict()}
+        return {"mode": self.mode, "resolved": self.resolved,
+                "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["mode"] != self.mode:  # the NaN guard switched mixed precision off before the save

@@ -195,7 +195,8 @@ class VLLMEngine:
         stops = stop_token_ids or self.eos_token_ids  # none: never stop early, like the lean engine with no EOS
         draws = 1 if sampling.greedy else num_generations  # vLLM refuses n > 1 greedy: G equal copies
         params = [VLLMSampling(n=draws, temperature=sampling.temperature, top_p=sampling.top_p,
-                               top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                               top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p,
+                               repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_new_tokens,
                                logprobs=0, seed=(seed * 7919 + first_request + index) % 2**31, detokenize=False,
                                stop_token_ids=stops, ignore_eos=not stops)
                   for index in range(len(prompts))]

@@ -305,9 +305,11 @@ class LearningPlan:
     precision_reason: str = "as set"  # why (the plan line prints it)
 
     @classmethod
-    def resolve(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu") -> LearningPlan:
+    def resolve(cls, cfg: Config, sharded: bool, model_config=None, device: str = "cpu",
+                weight_dtype: torch.dtype = torch.float32) -> LearningPlan:
+        """weight_dtype: the policy's weights' (an fp32 head needs them fp32: resolve_precision)."""
         hidden = getattr(model_config, "hidden_size", None) if model_config is not None else None
-        precision, reason = resolve_precision(cfg.train.precision, torch.device(device), hidden)
+        precision, reason = resolve_precision(cfg.train.precision, torch.device(device), hidden, weight_dtype)
         return cls(LearnerSettings.from_config(cfg, sharded, model_config, device),
                    LogprobPass.choose(cfg, precision), Correction.for_run(cfg), precision, reason)
 
@@ -355,8 +357,9 @@ class Learner:
         """The learner for `cfg`: its optimizer built, the model's checkpointing set, and the plan (the run's,
         resolved in prepare; else resolved here) taken as it is. correction: replaces the plan's (tests)."""
         sharded = fsdp.is_sharded(policy.model)
-        plan = plan if plan is not None else LearningPlan.resolve(
-            cfg, sharded, policy.model.config, str(next(policy.model.parameters()).device))
+        first = next(policy.model.parameters())
+        plan = plan if plan is not None else LearningPlan.resolve(cfg, sharded, policy.model.config, str(first.device),
+                                                                  first.dtype)
         if correction is not None:
             plan = dataclasses.replace(plan, correction=correction)
         parameters = [p for p in policy.model.parameters() if p.requires_grad]

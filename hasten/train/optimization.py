@@ -230,6 +230,11 @@ class Optimization:
                 "guard": None if self.guard is None else self.guard.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["precision"].get("resolved")  # None: a checkpoint from before it was recorded
+        if saved is not None and saved != self.precision.resolved:
+            raise ConfigError(f"resume error: this run learned in train.precision={saved}, which resolves to "
+                              f"{self.precision.resolved} here (another machine?); set train.precision: {saved} in "
+                              "the run's config.yaml to continue it as it was trained")
         optimizer = state["optimizer"]
         if self.sharded:  # a full (one-process, DDP or FSDP) state: this rank's rows of each moment
             optimizer = fsdp.shard_optimizer_state(optimizer, self.parameters)
