@@ -38,10 +38,33 @@ def test_fp32_head_gives_fp32_logits_under_autocast_and_restores_the_head(model)
         assert not patched and "forward" not in vars(head)
 
 
-def test_fp32_head_leaves_a_head_that_is_not_a_plain_linear_alone():
-    wrapped = torch.nn.Sequential(torch.nn.Linear(4, 6))
-    with fp32_head(wrapped, True) as patched:
-        assert not patched and "forward" not in vars(wrapped)
+@pytest.mark.parametrize("wrap", ["lora", "modules_to_save"])
+def test_a_peft_wrapped_head_learns_in_fp32_too(model, tokenizer, wrap):
+    """LoRA on lm_head, or lm_head trained whole (modules_to_save): the wrapper runs whole with autocast off, so
+    its logits are fp32 as the plan line says (they were bf16: the wrapper was left to autocast). The plain tiny
+    model: short_model's head hook adds an fp32 bias, which would make any logits fp32."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from hasten.models import Policy
+    from hasten.train.learner import Learner
+
+    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
+            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
+        wrapped = get_peft_model(copy.deepcopy(model), lora)
+    cfg = tiny_config(precision="bf16_fp32head", fast_linear=False, logit_chunk_tokens=7)  # chunks recomputed
+    learner = Learner.from_config(Policy(wrapped, tokenizer, "tiny"), cfg, log=lambda text: None)
+    head = backbone_and_head(wrapped)[1]
+    assert type(head) is not torch.nn.Linear
+    seen = []
+    head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    rollout = rollout_of(model, tokenizer, num_generations=4, max_new_tokens=8)
+    metrics = learner.step(rollout, torch.randn(rollout.num_samples))
+    assert seen and set(seen) == {torch.float32} and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert "forward" not in vars(head)
 
 
 def _gradient(model, rollout, advantages, precision: str):
@@ -270,3 +293,24 @@ def test_a_resume_where_auto_resolves_otherwise_is_an_error(monkeypatch, short_m
     guarded = learner(True)
     guarded.optimization.load_state_dict(trained.optimization.state_dict())
     assert guarded.optimization.precision.mode == "fp32"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_sampling_precision_the_user_s_generate_cannot_honour_is_a_config_error(tokenizer, precision):
+    """A model whose generate is the user's samples through it, in the model's own precision: an explicit bf16
+    or int8 was kept and the learner weighted and labelled an fp32 sampler as that one."""
+    from hasten.config import ConfigError
+    from hasten.models import Policy
+    from hasten.models.tiny import tiny_model
+    from hasten.rollout.factory import make_engine
+
+    model = tiny_model(len(tokenizer))
+    real = model.generate
+    model.generate = lambda *args, **kwargs: real(*args, **kwargs)  # a user's generate, as TRL's tests set one
+    cfg = tiny_config()
+    cfg.generation.precision = precision
+    with pytest.raises(ConfigError, match=rf"generation.precision={precision}: the model's generate is the user's"):
+        make_engine(cfg, Policy(model, tokenizer, "tiny"), lambda text: None)
+    cfg.generation.precision = "auto"
+    make_engine(cfg, Policy(model, tokenizer, "tiny"), lambda text: None)
+    assert cfg.generation.precision == "fp32"

@@ -65,28 +65,32 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwa
 
 @contextlib.contextmanager
 def fp32_head(head: torch.nn.Module, enabled: bool, onednn: bool = False):
-    """While the block runs, `head` (the LM head, an nn.Linear) computes its logits in fp32 under autocast.
+    """While the block runs, `head` (the LM head) computes its logits in fp32 under autocast.
 
     precision=bf16_fp32head: the body's matmuls run bf16, the logits, their log-softmax and the head's weight
     gradient fp32 (the log-softmax already runs fp32 on fp32 logits: packing.TargetLogSoftmax). The head's
     input is the final norm's fp32 output, so nothing is rounded on the way in either. onednn: the fp32 product
     through oneDNN (speed.fast_linear resolved true), as the fp32 learning pass runs it. An instance
     `forward` set for the block, as fast_linear's routing is, so a checkpointed chunk recomputed in backward
-    runs the same kernel (packing._HeadAsItRan). A head that is not a plain Linear (a peft-wrapped head) is
-    left as it is: autocast then runs it in bf16, the plain bf16 mode's numerics.
+    runs the same kernel (packing._HeadAsItRan). A head that is not a plain Linear (peft's wrapper: LoRA on
+    lm_head, modules_to_save) runs its own forward whole with autocast off: its base linear and adapters fp32.
     """
-    patched = enabled and type(head) is torch.nn.Linear and "forward" not in vars(head)
+    patched = enabled and "forward" not in vars(head)
     if patched:
         from .fast_linear import OneDNNLinear, eligible
 
-        route = onednn and eligible(head)
+        plain = type(head) is torch.nn.Linear
+        route = plain and onednn and eligible(head)
+        wrapped = type(head).forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             with torch.autocast(hidden.device.type, enabled=False):
                 hidden = hidden.float()
                 if route:
                     return OneDNNLinear.apply(hidden, head.weight, head.bias)
-                return F.linear(hidden, head.weight, head.bias)
+                if plain:
+                    return F.linear(hidden, head.weight, head.bias)
+                return wrapped(head, hidden)
 
         head.forward = forward
     try:

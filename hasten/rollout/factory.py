@@ -55,6 +55,10 @@ def make_engine(cfg: Config, policy: Policy, log: Callable[[str], None] = print)
         if choice != "auto":
             raise ConfigError(f"config error: speed.engine={choice}: the model's generate is the user's ({custom}) "
                               "and rollouts go through it, as TRL; leave speed.engine=auto")
+        if cfg.generation.precision not in ("auto", "fp32"):  # the user's generate samples as it does: no silent fp32
+            raise ConfigError(f"config error: generation.precision={cfg.generation.precision}: the model's generate is "
+                              f"the user's ({custom}) and samples in the model's own precision; leave "
+                              "generation.precision=auto (or fp32)")
         log(f"speed.engine=auto: sampling through model.generate ({custom})")
         if cfg.generation.precision == "auto":  # the user's generate samples in the model's own precision
             cfg.generation.precision = "fp32"
