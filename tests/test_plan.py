@@ -53,6 +53,10 @@ def test_the_sampler_correction_is_decided_once_from_the_config(data):
     other.generation.precision = "bf16"  # another implementation samples: truncated importance weights
     weighted = LearningPlan.resolve(other, sharded=False, model_config=TINY).correction
     assert weighted.cap == other.algo.vllm_importance_sampling_cap and weighted.sampler == "bf16_sampler"
+    other.algo.async_steps = 1  # stale and bf16: the ratio against the sampler's own log-probs, no weights of 1
+    both = LearningPlan.resolve(other, sharded=False, model_config=TINY)
+    assert both.correction == Correction(stale=True) and "importance weights" not in both.describe()
+    other.algo.async_steps = 0
     other.algo.vllm_importance_sampling_correction = False
     assert LearningPlan.resolve(other, sharded=False, model_config=TINY).correction.cap is None
     checkpointed = configured(data, **{"speed.gradient_checkpointing": True})

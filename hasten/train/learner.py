@@ -250,6 +250,9 @@ class Correction:
     int8 matmuls): each token's loss is weighted by min(exp(logp_learner - logp_sampler), cap), truncated
     importance sampling as TRL's vllm_importance_sampling_correction with vllm_importance_sampling_mode=
     "token_truncate" (its clip_max is the cap); logged as vllm/*, bf16_sampler/* or int8_sampler/*.
+    Both asked for: stale alone. The ratio is then taken against the sampler's own log-probs, which carry its
+    mismatch as well as the staleness, so the importance weights would be exp(0) = 1 and their statistics
+    zero; none are applied or logged (async/* measures the learner against the sampler).
     Neither: on-policy, the sampling log-probs are not read.
     """
 
@@ -263,7 +266,7 @@ class Correction:
         # auto is resolved by the engine factory before this is read; unresolved (no engine made), it is fp32
         other_sampler = speed.engine == "vllm" or generation.precision not in ("fp32", "auto")
         cap = algo.vllm_importance_sampling_cap if other_sampler and algo.vllm_importance_sampling_correction else None
-        if not other_sampler:
+        if not other_sampler or algo.async_steps:  # stale: the ratio against the sampler's log-probs (above)
             return cls(stale=bool(algo.async_steps))
         sampler = "vllm" if speed.engine == "vllm" else f"{generation.precision}_sampler"
         return cls(stale=bool(algo.async_steps), cap=cap, sampler=sampler)
