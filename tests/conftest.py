@@ -139,6 +139,21 @@ def rollout_of(model, tokenizer, num_generations=4, max_new_tokens=12, temperatu
     return engine.generate(encode(tokenizer), num_generations, sampling, seed=seed)
 
 
+def peft_head_model(model, wrap: str):
+    """A copy of `model` with LoRA on q/v and its LM head wrapped by peft: LoRA on lm_head (wrap="lora") or lm_head
+    trained whole (wrap="modules_to_save"). Either wrapper holds a plain nn.Linear inside it."""
+    import copy
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
+            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
+        return get_peft_model(copy.deepcopy(model), lora)
+
+
 def learner_step(model, tokenizer, rollout, advantages, configure, **step_kwargs) -> tuple[dict, list[torch.Tensor]]:
     """One Learner.step on a copy of `model` with a Config that `configure(cfg)` adjusts.
 

@@ -158,18 +158,10 @@ def test_a_peft_wrapped_head_recomputes_its_chunks_on_the_kernels_it_ran(short_m
                                                                         wrap):
     """peft's head wrapper holds a routed nn.Linear: a logit chunk recomputed in backward, after the routing
     ended, runs through oneDNN again (it ran F.linear and torch's checkpoint raised), with F.linear's sums."""
-    import copy
-    import warnings
-
-    from peft import LoraConfig, get_peft_model
-
+    from conftest import peft_head_model
     from hasten.train.packing import packed_logprobs
 
-    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
-            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
-        model = get_peft_model(copy.deepcopy(short_model), lora)
+    model = peft_head_model(short_model, wrap)
     rollout = rollout_of(short_model, tokenizer, num_generations=4)
     rows = torch.arange(rollout.num_samples)
 

@@ -43,18 +43,11 @@ def test_a_peft_wrapped_head_learns_in_fp32_too(model, tokenizer, wrap):
     """LoRA on lm_head, or lm_head trained whole (modules_to_save): the wrapper runs whole with autocast off, so
     its logits are fp32 as the plan line says (they were bf16: the wrapper was left to autocast). The plain tiny
     model: short_model's head hook adds an fp32 bias, which would make any logits fp32."""
-    import warnings
-
-    from peft import LoraConfig, get_peft_model
-
+    from conftest import peft_head_model
     from hasten.models import Policy
     from hasten.train.learner import Learner
 
-    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
-            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
-        wrapped = get_peft_model(copy.deepcopy(model), lora)
+    wrapped = peft_head_model(model, wrap)
     cfg = tiny_config(precision="bf16_fp32head", fast_linear=False, logit_chunk_tokens=7)  # chunks recomputed
     learner = Learner.from_config(Policy(wrapped, tokenizer, "tiny"), cfg, log=lambda text: None)
     head = backbone_and_head(wrapped)[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rollout_of
+from conftest import peft_head_model, rollout_of
 from hasten.kernels import fast_linear
 from hasten.kernels.precision import Precision, fp32_head
 from hasten.kernels.recast_linear import RecastLinear, _SharedInputCast, recast_linears
@@ -182,27 +182,13 @@ def test_the_learner_routes_them_unless_checkpointing_or_compiling(switch):
     assert not LogprobPass.choose(cfg, "bf16_fp32head").recast
 
 
-def _peft_head_model(short_model, wrap: str):
-    """The tiny model with LoRA on q/v and a peft-wrapped LM head: LoRA on lm_head, or lm_head trained whole
-    (modules_to_save). Either wrapper holds a plain nn.Linear inside it."""
-    import warnings
-
-    from peft import LoraConfig, get_peft_model
-
-    lora = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]) if wrap == "lora"
-            else LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
-        return get_peft_model(copy.deepcopy(short_model), lora)
-
-
 @pytest.mark.parametrize("wrap", ["lora", "modules_to_save"])
 def test_a_peft_wrapped_head_is_left_to_autocast_whole(route_small_layers, short_model, tokenizer, wrap):
     """The linear inside peft's head wrapper stays on autocast too: routed, it ran RecastLinear in the forward
     and autocast's F.linear when backward recomputed a checkpointed logit chunk (torch's CheckpointError)."""
     rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
     advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
-    model = _peft_head_model(short_model, wrap)
+    model = peft_head_model(short_model, wrap)
     head = backbone_and_head(model)[1]
     _, plain_logps, plain_grads = _pass_gradients(model, rollout, advantages, "bf16", False, 7)
     routed, logps, grads = _pass_gradients(model, rollout, advantages, "bf16", True, 7)
