@@ -254,6 +254,30 @@ def test_the_copy_is_built_by_the_first_generate_in_its_precision(model, tokeniz
     assert engine.layers[0].gate_up.dtype == torch.float32
 
 
+def test_the_fp32_copy_of_an_evaluation_is_dropped_before_the_bf16_one_is_built(model, tokenizer, monkeypatch):
+    """A greedy call (evaluation) builds the fp32 copy; the next sampled call's bf16 copy is built after the fp32
+    matrices are dropped, so two sampling copies never coexist (they did: reused as `previous`, all held)."""
+    import weakref
+
+    from hasten.rollout import lean
+
+    engine = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], sample_precision="bf16")
+    prompts = encode(tokenizer, PROMPTS)
+    engine.generate(prompts, 1, SamplingParams(max_new_tokens=2, temperature=0.0), seed=0)
+    fp32 = [weakref.ref(layer.gate_up) for layer in engine.layers]
+    assert engine.layers[0].gate_up.dtype == torch.float32
+    alive = []
+    prepare = lean.Matmul.prepare
+
+    def spy(self, weight, previous=None, exact=False, name=""):
+        alive.append(sum(ref() is not None for ref in fp32))
+        return prepare(self, weight, previous, exact, name)
+
+    monkeypatch.setattr(lean.Matmul, "prepare", spy)
+    engine.generate(prompts, 2, SamplingParams(max_new_tokens=2, temperature=1.0), seed=0)
+    assert engine.layers[0].gate_up.dtype == torch.bfloat16 and alive and set(alive) == {0}
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_released_copy_is_freed_and_rebuilt_to_the_same_samples(model, tokenizer, precision):
     """release_weights (the trainer's call before each learning pass) drops the copy; the next generate

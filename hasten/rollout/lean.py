@@ -391,7 +391,9 @@ class LeanEngine:
         # The previous sync's matrices, reused in place where the form allows (Matmul.prepare: bf16 only);
         # otherwise dropped before the new ones are made, so two sampling copies never coexist.
         count = len(self.base.model.layers)
-        reuse = self.linear.bf16 and len(self.layers) == count
+        # a bf16 copy only: the fp32 one a greedy call (evaluation) built is dropped first, not kept to the end
+        reuse = (self.linear.bf16 and len(self.layers) == count
+                 and getattr(self.layers[0].qkv, "_hasten_bf16_copy", False))
         previous = self.layers if reuse else [None] * count
         old_head = self.head if reuse and self.head is not self.base.model.embed_tokens.weight else None
         self.layers, self.head = [], None
