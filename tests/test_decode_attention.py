@@ -272,3 +272,26 @@ def test_the_kernel_builds_into_the_cache_once_and_refuses_a_library_others_can_
     monkeypatch.setenv("CC", "false")
     lib, reason = decode_attention._build()
     assert lib is None and "\n" not in reason and ("failed to build" in reason or "does not run" in reason)
+
+
+def test_a_damaged_library_is_built_again_and_a_folder_others_can_write_is_refused(tmp_path, monkeypatch):
+    """A truncated library in the cache (a crash mid-write) is built again instead of failing in every later
+    process; a kernels folder others can write in is refused (they could rename a library over ours)."""
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    if decode_attention._compiler() is None:
+        pytest.skip("no C compiler")
+    import subprocess
+    import sys
+
+    # built by another process: truncating a library this process has loaded would crash it
+    first = subprocess.run([sys.executable, "-c", "from hasten.kernels import decode_attention as d; "
+                            "print(d._build()[1])"], capture_output=True, text=True, check=True)
+    if first.stdout.strip() != "None":
+        pytest.skip(f"the kernel does not build or load here: {first.stdout.strip()}")
+    built = next((tmp_path / "kernels").glob("decode_attention-*.so"))
+    built.write_bytes(b"")  # zero length: what a crash after the rename could leave
+    lib, reason = decode_attention._build()
+    assert lib is not None and reason is None and built.stat().st_size > 0
+    (tmp_path / "kernels").chmod(0o777)
+    lib, reason = decode_attention._build()
+    assert lib is None and "kernels is not this user's own or is writable by others" in reason

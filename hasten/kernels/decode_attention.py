@@ -18,8 +18,9 @@ true makes a missing compiler or CPU feature a config error; false is torch.
 
 The library is built once per source, compiler and CPU into $HASTEN_CACHE/kernels (cc -O3 -march=native,
 about a second) and loaded with ctypes after torch, so its OpenMP runtime is torch's (one libgomp: no
-second thread pool spinning against torch's on a 2-core box). A library that is not the user's own, or is
-writable by others, is not loaded.
+second thread pool spinning against torch's on a 2-core box). A library, or a kernels folder, that is not the
+user's own or is writable by others is not loaded; a library that does not load (truncated by a crash) is built
+again, once.
 """
 
 from __future__ import annotations
@@ -58,9 +59,29 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _compile(compiler: str, folder: Path, path: Path) -> str | None:
+    """Build the library into `path` (a scratch file made whole, synced, then renamed over it); None or why not."""
+    handle, scratch = tempfile.mkstemp(dir=folder, prefix=".decode_attention-", suffix=".so")
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
+                              text=True, timeout=300, check=False)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            return f"{compiler} failed to build {SOURCE.name}: {last}"
+        os.chmod(scratch, 0o700)
+        with open(scratch, "rb") as built:
+            os.fsync(built.fileno())  # on disk before the rename: a crash leaves the old file or the whole new one
+        os.replace(scratch, path)  # atomic: a concurrent process (another rank) sees all or nothing
+        return None
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
 def _build() -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) or (None, why not): build into the cache unless a library for this source,
-    compiler and CPU is already there."""
+    compiler and CPU is already there; one that does not load (truncated, damaged) is built again."""
     compiler = _compiler()
     if compiler is None:
         return None, "no C compiler (cc, gcc or $CC) on PATH"
@@ -74,31 +95,29 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
                                      _cpu_flags().encode()])).hexdigest()[:16]
     folder = cache_root() / "kernels"
     path = folder / f"decode_attention-{key}.so"
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not path.exists():
-            handle, scratch = tempfile.mkstemp(dir=folder, prefix=".decode_attention-", suffix=".so")
-            os.close(handle)
-            try:
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
-                                      text=True, timeout=300, check=False)
-                if done.returncode != 0:
-                    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                    return None, f"{compiler} failed to build {SOURCE.name}: {last}"
-                os.chmod(scratch, 0o700)
-                os.replace(scratch, path)  # atomic: a concurrent process (another rank) sees all or nothing
-            finally:
-                if os.path.exists(scratch):
-                    os.unlink(scratch)
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"cannot build into {folder} ({error})"
-    status = path.stat()
-    if status.st_uid != os.getuid() or status.st_mode & 0o022:
-        return None, f"{path} is not this user's own or is writable by others; not loaded"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as error:
-        return None, f"cannot load {path} ({error})"
+    lib = None
+    for attempt in range(2):
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # The folder too: whoever may write in it could rename their own library over ours after the check
+            status = folder.stat()
+            if status.st_uid != os.getuid() or status.st_mode & 0o022:
+                return None, f"{folder} is not this user's own or is writable by others; not loaded"
+            if attempt or not path.exists():
+                why = _compile(compiler, folder, path)
+                if why is not None:
+                    return None, why
+        except (OSError, subprocess.SubprocessError) as error:
+            return None, f"cannot build into {folder} ({error})"
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return None, f"{path} is not this user's own or is writable by others; not loaded"
+        try:
+            lib = ctypes.CDLL(str(path))
+            break
+        except OSError as error:  # a truncated or damaged file from an earlier crash: build it once more
+            if attempt:
+                return None, f"cannot load {path} ({error})"
     if lib.decode_attention_isa() != 512:
         return None, "the CPU has no AVX-512"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
