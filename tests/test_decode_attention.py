@@ -295,3 +295,19 @@ def test_a_damaged_library_is_built_again_and_a_folder_others_can_write_is_refus
     (tmp_path / "kernels").chmod(0o777)
     lib, reason = decode_attention._build()
     assert lib is None and "kernels is not this user's own or is writable by others" in reason
+
+
+def test_a_compiler_command_of_several_words_builds(tmp_path, monkeypatch):
+    """$CC as a shell splits it: "ccache cc" or "gcc -m64" build the kernel (as one program name they failed,
+    and auto quietly ran torch's path)."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", f"{compiler} -m64")
+    assert decode_attention._compiler() == [compiler, "-m64"]
+    lib, reason = decode_attention._build()
+    assert list((tmp_path / "kernels").glob("decode_attention-*.so")), reason
+    assert reason is None or "AVX-512" in reason

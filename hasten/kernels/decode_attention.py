@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -55,20 +56,27 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The C compiler's command: $CC as a shell would split it ("ccache cc", "gcc -m64"), else cc or gcc."""
+    if os.environ.get("CC", "").strip():
+        try:
+            return shlex.split(os.environ["CC"])
+        except ValueError:  # unbalanced quotes: as given, so that running it says what is wrong
+            return [os.environ["CC"]]
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
-def _compile(compiler: str, folder: Path, path: Path) -> str | None:
+def _compile(compiler: list[str], folder: Path, path: Path) -> str | None:
     """Build the library into `path` (a scratch file made whole, synced, then renamed over it); None or why not."""
     handle, scratch = tempfile.mkstemp(dir=folder, prefix=".decode_attention-", suffix=".so")
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
+        done = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True,
                               text=True, timeout=300, check=False)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            return f"{compiler} failed to build {SOURCE.name}: {last}"
+            return f"{' '.join(compiler)} failed to build {SOURCE.name}: {last}"
         os.chmod(scratch, 0o700)
         with open(scratch, "rb") as built:
             os.fsync(built.fileno())  # on disk before the rename: a crash leaves the old file or the whole new one
@@ -87,10 +95,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "no C compiler (cc, gcc or $CC) on PATH"
     source = SOURCE.read_bytes()
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30,
                                  check=False).stdout
     except (OSError, subprocess.SubprocessError) as error:
-        return None, f"the C compiler {compiler} does not run ({error})"
+        return None, f"the C compiler {' '.join(compiler)} does not run ({error})"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     folder = cache_root() / "kernels"
