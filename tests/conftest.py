@@ -85,6 +85,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow(reason=reason))
 
 
+@pytest.fixture(autouse=True)
+def no_ticker_outlives_its_test():
+    """A ticker left open mutes the step heartbeat (ticker.speaking) for the rest of the worker, so a later
+    heartbeat test failed or passed by the order xdist gave it: one left open fails the test that left it."""
+    from hasten import ticker
+
+    yield
+    leaked = list(ticker._open)
+    for tick in leaked:
+        tick.close()
+    assert not leaked, f"a ticker was left open: {[tick.description for tick in leaked]}"
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
