@@ -273,3 +273,23 @@ def test_auto_budget_counts_the_copy_and_moments_at_their_precision(monkeypatch,
     plain = microbatch.resolve_budget("auto", qwen, False, total_bytes=24 * gib,
                                       logit_chunk=cfg.speed.logit_chunk_tokens)
     assert (expected > plain) == ((copy_bytes, moment_bytes) != (4, 8))
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_bias", "qwen2", "qwen2_untied"])
+def test_parameter_count_is_the_models_own(family):
+    """The memory estimate's parameter count against transformers' model of the same config: Llama's
+    attention_bias puts a bias on o_proj too (it was missed), Qwen2's on q, k and v only."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from hasten.train.microbatch import parameter_count
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)
+    config, model_class = {
+        "llama": (LlamaConfig(**shape, tie_word_embeddings=True), LlamaForCausalLM),
+        "llama_bias": (LlamaConfig(**shape, tie_word_embeddings=True, attention_bias=True), LlamaForCausalLM),
+        "qwen2": (Qwen2Config(**shape, tie_word_embeddings=True), Qwen2ForCausalLM),
+        "qwen2_untied": (Qwen2Config(**shape, tie_word_embeddings=False), Qwen2ForCausalLM),
+    }[family]
+    model = model_class(config)
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters())  # tied weights counted once

@@ -76,13 +76,16 @@ def activation_bytes_per_token(model_config, checkpointing: bool) -> int:
 
 def parameter_count(model_config) -> int:
     """A Llama-family decoder's parameters from its config: embedding (and an untied head), per layer q/k/v/o
-    (with q/k/v biases where the family has them), the gated MLP and two norms."""
+    (with biases where the family has them: Qwen2's q/k/v, Llama's attention_bias on all four), the gated MLP
+    and two norms."""
     hidden, layers, vocab = model_config.hidden_size, model_config.num_hidden_layers, model_config.vocab_size
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or hidden // heads
     kv_width = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
-    biases = getattr(model_config, "attention_bias", getattr(model_config, "model_type", "") == "qwen2")
-    attention = hidden * (2 * heads * head_dim + 2 * kv_width) + (heads * head_dim + 2 * kv_width if biases else 0)
+    qwen2 = getattr(model_config, "model_type", "") == "qwen2"  # biases on q, k and v only
+    biases = getattr(model_config, "attention_bias", qwen2)
+    attention = hidden * (2 * heads * head_dim + 2 * kv_width) + (
+        heads * head_dim + 2 * kv_width + (0 if qwen2 else hidden) if biases else 0)  # Llama's: o_proj's too
     per_layer = attention + 3 * hidden * model_config.intermediate_size + 2 * hidden
     head = 0 if getattr(model_config, "tie_word_embeddings", True) else vocab * hidden
     return vocab * hidden + head + layers * per_layer + hidden
