@@ -23,7 +23,12 @@ def restore_threads():
 def test_a_busy_neighbour_is_counted():
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.5)  # let it start spinning
+        # spinning, not starting: on a box whose cores are busy (the suite's own workers) Python's start-up
+        # reads files for longer than a fixed sleep, and a process waiting on a read is not runnable
+        stat = f"/proc/{burner.pid}/stat"
+        deadline = time.monotonic() + 60
+        while int(open(stat).read().rsplit(")", 1)[1].split()[11]) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)  # utime (field 14) under 10 ticks: not yet spinning
         assert busy_neighbours() >= 1
     finally:
         burner.kill()
