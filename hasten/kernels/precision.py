@@ -218,6 +218,15 @@ class Precision:
                 "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's: the precision its run resolved must be this one's (a resume never learns on in another);
+        its mode differing is the NaN guard's fallback to fp32, taken again."""
+        saved = state.get("resolved")  # None: a checkpoint from before it was recorded
+        if saved is not None and saved != self.resolved:
+            from ..config import ConfigError
+
+            raise ConfigError(f"resume error: this run learned in train.precision={saved}, which resolves to "
+                              f"{self.resolved} here (another machine?); set train.precision: {saved} in the run's "
+                              "config.yaml to continue it as it was trained")
         if state["mode"] != self.mode:  # the NaN guard switched mixed precision off before the save
             self.disable()
         if self.scaler is not None and state["scaler"] is not None:

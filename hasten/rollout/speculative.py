@@ -295,8 +295,8 @@ class SpeculativeEngine:
                 count.done, count.live = min(cache.max_length + 1, steps), len(live)  # the longest row; no new sync
                 window = sequences.committed[:, None] + torch.arange(k + 1, device=device)  # (live, k+1)
                 row_uniforms = uniforms[live[:, None], window]
-                # (live, k)
-                drafts, draft_probs = self.drafter.propose(sequences, row_uniforms[:, :k, DRAFT], k, sampling)
+                drafts, draft_probs = self.drafter.propose(sequences, row_uniforms[:, :k, DRAFT], k,
+                                                           sampling)  # (live, k)
                 last = sequences.context.gather(1, sequences.length[:, None] - 1)  # (live, 1)
                 feed = torch.cat([last, drafts], dim=1)  # (live, k+1)
                 position = sequences.prompt_length[:, None] + lengths[:, None] + torch.arange(k + 1, device=device)

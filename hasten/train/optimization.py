@@ -230,16 +230,11 @@ class Optimization:
                 "guard": None if self.guard is None else self.guard.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["precision"].get("resolved")  # None: a checkpoint from before it was recorded
-        if saved is not None and saved != self.precision.resolved:
-            raise ConfigError(f"resume error: this run learned in train.precision={saved}, which resolves to "
-                              f"{self.precision.resolved} here (another machine?); set train.precision: {saved} in "
-                              "the run's config.yaml to continue it as it was trained")
+        self.precision.load_state_dict(state["precision"])  # first: a precision resolved otherwise is an error
         optimizer = state["optimizer"]
         if self.sharded:  # a full (one-process, DDP or FSDP) state: this rank's rows of each moment
             optimizer = fsdp.shard_optimizer_state(optimizer, self.parameters)
         self.optimizer.load_state_dict(optimizer)
-        self.precision.load_state_dict(state["precision"])
         self.schedule.load_state_dict(state["schedule"])  # after the optimizer: it rewrites the groups' lr
         if self.guard is not None and state["guard"] is not None:
             self.guard.load_state_dict(state["guard"])

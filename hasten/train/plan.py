@@ -51,7 +51,8 @@ class Plan:
         import torch
 
         return cls(device, engine_kind, "native" if native else "transformers",
-                   LearningPlan.resolve(cfg, sharded, model.config, device, first.dtype), sharded, adaptive_threads, cfg.algo.async_steps,
+                   LearningPlan.resolve(cfg, sharded, model.config, device, first.dtype), sharded, adaptive_threads,
+                   cfg.algo.async_steps,
                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
                    decode_attention=bool(getattr(engine, "decode_attention", False)),
                    sampling=getattr(engine, "sample_precision", "fp32"), held_back=tuple(held_back_notes(cfg)))
