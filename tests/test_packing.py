@@ -423,3 +423,135 @@ def test_packed_head_holds_one_vocabulary_wide_tensor(monkeypatch):
         logps, _ = TargetLogSoftmax.apply(head(hidden), targets, 1.0, True)
         logps.sum().backward()
     assert len(wide) >= 3  # the plain formulation, for contrast
+
+
+def _untied(model):
+    """A copy of `model` whose LM head is its own parameter (the tiny model ties it to the embedding)."""
+    import copy
+
+    untied = copy.deepcopy(model)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    return untied
+
+
+def _packed_gradients(model, rollout, weights, precision, in_place, monkeypatch):
+    """Every parameter's gradient after a packed pass over the rollout in two micro-batches (the second one adds
+    to gradients that exist), logits in chunks of 5 tokens; in_place False: the head's gradient through autograd."""
+    from hasten.kernels.precision import fp32_head
+    from hasten.train import packing
+
+    if not in_place:
+        monkeypatch.setattr(packing, "head_grad_in_place", lambda head, hidden: False)
+    model.zero_grad(set_to_none=True)
+    rows = torch.arange(rollout.num_samples)
+    for half in (rows[::2], rows[1::2]):
+        low = precision == "bf16_fp32head"
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low), fp32_head(model.lm_head, low):
+            stats = packed_logprobs(model, rollout, half, 0.9, False, 5)
+        (stats.logps * weights[half] * rollout.completion_mask[half]).sum().backward()
+    monkeypatch.undo()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_fp32head"])
+def test_head_gradient_accumulated_in_place_equals_autograds(tokenizer, tied, precision, monkeypatch):
+    """The chunked head's weight gradient added into .grad chunk by chunk (HeadGradInPlace) is autograd's sum in
+    another order: every gradient equal to fp32 rounding, over two micro-batches, tied head or not, fp32 or the
+    bf16 body with the fp32 head. And the in-place path did run, once per chunk."""
+    from hasten.models.tiny import tiny_model
+    from hasten.train import packing
+
+    model = tiny_model(len(tokenizer))
+    model = model if tied else _untied(model)
+    rollout = rollout_of(model, tokenizer, num_generations=4)
+    weights = torch.randn(rollout.completion_ids.shape)
+    expected = _packed_gradients(model, rollout, weights, precision, False, monkeypatch)
+    calls = []
+    backward = packing.HeadGradInPlace.backward
+    monkeypatch.setattr(packing.HeadGradInPlace, "backward",
+                        staticmethod(lambda ctx, grad: (calls.append(grad.shape[0]), backward(ctx, grad))[1]))
+    got = _packed_gradients(model, rollout, weights, precision, True, monkeypatch)
+    assert sum(calls) == int(rollout.completion_mask.sum()) and max(calls) == 5  # every target, in chunks of 5
+    assert expected.keys() == got.keys()
+    for name in expected:
+        scale = expected[name].abs().max()
+        assert (expected[name] - got[name]).abs().max() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_gradient_in_place_allocates_no_head_sized_tensor(tokenizer, tied, monkeypatch):
+    """The point of HeadGradInPlace: with the gradient there (a later micro-batch), the backward creates no
+    (V, H) tensor for the head (autograd made one per chunk and a running sum); the embedding's own gradient is
+    the one left. Counted with a dispatch mode over the ops' fresh outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from hasten.models.tiny import tiny_model
+    from hasten.train import packing
+
+    model = tiny_model(len(tokenizer))
+    model = model if tied else _untied(model)
+    rollout = rollout_of(model, tokenizer, num_generations=4)
+    rows = torch.arange(rollout.num_samples)
+    shape = tuple(model.lm_head.weight.shape)
+    fresh = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            fresh.extend(func for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                         and tuple(t.shape) == shape and t.untyped_storage().data_ptr() not in inputs)
+            return out
+
+    def head_sized(in_place: bool) -> int:
+        if not in_place:
+            monkeypatch.setattr(packing, "head_grad_in_place", lambda head, hidden: False)
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        logps = packed_logprobs(model, rollout, rows, 1.0, False, 5).logps
+        fresh.clear()
+        with Count():
+            (logps * rollout.completion_mask).sum().backward()
+        monkeypatch.undo()
+        return len(fresh)
+
+    assert head_sized(True) == 1  # the embedding's dense gradient (tied: added into the head's .grad in place)
+    assert head_sized(False) >= 3  # and a chunk's product, and autograd's running sum of them
+
+
+def test_head_gradient_in_place_only_where_it_is_the_same_gradient(tokenizer, monkeypatch):
+    """HeadGradInPlace takes a plain fp32 Linear head whose logits are fp32 and whose gradient autograd would
+    otherwise sum alone; every other head keeps autograd's path."""
+    from conftest import peft_head_model
+
+    from hasten.kernels.precision import fp32_head
+    from hasten.models.tiny import tiny_model
+    from hasten.train.packing import head_grad_in_place
+
+    model = tiny_model(len(tokenizer))
+    head = model.lm_head
+    hidden = torch.randn(3, head.in_features, requires_grad=True)
+    assert head_grad_in_place(head, hidden)
+    assert not head_grad_in_place(head, hidden.detach())  # nothing would call its backward
+    with torch.no_grad():
+        assert not head_grad_in_place(head, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not head_grad_in_place(head, hidden)  # plain bf16: autocast's bf16 logits and their bf16 sum
+        with fp32_head(head, True):
+            assert head_grad_in_place(head, hidden)  # bf16_fp32head: fp32 logits
+    handle = head.register_forward_hook(lambda module, args, out: out)
+    assert not head_grad_in_place(head, hidden)  # a hook would run outside autograd
+    handle.remove()
+    head.weight.requires_grad_(False)
+    assert not head_grad_in_place(head, hidden)  # frozen (LoRA's base)
+    head.weight.requires_grad_(True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert not head_grad_in_place(head, hidden)  # DDP and FSDP reduce from autograd's hooks
+    monkeypatch.undo()
+    for wrap in ("lora", "modules_to_save"):
+        wrapped = peft_head_model(model, wrap)
+        assert not head_grad_in_place(wrapped.get_base_model().lm_head, hidden)

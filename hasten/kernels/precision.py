@@ -92,6 +92,7 @@ def fp32_head(head: torch.nn.Module, enabled: bool, onednn: bool = False):
                     return F.linear(hidden, head.weight, head.bias)
                 return wrapped(head, hidden)
 
+        forward.fp32_logits = True  # packing.head_grad_in_place reads it: logits fp32 under autocast
         head.forward = forward
     try:
         yield patched

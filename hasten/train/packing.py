@@ -292,12 +292,67 @@ def _set_forwards(forwards) -> None:
             module.forward = forward
 
 
-def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
+class HeadGradInPlace(torch.autograd.Function):
+    """logits = head(hidden) for a plain fp32 nn.Linear head; backward adds the head's weight (and bias)
+    gradient straight into their `.grad` instead of returning it to autograd.
+
+    Autograd sums a parameter's gradients over its uses in one backward in a buffer of its own, then adds that
+    to `.grad`: with the logits in chunks, a chunk's (V, H) weight gradient and the running sum lived beside
+    `.grad` at the learning pass's peak (2 x 519 MiB at Qwen2.5-0.5B's vocabulary). Here each chunk's product
+    is accumulated into `.grad` by one addmm. The same sum in another order: fp32 rounding apart, the same
+    gradient (tests/test_packing.py). A tied embedding's own gradient still reaches `.grad` through autograd,
+    in place. `head_call` runs the head as it runs now (its routed kernel, its fp32 forward), under no grad.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head_call, head: torch.nn.Linear) -> torch.Tensor:
+        ctx.save_for_backward(hidden)
+        ctx.head = head
+        return head_call(hidden)  # (chunk, V) fp32
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (hidden,) = ctx.saved_tensors
+        head = ctx.head
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()  # (chunk, H)
+        grad = grad.reshape(-1, grad.shape[-1])  # (chunk, V)
+        with torch.no_grad():
+            if head.weight.grad is None:
+                head.weight.grad = grad.t().mm(flat)
+            else:
+                head.weight.grad.addmm_(grad.t(), flat)
+            if head.bias is not None and head.bias.requires_grad:
+                if head.bias.grad is None:
+                    head.bias.grad = grad.sum(0)
+                else:
+                    head.bias.grad.add_(grad.sum(0))
+        return grad.mm(head.weight).view(hidden.shape).to(hidden.dtype), None, None
+
+
+def head_grad_in_place(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether the packed pass's head runs through HeadGradInPlace: a plain nn.Linear with an fp32 weight that
+    learns, fp32 logits (no autocast, or precision.fp32_head's forward), a hidden state with a gradient, no
+    module hooks (they would run without autograd), one process (DDP and FSDP reduce gradients from autograd's
+    hooks) and not under torch.compile."""
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    fp32_logits = (not torch.is_autocast_enabled(hidden.device.type)
+                   or getattr(vars(head).get("forward"), "fp32_logits", False))
+    hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
+    return (type(head) is torch.nn.Linear and torch.is_grad_enabled() and hidden.requires_grad
+            and weight.requires_grad and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32) and fp32_logits and not any(hooks)
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+            and not torch.compiler.is_compiling())
+
+
+def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False,
+                    in_place: torch.nn.Linear | None = None):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor).
 
     The head's output is this call's own, so its buffer becomes the softmax (TargetLogSoftmax's consume), unless
-    the head returned a view, which autograd does not let a Function change in place (same values either way)."""
-    logits = head(hidden)
+    the head returned a view, which autograd does not let a Function change in place (same values either way).
+    in_place: the head module, whose weight gradient HeadGradInPlace accumulates into .grad (head_grad_in_place)."""
+    logits = head(hidden) if in_place is None else HeadGradInPlace.apply(hidden, head, in_place)
     return TargetLogSoftmax.apply(logits, targets, temperature, with_entropy, entropy_grad, not logits._is_view())[:2]
 
 
@@ -351,10 +406,12 @@ def packed_logprobs(
     # The head as it runs now: backward recomputes a chunk after a kernel switch that routes it
     # (kernels.fast_linear) may have been undone, and checkpoint rejects a recompute that saves other tensors.
     head_forward = _HeadAsItRan(head)
+    # decided once: a recomputed chunk must take the same path as its forward did
+    in_place = head if head_grad_in_place(head, hidden) else None
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy,
-                entropy_grad)
+                entropy_grad, in_place)
         if recompute:
             logps, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
