@@ -231,3 +231,33 @@ def test_hasten_estimate_counts_the_token_budgets_micro_batches():
     assert memory_estimate(shape, cfg, "trl", model_config=config) == memory_estimate(shape, cfg, "trl")  # one pass
     off = dataclasses.replace(cfg, speed=dataclasses.replace(cfg.speed, token_budget=0))
     assert memory_estimate(shape, off, "hasten", model_config=config) == whole
+
+
+def test_the_matmul_probe_runs_in_its_own_process(capsys, tmp_path, monkeypatch):
+    """The per-model matmul rates come from a child process: in the bench's own, mimalloc kept the probe's freed
+    pages (2.3 GB at 0.5B), so every later cell read that much less memory available, and TRL's side fell to
+    checkpointing. Here the parent's probe raises, and the grid still has its rates."""
+    from hasten.bench import machine, scaling
+    from hasten.bench.scaling import rates_in_child
+
+    in_grid, probe, grid = [], machine.matmul_at_shapes, scaling.run_b8
+
+    def refuse(*args, **kwargs):  # the machine's header figures, measured before the grid, may probe here
+        assert not in_grid, "the bench process ran the grid's matmul probe itself"
+        return probe(*args, **kwargs)
+
+    def run_grid(opts):
+        in_grid.append(True)
+        try:
+            return grid(opts)
+        finally:
+            in_grid.clear()
+
+    monkeypatch.setattr(machine, "matmul_at_shapes", refuse)
+    monkeypatch.setattr(scaling, "run_b8", run_grid)
+    _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-steps", "2")
+    rates = payload["workloads"]["B8"]["settings"]["matmul_gflops_at_model_shapes"]["tiny"]
+    assert rates and all(per_shape and all(r > 0 for shape in per_shape.values() for r in shape.values())
+                         for per_shape in rates.values())
+    with pytest.raises(RuntimeError, match="matmul probe exited with code 1"):
+        rates_in_child(str(tmp_path / "no-such-model"), True)

@@ -255,10 +255,24 @@ def parse_options(args, error: type[Exception]) -> B8Options:
 # ------------------------------------------------------------------ the grid
 
 
+def rates_in_child(directory: str, quick: bool) -> dict[str, Any]:
+    """machine.matmul_at_shapes for the model in `directory`, measured in a fresh process on this bench's
+    allocator. In this one, mimalloc keeps what the probe freed (kernels/runtime.py: 2.3 GB at Qwen2.5-0.5B's
+    shapes), and each cell's budget, read from the memory available when it starts, came out that much short:
+    TRL's side of 0.5B x 64 fell to activation checkpointing (2026-11-29)."""
+    from ..kernels.allocator import loaded
+    from .peers import peer_env
+
+    done = subprocess.run([sys.executable, "-m", "hasten.bench.scaling", "rates"], input=json.dumps(
+        {"directory": directory, "quick": quick}) + "\n", capture_output=True, text=True, env=peer_env(loaded()))
+    if done.returncode != 0:
+        tail = [line for line in done.stderr.splitlines() if line.strip()][-2:]
+        raise RuntimeError(f"B8's matmul probe exited with code {done.returncode}: {' | '.join(tail)}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_b8(opts) -> Result:
     """Every (model, length) cell, hasten's process then TRL's; a row per side and cell that ran."""
-    from .machine import matmul_at_shapes
-
     b8: B8Options = opts.b8 or B8Options()
     budget = b8.memory_gib if b8.memory_gib is not None else available_gib()
     result = Result("B8", f"scaling grid: completion length {list(b8.lengths)} x model {list(b8.models)}, "
@@ -276,7 +290,7 @@ def run_b8(opts) -> Result:
                                     config)
             result.settings[model] = {"directory": directory, "mode": why, "parameters": shape.parameters(),
                                       "random_weights": model in SHAPES, "shape": vars(shape)}
-            rates[model] = matmul_at_shapes(model_config(directory), opts.quick)
+            rates[model] = rates_in_child(directory, opts.quick)
             for length in b8.lengths:
                 cfg = cell_config(opts, directory, length, lora, b8.steps)
                 for side in ["hasten"] + (["trl"] if "trl" in opts.peers else []):
@@ -593,6 +607,12 @@ def hasten_worker(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["hasten"]:
-        sys.exit("usage: python -m hasten.bench.scaling hasten   (started by `hasten bench --workloads B8`)")
-    hasten_worker(json.loads(sys.stdin.readline()))
+    if sys.argv[1:] not in (["hasten"], ["rates"]):
+        sys.exit("usage: python -m hasten.bench.scaling hasten|rates   (started by `hasten bench --workloads B8`)")
+    request = json.loads(sys.stdin.readline())
+    if sys.argv[1] == "rates":
+        from .machine import matmul_at_shapes
+
+        print(json.dumps(matmul_at_shapes(model_config(request["directory"]), request["quick"])), flush=True)
+    else:
+        hasten_worker(request)
