@@ -435,9 +435,11 @@ def _untied(model):
     return untied
 
 
-def _packed_gradients(model, rollout, weights, precision, in_place, monkeypatch):
+def _packed_gradients(model, rollout, weights, precision, in_place, monkeypatch, onednn=False):
     """Every parameter's gradient after a packed pass over the rollout in two micro-batches (the second one adds
-    to gradients that exist), logits in chunks of 5 tokens; in_place False: the head's gradient through autograd."""
+    to gradients that exist), logits in chunks of 5 tokens; in_place False: the head's gradient through autograd.
+    onednn: the learner's oneDNN routes (speed.fast_linear): fp32's linears, bf16_fp32head's head."""
+    from hasten.kernels.fast_linear import onednn_linears
     from hasten.kernels.precision import fp32_head
     from hasten.train import packing
 
@@ -447,7 +449,8 @@ def _packed_gradients(model, rollout, weights, precision, in_place, monkeypatch)
     rows = torch.arange(rollout.num_samples)
     for half in (rows[::2], rows[1::2]):
         low = precision == "bf16_fp32head"
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low), fp32_head(model.lm_head, low):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low), onednn_linears(model, onednn), \
+                fp32_head(model.lm_head, low, onednn=onednn):
             stats = packed_logprobs(model, rollout, half, 0.9, False, 5)
         (stats.logps * weights[half] * rollout.completion_mask[half]).sum().backward()
     monkeypatch.undo()
@@ -478,6 +481,35 @@ def test_head_gradient_accumulated_in_place_equals_autograds(tokenizer, tied, pr
     for name in expected:
         scale = expected[name].abs().max()
         assert (expected[name] - got[name]).abs().max() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_fp32head"])
+def test_head_gradient_in_place_keeps_the_bodys_bits_on_a_onednn_head(tokenizer, precision, monkeypatch):
+    """Where the head runs on oneDNN (speed.fast_linear: fp32's routed linears, bf16_fp32head's fp32 head), the
+    hidden state's gradient is oneDNN's product as before, so every gradient but the head's own is autograd's
+    bit for bit (a bf16 body would magnify an fp32 difference there to ~1e-2); the head's within fp32 rounding."""
+    from conftest import head_dim_64_model
+
+    from hasten.kernels import fast_linear
+    from hasten.train import packing
+
+    model = head_dim_64_model(len(tokenizer)).train()
+    if not (fast_linear.available() and fast_linear.eligible(model.lm_head)):
+        pytest.skip("no oneDNN linear on this build, or the head too narrow for it")
+    rollout = rollout_of(model, tokenizer, num_generations=4)
+    weights = torch.randn(rollout.completion_ids.shape)
+    expected = _packed_gradients(model, rollout, weights, precision, False, monkeypatch, onednn=True)
+    routed = []
+    monkeypatch.setattr(packing, "head_on_onednn", lambda head, on=packing.head_on_onednn: routed.append(on(head))
+                        or routed[-1])
+    got = _packed_gradients(model, rollout, weights, precision, True, monkeypatch, onednn=True)
+    assert routed == [True, True]  # one decision a micro-batch, each on oneDNN
+    head = "lm_head.weight" if "lm_head.weight" in expected else "model.embed_tokens.weight"  # tied: one name
+    for name in expected:
+        if name == head:
+            assert (expected[name] - got[name]).abs().max() <= 1e-5 * expected[name].abs().max()
+        else:
+            assert torch.equal(expected[name], got[name]), name
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -546,10 +578,15 @@ def test_head_gradient_in_place_only_where_it_is_the_same_gradient(tokenizer, mo
     handle = head.register_forward_hook(lambda module, args, out: out)
     assert not head_grad_in_place(head, hidden)  # a hook would run outside autograd
     handle.remove()
+    for register in (head.weight.register_hook, head.weight.register_post_accumulate_grad_hook):
+        handle = register(lambda *args: None)
+        assert not head_grad_in_place(head, hidden)  # autograd would not call it (e.g. a hook masking rows)
+        handle.remove()
+    assert head_grad_in_place(head, hidden)
     head.weight.requires_grad_(False)
     assert not head_grad_in_place(head, hidden)  # frozen (LoRA's base)
     head.weight.requires_grad_(True)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr("hasten.train.distributed.world_size", lambda: 2)
     assert not head_grad_in_place(head, hidden)  # DDP and FSDP reduce from autograd's hooks
     monkeypatch.undo()
     for wrap in ("lora", "modules_to_save"):

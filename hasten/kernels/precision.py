@@ -92,7 +92,8 @@ def fp32_head(head: torch.nn.Module, enabled: bool, onednn: bool = False):
                     return F.linear(hidden, head.weight, head.bias)
                 return wrapped(head, hidden)
 
-        forward.fp32_logits = True  # packing.head_grad_in_place reads it: logits fp32 under autocast
+        forward.fp32_logits = True  # packing.head_grad_in_place reads these two: logits fp32 under autocast,
+        forward.onednn = route  # through oneDNN's product
         head.forward = forward
     try:
         yield patched

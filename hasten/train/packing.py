@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels import fast_linear
 from ..kernels.grouped_attention import SHARED_SEGMENT, GroupedLayout, build_layout, grouped_attention, supported
 from ..kernels.shared_prefix import common_prefix
 from ..rollout import Rollout
+from . import distributed
 from .logprobs import TokenStats
 from .microbatch import effective_logit_chunk
 
@@ -299,15 +302,18 @@ class HeadGradInPlace(torch.autograd.Function):
     Autograd sums a parameter's gradients over its uses in one backward in a buffer of its own, then adds that
     to `.grad`: with the logits in chunks, a chunk's (V, H) weight gradient and the running sum lived beside
     `.grad` at the learning pass's peak (2 x 519 MiB at Qwen2.5-0.5B's vocabulary). Here each chunk's product
-    is accumulated into `.grad` by one addmm. The same sum in another order: fp32 rounding apart, the same
-    gradient (tests/test_packing.py). A tied embedding's own gradient still reaches `.grad` through autograd,
-    in place. `head_call` runs the head as it runs now (its routed kernel, its fp32 forward), under no grad.
+    is accumulated into `.grad` by one addmm: the same sum in another order, equal to fp32 rounding
+    (tests/test_packing.py). The hidden state's gradient is the product the head's own kernel gives (oneDNN's
+    where the head is routed there: onednn), so the body's gradients are autograd's bits. A tied embedding's
+    own gradient still reaches `.grad` through autograd, in place. `head_call` runs the head as it runs now
+    (its routed kernel, its fp32 forward). The learner's plain `.backward()` is assumed: a
+    `torch.autograd.grad` or `backward(inputs=...)` through the packed pass would still write the head's `.grad`.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head_call, head: torch.nn.Linear) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, head_call, head: torch.nn.Linear, onednn: bool) -> torch.Tensor:
         ctx.save_for_backward(hidden)
-        ctx.head = head
+        ctx.head, ctx.onednn = head, onednn
         return head_call(hidden)  # (chunk, V) fp32
 
     @staticmethod
@@ -315,7 +321,7 @@ class HeadGradInPlace(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         head = ctx.head
         flat = hidden.reshape(-1, hidden.shape[-1]).float()  # (chunk, H)
-        grad = grad.reshape(-1, grad.shape[-1])  # (chunk, V)
+        grad = grad.reshape(-1, grad.shape[-1]).contiguous()  # (chunk, V)
         with torch.no_grad():
             if head.weight.grad is None:
                 head.weight.grad = grad.t().mm(flat)
@@ -326,33 +332,51 @@ class HeadGradInPlace(torch.autograd.Function):
                     head.bias.grad = grad.sum(0)
                 else:
                     head.bias.grad.add_(grad.sum(0))
-        return grad.mm(head.weight).view(hidden.shape).to(hidden.dtype), None, None
+            if ctx.onednn:  # OneDNNLinear's input gradient, the same kernel on the same operands
+                grad_hidden = fast_linear._onednn(grad, fast_linear._transposed(head.weight))
+            else:
+                grad_hidden = grad.mm(head.weight)
+        return grad_hidden.view(hidden.shape).to(hidden.dtype), None, None, None
 
 
 def head_grad_in_place(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
     """Whether the packed pass's head runs through HeadGradInPlace: a plain nn.Linear with an fp32 weight that
     learns, fp32 logits (no autocast, or precision.fp32_head's forward), a hidden state with a gradient, no
-    module hooks (they would run without autograd), one process (DDP and FSDP reduce gradients from autograd's
-    hooks) and not under torch.compile."""
+    module hooks (they would run without autograd) and no gradient hooks on its weight or bias (autograd
+    would not call them: the Function writes `.grad` itself), one process (DDP and FSDP reduce gradients from
+    autograd's hooks; sharded parameters) and not under torch.compile."""
     weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    if type(head) is not torch.nn.Linear:
+        return False
     fp32_logits = (not torch.is_autocast_enabled(hidden.device.type)
                    or getattr(vars(head).get("forward"), "fp32_logits", False))
     hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
-    return (type(head) is torch.nn.Linear and torch.is_grad_enabled() and hidden.requires_grad
+    gradient_hooks = [getattr(parameter, name, None) for parameter in (weight, bias) if parameter is not None
+                      for name in ("_backward_hooks", "_post_accumulate_grad_hooks")]
+    return (torch.is_grad_enabled() and hidden.requires_grad
             and weight.requires_grad and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and fp32_logits and not any(hooks)
-            and not (torch.distributed.is_available() and torch.distributed.is_initialized())
-            and not torch.compiler.is_compiling())
+            and not any(gradient_hooks) and distributed.world_size() == 1
+            and type(weight) is torch.nn.Parameter and not torch.compiler.is_compiling())
+
+
+def head_on_onednn(head: torch.nn.Module) -> bool:
+    """Whether the head's forward now runs oneDNN's product: routed by kernels.fast_linear, or precision.fp32_head's
+    forward with its oneDNN route."""
+    forward = vars(head).get("forward")
+    routed = isinstance(forward, functools.partial) and forward.func is fast_linear._forward
+    return routed or bool(getattr(forward, "onednn", False))
 
 
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False,
-                    in_place: torch.nn.Linear | None = None):
+                    in_place: tuple[torch.nn.Linear, bool] | None = None):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor).
 
     The head's output is this call's own, so its buffer becomes the softmax (TargetLogSoftmax's consume), unless
     the head returned a view, which autograd does not let a Function change in place (same values either way).
-    in_place: the head module, whose weight gradient HeadGradInPlace accumulates into .grad (head_grad_in_place)."""
-    logits = head(hidden) if in_place is None else HeadGradInPlace.apply(hidden, head, in_place)
+    in_place: (the head module, whether it runs on oneDNN): HeadGradInPlace accumulates its weight gradient into
+    .grad (head_grad_in_place)."""
+    logits = head(hidden) if in_place is None else HeadGradInPlace.apply(hidden, head, *in_place)
     return TargetLogSoftmax.apply(logits, targets, temperature, with_entropy, entropy_grad, not logits._is_view())[:2]
 
 
@@ -407,7 +431,7 @@ def packed_logprobs(
     # (kernels.fast_linear) may have been undone, and checkpoint rejects a recompute that saves other tensors.
     head_forward = _HeadAsItRan(head)
     # decided once: a recomputed chunk must take the same path as its forward did
-    in_place = head if head_grad_in_place(head, hidden) else None
+    in_place = (head, head_on_onednn(head)) if head_grad_in_place(head, hidden) else None
     pieces, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         args = (head_forward, hidden[start:start + step], targets[start:start + step], temperature, with_entropy,
