@@ -340,3 +340,113 @@ def test_speed_model_impl_learns_the_same(pair, tokenizer):
     assert set(gradients["hf"]) == set(gradients["native"])
     for name, gradient in gradients["hf"].items():
         assert torch.allclose(gradient, gradients["native"][name], atol=1e-5, rtol=1e-4), name
+
+
+def _lean_off(monkeypatch):
+    """The learning pass as before NormAgain and the product hooks: Decoder's lean flags forced off."""
+    from hasten.models import llama
+
+    for cls in (llama.RMSNorm, llama.MLP):
+        forward = cls.forward
+
+        def plain_forward(self, x, forward=forward):
+            self.lean = False
+            return forward(self, x)
+
+        monkeypatch.setattr(cls, "forward", plain_forward)
+
+
+def _lean_gradients(model, tokenizer, monkeypatch, lean: bool, bf16: bool, which: str = "both"):
+    from hasten.kernels.recast_linear import recast_linears
+    from hasten.models import llama
+
+    if not lean:
+        _lean_off(monkeypatch)
+    elif which != "both":  # only one of the two
+        forward = (llama.RMSNorm if which == "mlp" else llama.MLP).forward
+
+        def plain_forward(self, x, forward=forward):
+            self.lean = False
+            return forward(self, x)
+
+        monkeypatch.setattr(llama.RMSNorm if which == "mlp" else llama.MLP, "forward", plain_forward)
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tokenizer), (2, 24))
+    model.zero_grad(set_to_none=True)
+    head = model.get_base_model().lm_head if hasattr(model, "get_base_model") else model.lm_head
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), recast_linears(model, bf16, leave=head):
+        logits = model(input_ids=ids).logits.float()
+    (logits.log_softmax(-1)[..., 5].sum()).backward()
+    monkeypatch.undo()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("lora", [False, True])
+def test_lean_learning_pass_gives_autograds_gradients(tokenizer, monkeypatch, bf16, lora):
+    """The native model's learning pass keeps less for backward (NormAgain: the norm's input only; MLP: the
+    product formed again from gate and up), fp32 or bf16 autocast with recast linears, full or LoRA (peft's
+    adapters on down_proj save a view of the product). The product formed again is SiluMul's forward: every
+    gradient bit for bit. NormAgain's gradient joins the residual stream's as one term where autograd added
+    its two paths separately: equal to fp32 rounding."""
+    from hasten.models.tiny import tiny_model
+
+    model = native_copy(tiny_model(len(tokenizer))).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj", "up_proj"]))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.1)
+    plain = _lean_gradients(model, tokenizer, monkeypatch, False, bf16)
+    product_only = _lean_gradients(model, tokenizer, monkeypatch, True, bf16, which="mlp")
+    both = _lean_gradients(model, tokenizer, monkeypatch, True, bf16)
+    assert plain.keys() == product_only.keys() == both.keys() and plain
+    for name in plain:
+        assert torch.equal(plain[name], product_only[name]), name
+        assert (plain[name] - both[name]).abs().max() <= 1e-5 * plain[name].abs().max(), name
+
+
+def test_lean_learning_pass_holds_neither_the_product_nor_the_normalized_state(tokenizer, monkeypatch):
+    """What the lean pass keeps from forward to backward: the SiLU-gated product is freed after down_proj (a
+    weak reference dies), and each norm saves one hidden-wide fp32 tensor where autograd saved two. Under
+    gradient checkpointing (the layer recomputed whole) neither applies."""
+    import weakref
+
+    from hasten.models import llama
+    from hasten.models.tiny import tiny_model
+
+    model = native_copy(tiny_model(len(tokenizer))).train()
+    hidden = model.config.hidden_size
+    ids = torch.randint(3, len(tokenizer), (2, 24))
+
+    def forward_keeps(lean: bool):
+        products, saved = [], []
+        apply = llama.SiluMul.apply
+        monkeypatch.setattr(llama.SiluMul, "apply", lambda *a: (lambda out: products.append(weakref.ref(out))
+                                                              or out)(apply(*a)))
+        if not lean:
+            _lean_off(monkeypatch)
+
+        def pack(tensor):
+            if tensor.dtype == torch.float32 and tensor.shape[-1] == hidden and tensor.dim() == 3:
+                saved.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(input_ids=ids).logits
+        monkeypatch.undo()
+        alive = sum(ref() is not None for ref in products)
+        del out
+        return alive, len(saved)
+
+    lean_alive, lean_saved = forward_keeps(True)
+    plain_alive, plain_saved = forward_keeps(False)
+    layers = model.config.num_hidden_layers
+    assert (lean_alive, plain_alive) == (0, layers)
+    assert plain_saved - lean_saved >= 2 * layers + 1  # the normalized state of every norm, the final one too
+    model.model.gradient_checkpointing = True
+    model(input_ids=ids)
+    assert not any(module.lean for module in model.modules() if isinstance(module, (llama.RMSNorm, llama.MLP)))
