@@ -257,7 +257,11 @@ def test_the_matmul_probe_runs_in_its_own_process(capsys, tmp_path, monkeypatch)
     monkeypatch.setattr(scaling, "run_b8", run_grid)
     _, payload = run(capsys, "--peers", "none", "--b8-models", "tiny", "--b8-lengths", "4", "--b8-steps", "2")
     rates = payload["workloads"]["B8"]["settings"]["matmul_gflops_at_model_shapes"]["tiny"]
-    assert rates and all(per_shape and all(r > 0 for shape in per_shape.values() for r in shape.values())
-                         for per_shape in rates.values())
+    from hasten.bench.machine import model_shapes
+    from hasten.bench.scaling import model_config
+
+    shapes = set(model_shapes(model_config("tiny")))  # every shape of the model, each with its kernels' rates
+    assert len(rates) == 2 and all({name.split(" ")[0] for name in per_shape} == shapes
+                                   and all(shape for shape in per_shape.values()) for per_shape in rates.values())
     with pytest.raises(RuntimeError, match="matmul probe exited with code 1"):
         rates_in_child(str(tmp_path / "no-such-model"), True)

@@ -342,34 +342,17 @@ def test_speed_model_impl_learns_the_same(pair, tokenizer):
         assert torch.allclose(gradient, gradients["native"][name], atol=1e-5, rtol=1e-4), name
 
 
+
 def _lean_off(monkeypatch):
-    """The learning pass as before NormAgain and the product hooks: Decoder's lean flags forced off."""
-    from hasten.models import llama
-
-    for cls in (llama.RMSNorm, llama.MLP):
-        forward = cls.forward
-
-        def plain_forward(self, x, forward=forward):
-            self.lean = False
-            return forward(self, x)
-
-        monkeypatch.setattr(cls, "forward", plain_forward)
+    """The learning pass as before the product hooks: MLP takes them for outer hooks and leaves the saves alone."""
+    monkeypatch.setattr("hasten.models.llama._outer_saved_tensor_hooks", lambda: True)
 
 
-def _lean_gradients(model, tokenizer, monkeypatch, lean: bool, bf16: bool, which: str = "both"):
+def _lean_gradients(model, tokenizer, monkeypatch, lean: bool, bf16: bool):
     from hasten.kernels.recast_linear import recast_linears
-    from hasten.models import llama
 
     if not lean:
         _lean_off(monkeypatch)
-    elif which != "both":  # only one of the two
-        forward = (llama.RMSNorm if which == "mlp" else llama.MLP).forward
-
-        def plain_forward(self, x, forward=forward):
-            self.lean = False
-            return forward(self, x)
-
-        monkeypatch.setattr(llama.RMSNorm if which == "mlp" else llama.MLP, "forward", plain_forward)
     torch.manual_seed(0)
     ids = torch.randint(3, len(tokenizer), (2, 24))
     model.zero_grad(set_to_none=True)
@@ -383,12 +366,10 @@ def _lean_gradients(model, tokenizer, monkeypatch, lean: bool, bf16: bool, which
 
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("lora", [False, True])
-def test_lean_learning_pass_gives_autograds_gradients(tokenizer, monkeypatch, bf16, lora):
-    """The native model's learning pass keeps less for backward (NormAgain: the norm's input only; MLP: the
-    product formed again from gate and up), fp32 or bf16 autocast with recast linears, full or LoRA (peft's
-    adapters on down_proj save a view of the product). The product formed again is SiluMul's forward: every
-    gradient bit for bit. NormAgain's gradient joins the residual stream's as one term where autograd added
-    its two paths separately: equal to fp32 rounding."""
+def test_product_formed_again_gives_autograds_gradients_bit_for_bit(tokenizer, monkeypatch, bf16, lora):
+    """down_proj's saved input, the SiLU-gated product, is formed again from gate and up in backward
+    (MLP's saved-tensor hooks): SiluMul's own forward, so every gradient is autograd's bit for bit; fp32 or bf16
+    autocast with recast linears, full or LoRA (peft's adapters on down_proj save a view of the product)."""
     from hasten.models.tiny import tiny_model
 
     model = native_copy(tiny_model(len(tokenizer))).train()
@@ -401,52 +382,51 @@ def test_lean_learning_pass_gives_autograds_gradients(tokenizer, monkeypatch, bf
                 if "lora_B" in name:
                     parameter.normal_(0, 0.1)
     plain = _lean_gradients(model, tokenizer, monkeypatch, False, bf16)
-    product_only = _lean_gradients(model, tokenizer, monkeypatch, True, bf16, which="mlp")
-    both = _lean_gradients(model, tokenizer, monkeypatch, True, bf16)
-    assert plain.keys() == product_only.keys() == both.keys() and plain
+    lean = _lean_gradients(model, tokenizer, monkeypatch, True, bf16)
+    assert plain.keys() == lean.keys() and plain
     for name in plain:
-        assert torch.equal(plain[name], product_only[name]), name
-        assert (plain[name] - both[name]).abs().max() <= 1e-5 * plain[name].abs().max(), name
+        assert torch.equal(plain[name], lean[name]), name
 
 
-def test_lean_learning_pass_holds_neither_the_product_nor_the_normalized_state(tokenizer, monkeypatch):
-    """What the lean pass keeps from forward to backward: the SiLU-gated product is freed after down_proj (a
-    weak reference dies), and each norm saves one hidden-wide fp32 tensor where autograd saved two. Under
-    gradient checkpointing (the layer recomputed whole) neither applies."""
+def test_the_product_is_not_held_for_backward(tokenizer, monkeypatch):
+    """After a learning pass's forward the SiLU-gated product is gone (a weak reference dies), where autograd
+    kept it for down_proj's backward. Under gradient checkpointing (the layer recomputed whole) or inside
+    another saved-tensor hook (an outer checkpoint) the hooks stay out of the way; a forward run between a
+    checkpointed forward and its backward changes nothing the recompute saves."""
     import weakref
+
+    from torch.utils.checkpoint import checkpoint
 
     from hasten.models import llama
     from hasten.models.tiny import tiny_model
 
     model = native_copy(tiny_model(len(tokenizer))).train()
-    hidden = model.config.hidden_size
     ids = torch.randint(3, len(tokenizer), (2, 24))
-
-    def forward_keeps(lean: bool):
-        products, saved = [], []
-        apply = llama.SiluMul.apply
-        monkeypatch.setattr(llama.SiluMul, "apply", lambda *a: (lambda out: products.append(weakref.ref(out))
-                                                              or out)(apply(*a)))
-        if not lean:
-            _lean_off(monkeypatch)
-
-        def pack(tensor):
-            if tensor.dtype == torch.float32 and tensor.shape[-1] == hidden and tensor.dim() == 3:
-                saved.append(tuple(tensor.shape))
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = model(input_ids=ids).logits
-        monkeypatch.undo()
-        alive = sum(ref() is not None for ref in products)
-        del out
-        return alive, len(saved)
-
-    lean_alive, lean_saved = forward_keeps(True)
-    plain_alive, plain_saved = forward_keeps(False)
     layers = model.config.num_hidden_layers
-    assert (lean_alive, plain_alive) == (0, layers)
-    assert plain_saved - lean_saved >= 2 * layers + 1  # the normalized state of every norm, the final one too
+    hooked = []
+    again = llama._product_again
+    monkeypatch.setattr(llama, "_product_again", lambda *a: hooked.append(1) or again(*a))
+
+    def products_alive(lean: bool, run=lambda: model(input_ids=ids).logits):
+        products = []
+        apply = llama.SiluMul.apply
+        with monkeypatch.context() as patch:
+            patch.setattr(llama.SiluMul, "apply",
+                          lambda *a: (lambda out: products.append(weakref.ref(out)) or out)(apply(*a)))
+            if not lean:
+                _lean_off(patch)
+            out = run()
+        alive = sum(ref() is not None for ref in products)
+        out.sum().backward()
+        return alive
+
+    assert (products_alive(True), products_alive(False)) == (0, layers)
+    hooked.clear()
+    products_alive(True, run=lambda: checkpoint(lambda i: model(input_ids=i).logits, ids, use_reentrant=False))
+    assert not hooked  # an outer checkpoint's hooks apply, not the product's
     model.model.gradient_checkpointing = True
-    model(input_ids=ids)
-    assert not any(module.lean for module in model.modules() if isinstance(module, (llama.RMSNorm, llama.MLP)))
+    out = model(input_ids=ids).logits
+    with torch.no_grad():
+        model(input_ids=ids)  # between the checkpointed forward and its backward
+    out.sum().backward()  # the recompute saves what its forward saved (no CheckpointError)
+    assert not hooked

@@ -32,6 +32,7 @@ for that).
 
 from __future__ import annotations
 
+import contextvars
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,42 +93,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
-        self.lean = False  # Decoder sets it for a learning pass: NormAgain keeps only the norm's input
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lean and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return NormAgain.apply(hidden, self.weight, self.eps)
         return rms_norm(hidden, self.weight, self.eps)
-
-
-class NormAgain(torch.autograd.Function):
-    """rms_norm(hidden, weight, eps), keeping only its input for backward, which runs the norm again.
-
-    Autograd on rms_norm keeps, beside the input, the normalized hidden state for the weight's gradient: one
-    more hidden-wide fp32 tensor per norm, two a layer (Qwen2.5-0.5B: 7 KB a token a layer, ~210 MiB at a
-    1,275-token micro-batch). Backward forms the same graph again under the autocast state the forward ran in
-    and differentiates it: the same ops, so the same bits (tests/test_native_llama.py), for one more pass
-    over a hidden-wide tensor per norm."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight)
-        ctx.eps = eps
-        device = hidden.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        return rms_norm(hidden, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        hidden, weight = ctx.saved_tensors
-        device, enabled, dtype = ctx.autocast
-        inputs = [tensor.detach().requires_grad_(needed) for tensor, needed in zip((hidden, weight),
-                                                                                   ctx.needs_input_grad[:2])]
-        wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            out = rms_norm(inputs[0], inputs[1], ctx.eps)
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return tuple(next(grads) if tensor.requires_grad else None for tensor in inputs) + (None,)
 
 
 def rope_table(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -222,15 +190,30 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias, device=device)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
 
-        self.lean = False  # Decoder sets it for a learning pass: the product is formed again in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         product = SiluMul.apply(gate, up)
-        if not (self.lean and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        if not (LEAN_SAVES.get() and product.grad_fn is not None and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not _outer_saved_tensor_hooks()):
             return self.down_proj(product)
         with torch.autograd.graph.saved_tensors_hooks(*_product_again(product, gate, up)):
             return self.down_proj(product)
+
+
+# True while Decoder.forward runs its layers for a learning pass that is not checkpointed: MLP then has
+# down_proj's input formed again in backward. A context value, not a module attribute, so that a checkpointed
+# layer recomputed in backward (outside it) saves what its forward saved, whatever ran in between.
+LEAN_SAVES: contextvars.ContextVar[bool] = contextvars.ContextVar("hasten_lean_saves", default=False)
+
+
+def _outer_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are already active (torch.utils.checkpoint, save_on_cpu): the innermost hooks
+    alone apply, so the product's would take over from theirs and keep gate and up alive for them."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True  # cannot tell: leave the saves to autograd
 
 
 def _product_again(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
@@ -337,14 +320,15 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)  # (N, L, H)
         cos, signed_sin = self.rotary_emb(hidden, position_ids)  # (N, L, D) each
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for module in self.modules():  # a layer recomputed whole (checkpointing) has nothing to gain
-            if isinstance(module, (RMSNorm, MLP)):
-                module.lean = not recompute
-        for layer in self.layers:
-            if recompute:
-                hidden = checkpoint(layer, hidden, cos, signed_sin, attention_mask, use_reentrant=False, **kwargs)
-            else:
-                hidden = layer(hidden, cos, signed_sin, attention_mask, **kwargs)
+        lean = LEAN_SAVES.set(not recompute)  # a layer recomputed whole (checkpointing) has nothing to gain
+        try:
+            for layer in self.layers:
+                if recompute:
+                    hidden = checkpoint(layer, hidden, cos, signed_sin, attention_mask, use_reentrant=False, **kwargs)
+                else:
+                    hidden = layer(hidden, cos, signed_sin, attention_mask, **kwargs)
+        finally:
+            LEAN_SAVES.reset(lean)
         return ModelOutput(last_hidden_state=self.norm(hidden))
 
 
