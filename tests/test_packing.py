@@ -386,29 +386,34 @@ def test_consumed_logits_refuse_a_second_backward():
         logps.sum().backward()
 
 
-def test_packed_head_holds_one_vocabulary_wide_tensor(monkeypatch):
-    """A chunk's forward and backward through the head allocate one (chunk, V) tensor (the logits, which become
-    the softmax and then the gradient), where the plain formulation allocated five (logits, shifted, softmax,
-    a zero gradient for nothing, gradient). Counted with a dispatch mode over the allocating ops."""
+def _fresh_outputs(wanted, found: list):
+    """A dispatch mode (class) that appends to `found` each op whose output is a new tensor (no input's storage)
+    that `wanted(tensor)` accepts: what a forward or backward allocates of a kind."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
-
-    from hasten.train.packing import TargetLogSoftmax, _chunk_logprobs
-
-    rows, vocab = 64, 4096
-    monkeypatch.setattr("hasten.train.packing.ENTROPY_BLOCK_BYTES", 8 * vocab * 4)  # the entropy in 8-row blocks
-    wide = []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)}
-            for tensor in tree_flatten(out)[0]:
-                if (isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes() >= rows * vocab * 4
-                        and tensor.untyped_storage().data_ptr() not in inputs):
-                    wide.append(func)
+            found.extend(func for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                         and t.untyped_storage().data_ptr() not in inputs and wanted(t))
             return out
+
+    return Count
+
+
+def test_packed_head_holds_one_vocabulary_wide_tensor(monkeypatch):
+    """A chunk's forward and backward through the head allocate one (chunk, V) tensor (the logits, which become
+    the softmax and then the gradient), where the plain formulation allocated five (logits, shifted, softmax,
+    a zero gradient for nothing, gradient). Counted with a dispatch mode over the allocating ops."""
+    from hasten.train.packing import TargetLogSoftmax, _chunk_logprobs
+
+    rows, vocab = 64, 4096
+    monkeypatch.setattr("hasten.train.packing.ENTROPY_BLOCK_BYTES", 8 * vocab * 4)  # the entropy in 8-row blocks
+    wide = []
+    Count = _fresh_outputs(lambda tensor: tensor.untyped_storage().nbytes() >= rows * vocab * 4, wide)
 
     torch.manual_seed(0)
     head = torch.nn.Linear(32, vocab, bias=False)
@@ -517,9 +522,6 @@ def test_head_gradient_in_place_allocates_no_head_sized_tensor(tokenizer, tied, 
     """The point of HeadGradInPlace: with the gradient there (a later micro-batch), the backward creates no
     (V, H) tensor for the head (autograd made one per chunk and a running sum); the embedding's own gradient is
     the one left. Counted with a dispatch mode over the ops' fresh outputs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
     from hasten.models.tiny import tiny_model
     from hasten.train import packing
 
@@ -529,15 +531,7 @@ def test_head_gradient_in_place_allocates_no_head_sized_tensor(tokenizer, tied, 
     rows = torch.arange(rollout.num_samples)
     shape = tuple(model.lm_head.weight.shape)
     fresh = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                      if isinstance(t, torch.Tensor)}
-            fresh.extend(func for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-                         and tuple(t.shape) == shape and t.untyped_storage().data_ptr() not in inputs)
-            return out
+    Count = _fresh_outputs(lambda tensor: tuple(tensor.shape) == shape, fresh)
 
     def head_sized(in_place: bool) -> int:
         if not in_place:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -260,3 +261,23 @@ def record_probes(header: dict[str, Any], path: Path | None = None) -> None:
         os.replace(temporary, path)
     except OSError:
         pass
+
+
+def model_config(directory: str):
+    """The model's config without loading its weights (a registry name: its directory's config)."""
+    from transformers import AutoConfig
+
+    from ..models import ALIASES
+
+    if ALIASES.get(directory.lower()) == "tiny":
+        from ..models.tiny import tiny_model, tiny_tokenizer
+
+        return tiny_model(len(tiny_tokenizer())).config
+    return AutoConfig.from_pretrained(directory)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["rates"]:
+        sys.exit("usage: python -m hasten.bench.machine rates   (B8's probe: scaling.rates_in_child)")
+    request = json.loads(sys.stdin.readline())
+    print(json.dumps(matmul_at_shapes(model_config(request["directory"]), request["quick"])), flush=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cost
+from .machine import model_config  # also the name tests and callers import from here
 from .report import ModelSize, Result, Row
 
 LENGTHS = (64, 256, 1024)
@@ -256,14 +257,13 @@ def parse_options(args, error: type[Exception]) -> B8Options:
 
 
 def rates_in_child(directory: str, quick: bool) -> dict[str, Any]:
-    """machine.matmul_at_shapes for the model in `directory`, measured in a fresh process on this bench's
-    allocator. In this one, mimalloc keeps what the probe freed (kernels/runtime.py: 2.3 GB at Qwen2.5-0.5B's
-    shapes), and each cell's budget, read from the memory available when it starts, came out that much short:
-    TRL's side of 0.5B x 64 fell to activation checkpointing (2026-11-29)."""
+    """machine.matmul_at_shapes for the model in `directory`, in a fresh process on this bench's allocator: here
+    mimalloc would keep what the probe freed (2.3 GB at 0.5B), and each cell's budget, the memory available
+    when it starts, would read that much short (TRL's side of 0.5B x 64 fell to checkpointing that way)."""
     from ..kernels.allocator import loaded
     from .peers import peer_env
 
-    done = subprocess.run([sys.executable, "-m", "hasten.bench.scaling", "rates"], input=json.dumps(
+    done = subprocess.run([sys.executable, "-m", "hasten.bench.machine", "rates"], input=json.dumps(
         {"directory": directory, "quick": quick}) + "\n", capture_output=True, text=True, env=peer_env(loaded()))
     if done.returncode != 0:
         tail = [line for line in done.stderr.splitlines() if line.strip()][-2:]
@@ -356,19 +356,6 @@ def extrapolated_past_the_cap(cells: list[Cell], model: str, length: int, side: 
                 skipped=f"not started: at least {bound:.0f} s a step, past the {cap:g} s cap (the line through "
                         f"lengths {short} and {longer}, {short_s:.0f} and {longer_s:.0f} s, extended: step "
                         f"time is convex in length)")
-
-
-def model_config(directory: str):
-    """The model's config without loading its weights (a registry name: its directory's config)."""
-    from transformers import AutoConfig
-
-    from ..models import ALIASES
-
-    if ALIASES.get(directory.lower()) == "tiny":
-        from ..models.tiny import tiny_model, tiny_tokenizer
-
-        return tiny_model(len(tiny_tokenizer())).config
-    return AutoConfig.from_pretrained(directory)
 
 
 def run_cell(opts, b8: B8Options, cfg, shape: cost.Shape, model: str, length: int, side: str,
@@ -607,12 +594,6 @@ def hasten_worker(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] not in (["hasten"], ["rates"]):
-        sys.exit("usage: python -m hasten.bench.scaling hasten|rates   (started by `hasten bench --workloads B8`)")
-    request = json.loads(sys.stdin.readline())
-    if sys.argv[1] == "rates":
-        from .machine import matmul_at_shapes
-
-        print(json.dumps(matmul_at_shapes(model_config(request["directory"]), request["quick"])), flush=True)
-    else:
-        hasten_worker(request)
+    if sys.argv[1:] != ["hasten"]:
+        sys.exit("usage: python -m hasten.bench.scaling hasten   (started by `hasten bench --workloads B8`)")
+    hasten_worker(json.loads(sys.stdin.readline()))
