@@ -256,3 +256,40 @@ def head_dim_64_model(vocab_size: int):
         return LlamaForCausalLM(config).eval()
     finally:
         torch.random.set_rng_state(state)
+
+
+def pass_gradients(model, rollout, advantages, precision: str, recast: bool, chunk: int):
+    """One packed learning pass of `model` in `precision`, its linears recast or on autocast's: (layers routed,
+    log-probs, every gradient) after backward of an advantage-weighted loss."""
+    from hasten.kernels.precision import Precision, fp32_head
+    from hasten.kernels.recast_linear import recast_linears
+    from hasten.train.packing import backbone_and_head, packed_logprobs
+
+    model.zero_grad(set_to_none=True)
+    rows = torch.arange(rollout.num_samples)
+    head = backbone_and_head(model)[1]
+    with Precision(precision, torch.device("cpu")).autocast(), \
+            fp32_head(head, precision == "bf16_fp32head"), recast_linears(model, recast, leave=head) as routed:
+        logps = packed_logprobs(model, rollout, rows, 1.0, True, chunk, grouped=True, shared_prefix=True).logps
+    mask = rollout.completion_mask.to(logps.dtype)
+    (-(advantages[:, None] * logps * mask).sum() / mask.sum()).backward()
+    return routed, logps.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def native_lora_model(tokenizer):
+    """The tiny model on the native implementation, LoRA on all seven projections, B nonzero (a trained adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hasten.models.llama import NativeLlamaForCausalLM
+    from hasten.models.tiny import tiny_model
+
+    model = get_peft_model(NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer))).train(),
+                           LoraConfig(r=4, target_modules=PROJECTIONS))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    return model

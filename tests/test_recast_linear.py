@@ -6,16 +6,16 @@ model as it was."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import peft_head_model, rollout_of
+from conftest import native_lora_model, pass_gradients, peft_head_model, rollout_of
 from hasten.kernels import fast_linear
-from hasten.kernels.precision import Precision, fp32_head
 from hasten.kernels.recast_linear import RecastLinear, _SharedInputCast, recast_linears
-from hasten.train.packing import backbone_and_head, packed_logprobs
+from hasten.train.packing import backbone_and_head
 
 
 @pytest.fixture
@@ -75,12 +75,12 @@ def test_a_transposed_input_runs_autocast_s_own_linear():
 
 
 def _saved_bf16(function) -> list[tuple[int, int]]:
-    """(numel, storage) of each bf16 tensor autograd saves while `function` runs."""
+    """(shape, storage) of each bf16 tensor autograd saves while `function` runs."""
     saved = []
 
     def pack(tensor):
         if tensor.dtype == torch.bfloat16:
-            saved.append((tensor.numel(), tensor.untyped_storage().data_ptr()))
+            saved.append((tuple(tensor.shape), tensor.untyped_storage().data_ptr()))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -101,14 +101,14 @@ def test_no_bf16_weight_is_saved_and_q_k_v_share_their_input():
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = _saved_bf16(project)
-    assert weights <= {numel for numel, _ in plain}
-    assert len({storage for numel, storage in plain if numel == x.numel()}) == 3  # a cast of x per projection
+    assert weights <= {math.prod(shape) for shape, _ in plain}
+    assert len({storage for shape, storage in plain if math.prod(shape) == x.numel()}) == 3  # a cast of x per projection
     with recast_linears(layers) as routed:
         assert routed == 0  # not under autocast: nothing routed
     with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layers) as routed:
         assert routed == 3
         recast = _saved_bf16(project)
-    assert {numel for numel, _ in recast} == {x.numel()}  # every weight is saved as its fp32 self
+    assert {math.prod(shape) for shape, _ in recast} == {x.numel()}  # every weight is saved as its fp32 self
     assert len({storage for _, storage in recast}) == 1  # the one shared cast of x
     assert all("forward" not in vars(layer) for layer in layers)
 
@@ -142,18 +142,6 @@ def test_the_model_is_restored_when_the_block_raises():
     assert "forward" not in vars(layer)
 
 
-def _pass_gradients(model, rollout, advantages, precision: str, recast: bool, chunk: int):
-    model.zero_grad(set_to_none=True)
-    rows = torch.arange(rollout.num_samples)
-    head = backbone_and_head(model)[1]
-    with Precision(precision, torch.device("cpu")).autocast(), \
-            fp32_head(head, precision == "bf16_fp32head"), recast_linears(model, recast, leave=head) as routed:
-        logps = packed_logprobs(model, rollout, rows, 1.0, True, chunk, grouped=True, shared_prefix=True).logps
-    mask = rollout.completion_mask.to(logps.dtype)
-    (-(advantages[:, None] * logps * mask).sum() / mask.sum()).backward()
-    return routed, logps.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 @pytest.mark.parametrize("precision", ["bf16", "bf16_fp32head"])
 @pytest.mark.parametrize("chunk", [0, 7])  # 7: logit chunks, each recomputed in backward (checkpointed)
 def test_a_packed_pass_gives_autocast_bits(route_small_layers, short_model, tokenizer, precision, chunk):
@@ -162,8 +150,8 @@ def test_a_packed_pass_gives_autocast_bits(route_small_layers, short_model, toke
     rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
     advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
     model = copy.deepcopy(short_model)
-    _, plain_logps, plain_grads = _pass_gradients(model, rollout, advantages, precision, False, chunk)
-    routed, logps, grads = _pass_gradients(model, rollout, advantages, precision, True, chunk)
+    _, plain_logps, plain_grads = pass_gradients(model, rollout, advantages, precision, False, chunk)
+    routed, logps, grads = pass_gradients(model, rollout, advantages, precision, True, chunk)
     layers = len(backbone_and_head(model)[0].layers)
     assert routed == 7 * layers
     assert torch.equal(logps, plain_logps)
@@ -190,8 +178,8 @@ def test_a_peft_wrapped_head_is_left_to_autocast_whole(route_small_layers, short
     advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
     model = peft_head_model(short_model, wrap)
     head = backbone_and_head(model)[1]
-    _, plain_logps, plain_grads = _pass_gradients(model, rollout, advantages, "bf16", False, 7)
-    routed, logps, grads = _pass_gradients(model, rollout, advantages, "bf16", True, 7)
+    _, plain_logps, plain_grads = pass_gradients(model, rollout, advantages, "bf16", False, 7)
+    routed, logps, grads = pass_gradients(model, rollout, advantages, "bf16", True, 7)
     assert routed > 0 and not any("forward" in vars(module) for module in head.modules())
     assert torch.equal(logps, plain_logps)
     assert len(grads) == len(plain_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
@@ -216,3 +204,51 @@ def test_a_routed_output_can_be_changed_in_place(with_bias):
     plain, routed = run(False), run(True)
     assert routed[0] == 1 and plain[0] == 0
     assert all(torch.equal(a, b) for a, b in zip(plain[1:], routed[1:]))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_fp32head"])
+def test_lora_adapters_give_autocast_bits(route_small_layers, short_model, tokenizer, precision):
+    """LoRA's A recast beside its base layer and handed the input itself (peft's dtype cast off): log-probs and
+    every adapter gradient equal to plain autocast's with peft casting, and peft's switch restored after."""
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
+    advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
+    model = native_lora_model(tokenizer)
+    before = {name: getattr(module, "cast_input_dtype_enabled", None) for name, module in model.named_modules()}
+    _, plain_logps, plain_grads = pass_gradients(model, rollout, advantages, precision, False, 0)
+    routed, logps, grads = pass_gradients(model, rollout, advantages, precision, True, 0)
+    assert routed > 7 * len(backbone_and_head(model)[0].layers)  # the adapters' linears too
+    assert torch.equal(logps, plain_logps)
+    assert len(grads) == len(plain_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert {name: getattr(module, "cast_input_dtype_enabled", None) for name, module in model.named_modules()} == before
+
+
+def test_lora_adapters_save_no_copy_of_their_input(route_small_layers, tokenizer, monkeypatch):
+    """Under autocast each adapter's A saves its own bf16 cast of the layer's input, and down_proj's A a bf16 copy
+    of the SiLU-gated product (peft casts it to fp32, autocast back); recast, the adapters share their base
+    layer's cast, and down_proj's A saves the product itself (which models/llama.py then forms again)."""
+    from hasten.models import llama
+
+    model = native_lora_model(tokenizer)
+    config = model.get_base_model().config
+    ids = torch.randint(3, len(tokenizer), (2, 9))
+    head = backbone_and_head(model)[1]
+    apply = llama.SiluMul.apply
+
+    def saves(recast: bool):
+        products = []
+        with monkeypatch.context() as patch:
+            patch.setattr(llama.SiluMul, "apply",
+                          lambda *a: (lambda out: products.append(out.untyped_storage().data_ptr()) or out)(apply(*a)))
+            with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(model, recast, leave=head):
+                saved = _saved_bf16(lambda: model(input_ids=ids).logits)
+        hidden = {storage for shape, storage in saved if shape[-1] == config.hidden_size
+                  and math.prod(shape) == ids.numel() * config.hidden_size}
+        return len(hidden), {storage for shape, storage in saved if shape[-1] == config.intermediate_size}, products
+
+    layers = config.num_hidden_layers
+    hidden, intermediate, products = saves(False)
+    # a frozen base saves its weight's cast, not its input; each adapter's A a cast of its own (q k v o gate up)
+    assert hidden == 6 * layers and not set(products) & intermediate  # down_proj's A: a copy of the product
+    hidden, intermediate, products = saves(True)
+    assert hidden == 3 * layers  # q/k/v's input, o's, gate/up's: one cast each, base and adapter sharing it
+    assert len(products) == layers and set(products) <= intermediate  # down_proj's A: the product itself

@@ -93,9 +93,15 @@ class RecastLinear(torch.autograd.Function):
 
 
 def eligible(module: torch.nn.Module) -> bool:
-    """fast_linear's rule (a plain nn.Linear: peft's base layer, not its rank-16 A and B; fp32 on the CPU,
-    at least MIN_FEATURES wide), with an fp32 bias."""
-    return fast_linear.eligible(module) and (module.bias is None or module.bias.dtype == torch.float32)
+    """A plain nn.Linear on the CPU (peft's base layer and its adapters' A, which reads the same input) taking at
+    least MIN_FEATURES inputs: an fp32 weight, or a frozen bf16 one (a LoRA base held in bf16,
+    kernels/frozen_base.py: autocast's cast of it is itself), and an fp32 bias or none. What a layer saves is its
+    input, so the input's width decides (recast_linears leaves LoRA's B, whose input is rank-wide, to autocast)."""
+    weight = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Linear and weight.device.type == "cpu"
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and not weight.requires_grad))
+            and module.in_features >= fast_linear.MIN_FEATURES
+            and (module.bias is None or module.bias.dtype == torch.float32))
 
 
 def _forward(module: torch.nn.Linear, shared: _SharedInputCast, x: torch.Tensor) -> torch.Tensor:
@@ -127,8 +133,43 @@ def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn
     shared = _SharedInputCast()
     try:
         left = set(leave.modules()) if leave is not None else set()  # a peft-wrapped head: its inner linears too
-        with fast_linear.route_linears(model, lambda module: module not in left and eligible(module),
-                                       lambda module, x: _forward(module, shared, x)) as routed:
+        # LoRA's B reads A's rank-wide output: nothing to save there, and its input would take the shared cast's
+        # one entry from the next projection's (q's adapters between q and k)
+        skipped = left | {b for layer in model.modules() if hasattr(layer, "lora_B") for b in layer.lora_B.values()}
+        with fast_linear.route_linears(model, lambda module: module not in skipped and eligible(module),
+                                       lambda module, x: _forward(module, shared, x)) as routed, \
+                _adapters_read_their_input(model, left):
             yield routed
     finally:
         shared.clear()
+
+
+@contextlib.contextmanager
+def _adapters_read_their_input(model: torch.nn.Module, left: set):
+    """peft's LoRA layers hand their adapters the input itself, not a copy cast to the adapter's dtype.
+
+    peft casts a bf16 input (down_proj's, the SiLU product under autocast) to fp32 for the fp32 adapter, and
+    autocast casts it back to bf16 for the adapter's matmul: the same values, but a new intermediate-wide tensor
+    that A saves for backward (Qwen2.5-1.5B: 17.5 KB a token a layer). Handed the product itself, A saves it
+    (or RecastLinear shares it), and the product is formed again in backward as for down_proj's base
+    (models/llama.py). The bits are autocast's either way: bf16 -> fp32 -> bf16 is exact, the gradient reaching
+    the product is bf16 on both paths, and its two terms (base and adapter) add in either order. Only where
+    every adapter's dropout is the identity: a dropout would run in bf16 instead of fp32 (other draws)."""
+    changed = []
+    for module in model.modules():
+        if (module in left or not hasattr(module, "lora_A") or not hasattr(module, "_cast_input_dtype")
+                or not all(type(dropout) is torch.nn.Identity for dropout in module.lora_dropout.values())):
+            continue
+        changed.append((module, vars(module).get("cast_input_dtype_enabled", _UNSET)))
+        module.cast_input_dtype_enabled = False  # peft's switch (peft.helpers.disable_input_dtype_casting)
+    try:
+        yield
+    finally:
+        for module, before in changed:
+            if before is _UNSET:
+                del module.cast_input_dtype_enabled
+            else:
+                module.cast_input_dtype_enabled = before
+
+
+_UNSET = object()
