@@ -73,3 +73,30 @@ def test_the_learner_runs_the_plan_prepare_resolved(data):
         assert job.learner.correction is session.plan.learning.correction
     finally:
         job.close()
+
+
+def test_a_loaded_lora_base_is_held_in_bf16_under_bf16_learning_only(data):
+    """prepare holds the frozen LoRA base in bf16 where the learner reads it as bf16 only, says so on the plan
+    line, and a step runs on it; fp32 learning, `hasten eval` and the guard's switch to fp32 keep it fp32."""
+    import torch
+
+    def bases(session):
+        return {module.base_layer.weight.dtype for module in session.policy.model.modules()
+                if hasattr(module, "lora_A")}
+
+    lora = {"model.lora": True, "model.lora_r": 4, "train.precision": "bf16_fp32head", "train.steps": 1}
+    lines = []
+    session = prepare(configured(data, **lora), log=lines.append)
+    assert session.plan.bf16_base and bases(session) == {torch.bfloat16}
+    assert "LoRA base held in bf16" in lines[-1] == session.plan.describe()
+    job = GRPOJob(session, log=lambda line: None)
+    try:
+        record = job.step(1)
+        assert torch.isfinite(torch.tensor(record["loss"])) and bases(session) == {torch.bfloat16}
+    finally:
+        job.close()
+    for overrides, evaluating in (({"train.precision": "fp32"}, False), ({}, True),
+                                  ({"speed.nan_guard_action": "disable_mixed_precision"}, False)):
+        session = prepare(configured(data, **{**lora, **overrides}), log=lambda line: None, evaluating=evaluating)
+        assert not session.plan.bf16_base and bases(session) == {torch.float32}
+        assert "LoRA base held in bf16" not in session.plan.describe()

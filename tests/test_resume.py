@@ -224,15 +224,20 @@ def crash_and_resume(monkeypatch, make_cfg, target: type, at: int, entry) -> tup
     return run, Path(reference["run_dir"])
 
 
-def test_lora_grpo_resumes_bit_identically(data, monkeypatch):
+@pytest.mark.parametrize("precision", ["auto", "bf16_fp32head"])  # bf16: the base held in bf16 (frozen_base.py)
+def test_lora_grpo_resumes_bit_identically(data, monkeypatch, precision):
     def make(name):  # the CLI's own parsing of the same overrides
         return load_config(overrides=parse_overrides(grpo_overrides(data, name, **{
-            "model.lora": True, "model.lora_r": 4, "algo.beta": 0.05, "output.progress": "off"})))
+            "model.lora": True, "model.lora_r": 4, "algo.beta": 0.05, "output.progress": "off",
+            "train.precision": precision})))
 
+    lines = []
     run, reference = crash_and_resume(monkeypatch, make, GRPOJob, 4,
-                                      lambda cfg, resume: train(cfg, log=lambda _: None, resume=resume))
+                                      lambda cfg, resume: train(cfg, log=lines.append, resume=resume))
     assert (run / "checkpoint" / "adapter_model.safetensors").is_file()
     assert_same_run(run, reference)
+    held = [line for line in lines if line.startswith("plan:") and "LoRA base held in bf16" in line]
+    assert len(held) == (3 if precision == "bf16_fp32head" else 0)  # the reference, the crashed run, its resume
 
 
 @pytest.mark.parametrize("extra", [{"generation.precision": "int8"}, {"train.optimizer_moments": "bf16"}],

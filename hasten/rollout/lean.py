@@ -157,6 +157,8 @@ def _effective(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     if base is None:
         return linear.weight, linear.bias
     weight = base.weight
+    if weight.dtype == torch.bfloat16 and not weight.requires_grad:  # a base held in bf16 (kernels/frozen_base.py)
+        weight = weight.float()  # the merge and the fp32 forms in fp32, from the learner's own base
     if not linear.disable_adapters and not linear.merged:  # merged: peft already added the delta into W
         for adapter in linear.active_adapters:
             if adapter in linear.lora_A:

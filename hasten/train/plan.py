@@ -32,10 +32,15 @@ class Plan:
     decode_attention: bool = False  # the lean engine's decode attention runs the fused kernel (speed.decode_attention)
     sampling: str = "fp32"  # generation.precision, resolved: the sampled rollouts' matmuls (fp32 | bf16 | int8)
     held_back: tuple[str, ...] = ()  # what the profile left out because this launch cannot run it (profiles.py)
+    bf16_base: bool = False  # the frozen LoRA base held in bf16, which the learner reads as bf16 only (kernels/frozen_base.py)
 
     @classmethod
-    def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool) -> Plan:
+    def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool, loaded: bool = False) -> Plan:
+        """loaded: the policy is the one the run loaded from its weights file (not a model the API was given,
+        whose owner keeps using it): only then may its frozen LoRA base be held in bf16."""
+        from ..kernels import frozen_base
         from ..models.llama import NativeLlamaForCausalLM
+        from . import distributed
 
         model = policy.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
@@ -50,17 +55,22 @@ class Plan:
 
         import torch
 
-        return cls(device, engine_kind, "native" if native else "transformers",
-                   LearningPlan.resolve(cfg, sharded, model.config, device, first.dtype), sharded, adaptive_threads,
+        learning = LearningPlan.resolve(cfg, sharded, model.config, device, first.dtype)
+        bf16_base = loaded and frozen_base.reason_not(
+            device, bool(policy.lora), native, learning.precision, engine_kind, getattr(engine, "weights", ""),
+            cfg.speed.nan_guard_action if cfg.speed.nan_guard else "", distributed.world_size()) is None
+        return cls(device, engine_kind, "native" if native else "transformers", learning, sharded, adaptive_threads,
                    cfg.algo.async_steps,
                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
                    decode_attention=bool(getattr(engine, "decode_attention", False)),
-                   sampling=getattr(engine, "sample_precision", "fp32"), held_back=tuple(held_back_notes(cfg)))
+                   sampling=getattr(engine, "sample_precision", "fp32"), held_back=tuple(held_back_notes(cfg)),
+                   bf16_base=bf16_base)
 
     def describe(self) -> str:
         """One line: 'plan: cpu, lean engine, native forward, packed learning pass (...), on-policy, 2 threads
         on 2 cores, adaptive (fewer while other processes run; each step line says when)'."""
         extras = (["FSDP-sharded"] if self.sharded else []) + (
+            ["LoRA base held in bf16 (the learner reads it as bf16 only)"] if self.bf16_base else []) + (
             [f"{self.async_steps} batch sampled ahead"] if self.async_steps else []) + [self.describe_threads()] + (
             [f"profile left out for this launch: {'; '.join(self.held_back)}"] if self.held_back else [])
         details = ([f"{self.sampling} sampling"] if self.sampling != "fp32" else []) + (

@@ -52,6 +52,7 @@ from ..rollout.model_generate import custom_generate, sampling_engine
 from ..sandbox.pool import close_shared, shared_stats
 from ..kernels.allocator import check_in_process as check_allocator
 from ..kernels.compile import compile_model
+from ..kernels.frozen_base import hold_in_bf16
 from ..algo.dynamic_sampling import refill
 from ..kernels.threads import ThreadGovernor
 from ..tasks import Task, make_task
@@ -146,6 +147,7 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     cfg.generation.api_tools = [callable_name(tool) for tool in tools or []]
     cfg.task.api_environment = callable_name(environment) if environment is not None else None
     rewards = build_rewards(cfg, task, rewards, parts.reward_functions if parts else None)
+    loaded = policy is None  # the API's own model stays as it was given (Plan.resolve)
     if policy is None:
         check_model_name(cfg.model.name)  # an unknown name or a broken directory: one line, not after "loading"
         check_engine_installed(cfg)  # speed.engine=vllm without vLLM: likewise
@@ -164,7 +166,9 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     governor = ThreadGovernor(cfg.speed.adaptive_threads and cfg.train.num_threads == 0
                               and distributed.world_size() == 1 and device.type == "cpu")
     engine = make_engine(cfg, policy, log)
-    plan = Plan.resolve(cfg, policy, engine, governor.enabled)
+    plan = Plan.resolve(cfg, policy, engine, governor.enabled, loaded=loaded and not evaluating)
+    if plan.bf16_base:
+        hold_in_bf16(policy.model)  # before the first sample: the engine merges from it (kernels/frozen_base.py)
     log(plan.describe_eval() if evaluating else plan.describe())
     return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed, cfg.algo), RewardLogs(state),
                    threads=governor, plan=plan, agent=agent)
