@@ -279,15 +279,20 @@ def pass_gradients(model, rollout, advantages, precision: str, recast: bool, chu
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def native_lora_model(tokenizer):
-    """The tiny model on the native implementation, LoRA on all seven projections, B nonzero (a trained adapter)."""
+def native_lora_model(tokenizer, **lora):
+    """The tiny model on the native implementation, LoRA on all seven projections (LoraConfig's other fields:
+    `lora`), B nonzero (a trained adapter)."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
     from hasten.models.llama import NativeLlamaForCausalLM
     from hasten.models.tiny import tiny_model
 
-    model = get_peft_model(NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer))).train(),
-                           LoraConfig(r=4, target_modules=PROJECTIONS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
+        model = get_peft_model(NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer))).train(),
+                               LoraConfig(**{"r": 4, "target_modules": PROJECTIONS, **lora}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:

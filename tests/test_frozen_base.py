@@ -40,16 +40,20 @@ def test_the_learning_pass_reads_the_same_bits(monkeypatch, short_model, tokeniz
     assert hold_in_bf16(held) == 0  # nothing left to convert
 
 
-def test_only_frozen_fp32_bases_under_lora_change(tokenizer):
-    """Norms, the embedding and head, the adapters and a base being trained stay as they were."""
-    model = native_lora_model(tokenizer)
+def test_only_frozen_fp32_projection_bases_under_plain_lora_change(tokenizer):
+    """Norms, the embedding and the tied head (LoRA on lm_head too), the adapters and a base being trained stay
+    as they were; DoRA's layers (their weight norm reads the base in the input's dtype) keep an fp32 base."""
+    model = native_lora_model(tokenizer, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
     trained = _bases(model)[0]
     trained.requires_grad_(True)
     before = {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()}
     hold_in_bf16(model)
     changed = {name for name, p in model.named_parameters() if (p.dtype, p.data_ptr()) != before[name]}
-    assert changed and all(name.endswith("base_layer.weight") for name in changed)
-    assert trained.dtype == torch.float32
+    projections = {name for name in before if name.endswith("_proj.base_layer.weight")}
+    assert changed == projections - {"base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"}
+    assert trained.dtype == torch.float32 and not any("lm_head" in name or "embed" in name for name in changed)
+    dora = native_lora_model(tokenizer, use_dora=True)
+    assert hold_in_bf16(dora) == 0 and {weight.dtype for weight in _bases(dora)} == {torch.float32}
 
 
 def test_the_engine_merges_from_the_bf16_base(tokenizer):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hasten.config import load_config
+from hasten.config import ConfigError, load_config
 from hasten.train.learner import Correction, LearningPlan
 from hasten.train.trainer import GRPOJob, prepare
 
@@ -93,6 +93,12 @@ def test_a_loaded_lora_base_is_held_in_bf16_under_bf16_learning_only(data):
     try:
         record = job.step(1)
         assert torch.isfinite(torch.tensor(record["loss"])) and bases(session) == {torch.bfloat16}
+        # a checkpoint the NaN guard had switched to fp32 (disable_mixed_precision), resumed under another action
+        state = job.state_dict()
+        state["optimization"]["precision"]["mode"] = "fp32"
+        job.save_model(data / "checkpoint")
+        with pytest.raises(ConfigError, match="nan_guard_action=disable_mixed_precision"):
+            job.load_state_dict(state, data / "checkpoint")
     finally:
         job.close()
     for overrides, evaluating in (({"train.precision": "fp32"}, False), ({}, True),

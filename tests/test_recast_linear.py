@@ -206,17 +206,22 @@ def test_a_routed_output_can_be_changed_in_place(with_bias):
     assert all(torch.equal(a, b) for a, b in zip(plain[1:], routed[1:]))
 
 
+@pytest.mark.parametrize("lora", [{}, {"lora_dropout": 0.1}, {"use_dora": True}], ids=["plain", "dropout", "dora"])
 @pytest.mark.parametrize("precision", ["bf16", "bf16_fp32head"])
-def test_lora_adapters_give_autocast_bits(route_small_layers, short_model, tokenizer, precision):
-    """LoRA's A recast beside its base layer and handed the input itself (peft's dtype cast off): log-probs and
-    every adapter gradient equal to plain autocast's with peft casting, and peft's switch restored after."""
+def test_lora_adapters_give_autocast_bits(route_small_layers, short_model, tokenizer, precision, lora):
+    """Plain LoRA's A recast beside its base layer and handed the input itself (peft's dtype cast off); with a
+    dropout or DoRA, the adapters on autocast's linears and peft's cast: log-probs and every adapter gradient
+    equal to plain autocast's with peft casting, and peft's switch restored after."""
     rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
     advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
-    model = native_lora_model(tokenizer)
+    model = native_lora_model(tokenizer, **lora)
     before = {name: getattr(module, "cast_input_dtype_enabled", None) for name, module in model.named_modules()}
+    torch.manual_seed(1)  # the dropout's draws
     _, plain_logps, plain_grads = pass_gradients(model, rollout, advantages, precision, False, 0)
+    torch.manual_seed(1)
     routed, logps, grads = pass_gradients(model, rollout, advantages, precision, True, 0)
-    assert routed > 7 * len(backbone_and_head(model)[0].layers)  # the adapters' linears too
+    layers = len(backbone_and_head(model)[0].layers)
+    assert routed == 7 * layers * (1 if lora else 2)  # plain LoRA: the adapters' A too
     assert torch.equal(logps, plain_logps)
     assert len(grads) == len(plain_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert {name: getattr(module, "cast_input_dtype_enabled", None) for name, module in model.named_modules()} == before
@@ -252,3 +257,20 @@ def test_lora_adapters_save_no_copy_of_their_input(route_small_layers, tokenizer
     hidden, intermediate, products = saves(True)
     assert hidden == 3 * layers  # q/k/v's input, o's, gate/up's: one cast each, base and adapter sharing it
     assert len(products) == layers and set(products) <= intermediate  # down_proj's A: the product itself
+
+
+def test_an_adapter_behind_a_dropout_leaves_the_shared_cast_alone(route_small_layers, tokenizer, monkeypatch):
+    """With a LoRA dropout, A reads the dropout's output, a new tensor: recast, it would take the shared cast's
+    one entry and k and v would cast their input again. A stays on autocast's linear instead, and the base
+    layers cast once per input: q/k/v's, o's, gate/up's and down's (the bf16 product, which is its own cast)."""
+    model = native_lora_model(tokenizer, lora_dropout=0.1)
+    ids = torch.randint(3, len(tokenizer), (2, 9))
+    casts = []
+    get = _SharedInputCast.get
+    monkeypatch.setattr(_SharedInputCast, "get", lambda self, x: (
+        casts.append(1) if x is not self.source or x._version != self.version else None) or get(self, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            recast_linears(model, True, leave=backbone_and_head(model)[1]) as routed:
+        model(input_ids=ids)
+    layers = model.get_base_model().config.num_hidden_layers
+    assert routed == 7 * layers and len(casts) == 4 * layers

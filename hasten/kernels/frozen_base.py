@@ -13,8 +13,9 @@ What it changes, and so where it applies:
 - Saved runs are unchanged: LoRA saves its adapters only, and hasten_base.json names the base they apply to.
 - An fp32 pass over the base would need its low bits, which are gone. So the base stays fp32 where one can run:
   fp32 or fp16 learning, and the NaN guard's disable_mixed_precision action (it switches autocast off mid-run).
-  It stays fp32 too where the sampler reads the live weights in fp32 (speed.engine_weights=shared, vLLM, the hf
-  engine), off the CPU (not measured), and under torchrun (DDP and FSDP wrap the model as they find it).
+  It stays fp32 too where another sampler reads the weights (speed.engine_weights=shared, speculative decoding,
+  vLLM, the hf engine), off the CPU (not measured), under torchrun (DDP and FSDP wrap the model as they find
+  it), for `hasten eval` (it never learns) and for a model handed to the Python API (its owner keeps it).
 
 A LoRA base lies on the weights file's pages (models/__init__.py leaves it there: nothing writes it). Converted,
 each weight's pages go back to the kernel at once (madvise MADV_DONTNEED on the file's private mapping, whose
@@ -49,19 +50,28 @@ def reason_not(device: str, lora: bool, native: bool, precision: str, engine: st
     return None
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @torch.no_grad()
 def hold_in_bf16(model) -> int:
-    """Replace each frozen fp32 base weight under a peft LoRA layer with its bf16 cast (the Parameter object
-    kept: `.data`); returns the bytes of fp32 weights replaced. Biases, norms, the embedding and the head stay."""
+    """Replace each frozen fp32 base weight of a decoder projection under plain peft LoRA with its bf16 cast (the
+    Parameter object kept: `.data`); returns the bytes of fp32 weights replaced. Biases, norms, the embedding and
+    the head stay fp32 (an fp32 head reads its weight in fp32), and so does a weight any other parameter shares,
+    or a layer in a peft variant (DoRA reads its base in the input's dtype)."""
     converted = 0
-    kept = {parameter.data_ptr() for name, parameter in model.named_parameters()}
+    pointers = [parameter.data_ptr() for parameter in model.parameters()]
+    kept = set(pointers)
     mapped = _file_mappings()
-    for module in model.modules():
+    for name, module in model.named_modules():
         base = getattr(module, "base_layer", None)
-        if not hasattr(module, "lora_A") or type(base) is not torch.nn.Linear:
+        if (not hasattr(module, "lora_A") or type(base) is not torch.nn.Linear
+                or name.rsplit(".", 1)[-1] not in PROJECTIONS or getattr(module, "lora_variant", None)
+                or any(getattr(module, "use_dora", {}).values())):
             continue
         weight = base.weight
-        if weight.dtype != torch.float32 or weight.requires_grad or weight.device.type != "cpu":
+        if (weight.dtype != torch.float32 or weight.requires_grad or weight.device.type != "cpu"
+                or pointers.count(weight.data_ptr()) > 1):  # tied to another parameter
             continue
         old = weight.data
         weight.data = old.to(torch.bfloat16)

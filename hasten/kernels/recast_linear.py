@@ -134,32 +134,39 @@ def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn
     try:
         left = set(leave.modules()) if leave is not None else set()  # a peft-wrapped head: its inner linears too
         # LoRA's B reads A's rank-wide output: nothing to save there, and its input would take the shared cast's
-        # one entry from the next projection's (q's adapters between q and k)
-        skipped = left | {b for layer in model.modules() if hasattr(layer, "lora_B") for b in layer.lora_B.values()}
+        # one entry from the next projection's (q's adapters between q and k). So would A's where it reads a
+        # dropout's output or runs in a peft variant (DoRA): only plain LoRA's A, reading the input itself.
+        adapters = [layer for layer in model.modules() if hasattr(layer, "lora_A") and hasattr(layer, "lora_B")]
+        skipped = left | {b for layer in adapters for b in layer.lora_B.values()} | {
+            a for layer in adapters if not _plain_lora(layer) for a in layer.lora_A.values()}
         with fast_linear.route_linears(model, lambda module: module not in skipped and eligible(module),
                                        lambda module, x: _forward(module, shared, x)) as routed, \
-                _adapters_read_their_input(model, left):
+                _adapters_read_their_input([layer for layer in adapters if layer not in left and _plain_lora(layer)]):
             yield routed
     finally:
         shared.clear()
 
 
+def _plain_lora(layer: torch.nn.Module) -> bool:
+    """A peft LoRA layer whose adapters read its input as given: every dropout the identity, no variant (DoRA's
+    weight norm reads the input's dtype), and peft's input cast switch present."""
+    return (hasattr(layer, "_cast_input_dtype") and not getattr(layer, "lora_variant", None)
+            and not any(getattr(layer, "use_dora", {}).values())
+            and all(type(dropout) is torch.nn.Identity for dropout in layer.lora_dropout.values()))
+
+
 @contextlib.contextmanager
-def _adapters_read_their_input(model: torch.nn.Module, left: set):
-    """peft's LoRA layers hand their adapters the input itself, not a copy cast to the adapter's dtype.
+def _adapters_read_their_input(layers: list[torch.nn.Module]):
+    """These plain LoRA layers hand their adapters the input itself, not a copy cast to the adapter's dtype.
 
     peft casts a bf16 input (down_proj's, the SiLU product under autocast) to fp32 for the fp32 adapter, and
     autocast casts it back to bf16 for the adapter's matmul: the same values, but a new intermediate-wide tensor
     that A saves for backward (Qwen2.5-1.5B: 17.5 KB a token a layer). Handed the product itself, A saves it
     (or RecastLinear shares it), and the product is formed again in backward as for down_proj's base
     (models/llama.py). The bits are autocast's either way: bf16 -> fp32 -> bf16 is exact, the gradient reaching
-    the product is bf16 on both paths, and its two terms (base and adapter) add in either order. Only where
-    every adapter's dropout is the identity: a dropout would run in bf16 instead of fp32 (other draws)."""
+    the product is bf16 on both paths, and its two terms (base and adapter) add in either order."""
     changed = []
-    for module in model.modules():
-        if (module in left or not hasattr(module, "lora_A") or not hasattr(module, "_cast_input_dtype")
-                or not all(type(dropout) is torch.nn.Identity for dropout in module.lora_dropout.values())):
-            continue
+    for module in layers:
         changed.append((module, vars(module).get("cast_input_dtype_enabled", _UNSET)))
         module.cast_input_dtype_enabled = False  # peft's switch (peft.helpers.disable_input_dtype_casting)
     try:

@@ -65,13 +65,15 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   run bf16 matmuls several times faster. The samples come from a rounded
   policy, so the learner weights each token by min(pi_fp32 / pi_sampler, cap)
   (truncated importance sampling, as for vLLM). Greedy calls (evaluation)
-  always use the fp32 weights, so reported accuracy is the fp32 policy's; a
+  always use the fp32 weights, so reported accuracy is the fp32 policy's (under
+  LoRA with bf16 learning, a base the run holds in bf16, kernels/frozen_base.py,
+  is that policy's base: float(bf16(W)) + scale * B @ A); a
   sampled evaluation (pass@k at temperature > 0) samples as training does, in
   generation.precision. The engine holds one sampling copy at a time (a switch
   frees the other).
 Left out: torch.compile (inductor cannot lower oneDNN's packed linear; with
 F.linear it compiled slowly with a recompile per new batch size), bf16 weights
-(log-probs would no longer match the fp32 learner).
+for greedy calls (log-probs would no longer match the fp32 learner).
 """
 
 from __future__ import annotations
