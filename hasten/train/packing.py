@@ -368,6 +368,15 @@ def head_on_onednn(head: torch.nn.Module) -> bool:
     return routed or bool(getattr(forward, "onednn", False))
 
 
+def even_step(count: int, cap: int) -> int:
+    """Chunk length for `count` targets in chunks of at most `cap` (0: one chunk): as few chunks as the cap
+    allows, cut evenly. The largest chunk's (chunk, vocabulary) buffer sets the head's share of the learning
+    pass's peak: at Qwen2.5's 883-token cap a 1,024-target micro-batch is two chunks of 512, not 883 + 141."""
+    if cap <= 0 or count <= cap:
+        return max(count, 1)
+    return -(-count // -(-count // cap))
+
+
 def _chunk_logprobs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False,
                     in_place: tuple[torch.nn.Linear, bool] | None = None):
     """(log-prob of each target (chunk,), entropy (chunk,) or an empty tensor).
@@ -424,7 +433,7 @@ def packed_logprobs(
     hidden = hidden[packed.source_row.to(device), packed.source_position.to(device)]  # (M, H)
     targets = packed.targets.to(device)
     chunk_tokens = effective_logit_chunk(chunk_tokens, head.weight.shape[0])  # bounded in bytes for large vocabularies
-    step = chunk_tokens if chunk_tokens > 0 else hidden.shape[0]
+    step = even_step(hidden.shape[0], chunk_tokens)
     # One chunk holds everything: nothing to save by recomputing it in backward.
     recompute = torch.is_grad_enabled() and step < hidden.shape[0]
     # The head as it runs now: backward recomputes a chunk after a kernel switch that routes it
