@@ -404,8 +404,8 @@ def test_the_product_is_not_held_for_backward(tokenizer, monkeypatch):
     ids = torch.randint(3, len(tokenizer), (2, 24))
     layers = model.config.num_hidden_layers
     hooked = []
-    again = llama._product_again
-    monkeypatch.setattr(llama, "_product_again", lambda *a: hooked.append(1) or again(*a))
+    again = llama._formed_again
+    monkeypatch.setattr(llama, "_formed_again", lambda *a: hooked.append(1) or again(*a))
 
     def products_alive(lean: bool, run=lambda: model(input_ids=ids).logits):
         products = []
@@ -430,3 +430,32 @@ def test_the_product_is_not_held_for_backward(tokenizer, monkeypatch):
         model(input_ids=ids)  # between the checkpointed forward and its backward
     out.sum().backward()  # the recompute saves what its forward saved (no CheckpointError)
     assert not hooked
+
+
+def test_the_norms_normalized_state_is_not_held_for_backward(tokenizer, monkeypatch):
+    """Each decoder norm's normalized state (its input times rstd, which autograd keeps for the weight's gradient)
+    is gone after the forward and formed again in backward: every tensor handed to the recipes dies, two norms a
+    layer, and the explicit norm gives F.rms_norm's output bit for bit."""
+    import weakref
+
+    from hasten.models import llama
+    from hasten.models.tiny import tiny_model
+
+    model = native_copy(tiny_model(len(tokenizer))).train()
+    ids = torch.randint(3, len(tokenizer), (2, 24))
+    formed = []
+    again = llama._formed_again
+    monkeypatch.setattr(llama, "_formed_again", lambda tensor, form: formed.append(weakref.ref(tensor)) or again(
+        tensor, form))
+    out = model(input_ids=ids).logits
+    layers = model.config.num_hidden_layers
+    assert len(formed) == 3 * layers and all(ref() is None for ref in formed)  # two norms and the product a layer
+    out.sum().backward()
+    norm = model.model.layers[0].input_layernorm
+    hidden = torch.randn(3, 5, model.config.hidden_size, requires_grad=True)
+    token = llama.LEAN_SAVES.set(True)
+    try:
+        lean = norm(hidden)
+    finally:
+        llama.LEAN_SAVES.reset(token)
+    assert torch.equal(lean, llama.rms_norm(hidden, norm.weight, norm.eps))

@@ -274,3 +274,45 @@ def test_an_adapter_behind_a_dropout_leaves_the_shared_cast_alone(route_small_la
         model(input_ids=ids)
     layers = model.get_base_model().config.num_hidden_layers
     assert routed == 7 * layers and len(casts) == 4 * layers
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_fp32head"])
+def test_the_native_norms_inputs_are_cast_again_in_backward(route_small_layers, short_model, tokenizer,
+                                                             monkeypatch, precision):
+    """On the native model a decoder norm's output (q/k/v's input, gate/up's) can be formed again from what the
+    norm keeps (models/llama.py): the recast linears keep no bf16 cast of it and cast it again in backward. After
+    the forward only o_proj's cast is alive (attention's output); log-probs and every gradient are autocast's."""
+    import weakref
+
+    from hasten.models.llama import NativeLlamaForCausalLM
+    from hasten.models.tiny import tiny_model
+
+    rollout = rollout_of(short_model, tokenizer, num_generations=4, max_new_tokens=12)
+    advantages = torch.randn(rollout.num_samples, generator=torch.Generator().manual_seed(0))
+    model = NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer))).train()
+    _, plain_logps, plain_grads = pass_gradients(model, rollout, advantages, precision, False, 0)
+    casts = []
+    get = _SharedInputCast.get
+    monkeypatch.setattr(_SharedInputCast, "get", lambda self, x: (lambda cast: casts.append(
+        weakref.ref(cast)) or cast)(get(self, x)))
+    routed, logps, grads = pass_gradients(model, rollout, advantages, precision, True, 0)
+    assert routed == 7 * model.config.num_hidden_layers
+    assert torch.equal(logps, plain_logps)
+    assert len(grads) == len(plain_grads) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+    ids = torch.randint(3, len(tokenizer), (2, 9))
+    casts.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(model, True, leave=model.lm_head):
+        from hasten.models import llama
+
+        token = llama.LEAN_SAVES.set(True)  # as Decoder sets it for its layers
+        try:
+            out = model.model.layers[0](model.model.embed_tokens(ids), *model.model.rotary_emb(
+                model.model.embed_tokens(ids), torch.arange(9).expand(2, -1)), llama.causal_padding_mask(
+                torch.ones(2, 9, dtype=torch.long)))
+        finally:
+            llama.LEAN_SAVES.reset(token)
+            llama.form_again(None)
+    alive = {tuple(ref().shape) for ref in casts if ref() is not None}
+    assert alive == {(2, 9, model.config.hidden_size)} and sum(ref() is not None for ref in casts) == 1  # o_proj's
+    out.float().sum().backward()

@@ -29,6 +29,8 @@ fp32 forward anyway.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,13 @@ class RecastLinear(torch.autograd.Function):
         # forbids that on a view a Function returned)
         out = F.linear(x_bf16.reshape(-1, x.shape[-1]), weight.to(torch.bfloat16),
                        None if bias is None else bias.to(torch.bfloat16))  # (M, N)
-        ctx.save_for_backward(x_bf16, weight)  # the fp32 parameter: no copy
+        # The input's cast serves the weight's gradient only: none kept for a frozen weight, and none where the
+        # input can be formed again (`form_again`): backward casts that again, from the recipe's tensors (saved
+        # here too, so autograd frees them after backward and checks their versions)
+        form, inputs = _form_of(x) if ctx.needs_input_grad[1] else (None, ())
+        keep = ctx.needs_input_grad[1] and form is None
+        ctx.save_for_backward(weight, x_bf16 if keep else None, *inputs)  # the fp32 parameter: no copy
+        ctx.form = form
         ctx.input_dtype = x.dtype
         ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
@@ -79,17 +87,41 @@ class RecastLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # AddmmBackward's products on the flattened input (mm_mat1_backward, mm_mat2_backward), each gradient
         # then cast to its leaf's dtype as autocast's casts' backward does: the bits autocast's graph gives.
-        x_bf16, weight = ctx.saved_tensors
+        weight, x_bf16, *inputs = ctx.saved_tensors
         grad_flat = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_flat.mm(weight.to(torch.bfloat16)).view(ctx.input_shape)
             grad_x = grad_x.to(ctx.input_dtype)
         if ctx.needs_input_grad[1]:
+            if ctx.form is not None:
+                x_bf16 = ctx.form(*inputs).to(torch.bfloat16)  # the forward's cast of the same bits
             grad_weight = grad_flat.t().mm(x_bf16.reshape(-1, x_bf16.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_flat.sum(0).float()
         return grad_x, grad_weight, grad_bias, None
+
+
+# The latest tensor a model said it can form again, as (weak reference, its version, form, inputs):
+# models/llama.py's norm output, made from tensors the norm keeps anyway. One at a time: a norm's output feeds
+# the projections right after it (q/k/v, gate/up) before the next norm runs.
+_FORMED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hasten_formed_input", default=None)
+
+
+def form_again(tensor: torch.Tensor | None, form=None, *inputs: torch.Tensor) -> None:
+    """`tensor` equals `form(*inputs)` bit for bit (the same ops on tensors autograd keeps for backward anyway;
+    `form` holds no tensor itself): a recast linear reading it keeps no bf16 cast of it for its weight's gradient
+    and casts `form(*inputs)` again in backward. form_again(None) forgets it (the model does at the end of its
+    layers)."""
+    _FORMED.set(None if tensor is None else (weakref.ref(tensor), tensor._version, form, inputs))
+
+
+def _form_of(x: torch.Tensor) -> tuple:
+    """(form, inputs) where `x` is the tensor form_again named, unchanged since; else (None, ())."""
+    entry = _FORMED.get()
+    if entry is None or entry[0]() is not x or entry[1] != x._version:
+        return None, ()
+    return entry[2], entry[3]
 
 
 def eligible(module: torch.nn.Module) -> bool:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.precision import attention
+from ..kernels.recast_linear import form_again
 from .families import FAMILIES, inv_freq, rope_parameters, unsupported_reason
 
 WEIGHTS_NAME = "model.safetensors"
@@ -89,13 +90,33 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, device=None):
+    def __init__(self, size: int, eps: float, device=None, feeds_projections: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
+        self.feeds_projections = feeds_projections  # a decoder layer's norm: its output is q/k/v's or gate/up's input
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.weight, self.eps)
+        if not (LEAN_SAVES.get() and hidden.dtype == self.weight.dtype == torch.float32 and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not _outer_saved_tensor_hooks()):
+            return rms_norm(hidden, self.weight, self.eps)
+        # F.rms_norm's own ops (its CPU composite), spelled out so the normalized state is at hand: autograd
+        # keeps it for the weight's gradient, and here it is formed again from the input and rstd, which the
+        # norm keeps anyway (a hidden-wide fp32 tensor a token less per norm). The same graph: the same bits.
+        rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        normalized = hidden.mul(rstd)
+        if normalized.grad_fn is None:  # nothing of it saved (no graph): the recipe would only hold its inputs
+            return normalized.mul(self.weight)
+        with torch.autograd.graph.saved_tensors_hooks(*_formed_again(normalized, lambda: hidden.mul(rstd))):
+            out = normalized.mul(self.weight)
+        if self.feeds_projections:  # recast linears keep no bf16 cast of it (kernels/recast_linear.py)
+            form_again(out, _normed_again, hidden, rstd, self.weight)
+        return out
+
+
+def _normed_again(hidden: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm's output from its input and rstd: the forward's two products, the same bits."""
+    return hidden.mul(rstd).mul(weight)
 
 
 def rope_table(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -197,12 +218,16 @@ class MLP(nn.Module):
         if not (LEAN_SAVES.get() and product.grad_fn is not None and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and not _outer_saved_tensor_hooks()):
             return self.down_proj(product)
-        with torch.autograd.graph.saved_tensors_hooks(*_product_again(product, gate, up)):
+        # down_proj's saved input (or a view of it: LoRA's adapters, a reshape) is formed again from gate and up,
+        # which SiluMul keeps anyway: silu(gate) * up, SiluMul's forward, so the same bits. Without it down_proj
+        # holds the intermediate-wide product from the forward to its backward (Qwen2.5-0.5B in bf16: 9.5 KB a
+        # token a layer, ~280 MiB at a 1,275-token micro-batch).
+        with torch.autograd.graph.saved_tensors_hooks(*_formed_again(product, lambda: F.silu(gate) * up)):
             return self.down_proj(product)
 
 
 # True while Decoder.forward runs its layers for a learning pass that is not checkpointed: MLP then has
-# down_proj's input formed again in backward. A context value, not a module attribute, so that a checkpointed
+# down_proj's input formed again in backward, and RMSNorm its normalized state. A context value, not a module attribute, so that a checkpointed
 # layer recomputed in backward (outside it) saves what its forward saved, whatever ran in between.
 LEAN_SAVES: contextvars.ContextVar[bool] = contextvars.ContextVar("hasten_lean_saves", default=False)
 
@@ -216,25 +241,22 @@ def _outer_saved_tensor_hooks() -> bool:
         return True  # cannot tell: leave the saves to autograd
 
 
-def _product_again(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    """saved_tensors_hooks for down_proj's call: what it saves of `product` (its input, or a view of it: LoRA's
-    adapters, a reshape) is kept as a recipe, and formed again from gate and up, which SiluMul keeps anyway,
-    when backward reads it: silu(gate) * up, SiluMul's forward, so the same bits. Without it down_proj holds
-    the intermediate-wide product from the forward to its backward (Qwen2.5-0.5B in bf16: 9.5 KB a token a
-    layer, ~280 MiB at a 1,275-token micro-batch)."""
-    # its address only: a reference would keep the product alive (the hooks run while down_proj's call holds it)
-    address, device, dtype = product.untyped_storage().data_ptr(), product.device, product.dtype
+def _formed_again(tensor: torch.Tensor, form):
+    """saved_tensors_hooks under which whatever saves `tensor` (or a view of it) keeps a recipe instead, and
+    backward reads `form()`: the op that made it, on inputs autograd keeps anyway, so the same bits."""
+    # its address only: a reference would keep the tensor alive (the hooks run while its consumer holds it)
+    address, device, dtype = tensor.untyped_storage().data_ptr(), tensor.device, tensor.dtype
 
-    def pack(tensor: torch.Tensor):
-        if tensor.device == device and tensor.dtype == dtype and tensor.untyped_storage().data_ptr() == address:
-            return ("again", tensor.shape, tensor.stride(), tensor.storage_offset())
-        return tensor
+    def pack(saved: torch.Tensor):
+        if saved.device == device and saved.dtype == dtype and saved.untyped_storage().data_ptr() == address:
+            return ("again", saved.shape, saved.stride(), saved.storage_offset())
+        return saved
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
         _, shape, stride, offset = packed
-        return (F.silu(gate) * up).as_strided(shape, stride, offset)
+        return form().as_strided(shape, stride, offset)
 
     return pack, unpack
 
@@ -268,9 +290,10 @@ class SiluMul(torch.autograd.Function):
 class DecoderLayer(nn.Module):
     def __init__(self, settings: LlamaSettings, device=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
+        self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device, feeds_projections=True)
         self.self_attn = Attention(settings, device)
-        self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps, device,
+                                                feeds_projections=True)
         self.mlp = MLP(settings, device)
 
     def forward(self, hidden, cos, signed_sin, attention_mask, **kwargs):
@@ -329,6 +352,7 @@ class Decoder(nn.Module):
                     hidden = layer(hidden, cos, signed_sin, attention_mask, **kwargs)
         finally:
             LEAN_SAVES.reset(lean)
+            form_again(None)  # the last norm's recipe held its tensors
         return ModelOutput(last_hidden_state=self.norm(hidden))
 
 
