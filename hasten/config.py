@@ -195,7 +195,7 @@ class SpeedConfig:
     keep_freed_memory: bool = True  # glibc: reuse freed activations instead of re-faulting pages (runtime.py)
     allocator: str = "auto"  # auto (tcmalloc, else mimalloc, else glibc) | tcmalloc | mimalloc | glibc: the malloc (kernels/allocator.py)
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
-    logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of this many tokens; 0 = at once
+    logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of at most this many tokens; 0 = at once
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (kernels/grouped_attention.py)
     decode_attention: bool | str = "auto"  # lean engine decode step: one fused CPU kernel (built once with cc); auto = where it builds and the CPU has AVX-512 (kernels/decode_attention.py)
     shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (kernels/shared_prefix.py)

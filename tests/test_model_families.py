@@ -193,3 +193,32 @@ def test_refused_configs_say_why():
         NativeLlamaForCausalLM.from_hf(MistralForCausalLM(MistralConfig(
             vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=64, sliding_window=16)))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("kind", ["qwen3-bias", "qwen2-untied"])
+def test_the_lean_learning_pass_gives_autograds_bits(kind, bf16, tokenizer, monkeypatch):
+    """With qk-norm (Qwen3) and biases: the native pass whose norms form their normalized state, and whose MLPs
+    form down_proj's input, again in backward (and whose recast linears cast a norm's output again) gives the
+    plain pass's gradients bit for bit, fp32 and bf16 autocast."""
+    from hasten.kernels.recast_linear import recast_linears
+
+    monkeypatch.setattr(fast_linear, "MIN_FEATURES", 1)  # the test model's layers are below the threshold
+    hf = family_model(kind, len(tokenizer))
+    rollout = rollout_of(hf, tokenizer, num_generations=2)
+    rows, mask = torch.arange(rollout.num_samples), rollout.completion_mask
+
+    def gradients(lean: bool):
+        native = native_copy(hf)
+        with monkeypatch.context() as patch:
+            if not lean:  # as if inside another saved-tensor hook: autograd's own saves throughout
+                patch.setattr("hasten.models.llama._outer_saved_tensor_hooks", lambda: True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                    recast_linears(native, bf16, leave=native.lm_head):
+                (packed_logprobs(native, rollout, rows, 1.0, False, 0, True).logps.float() * mask).sum().backward()
+        return {name: p.grad for name, p in native.named_parameters()}
+
+    plain, lean = gradients(False), gradients(True)
+    assert plain.keys() == lean.keys() and any("q_norm" in name for name in plain) == kind.startswith("qwen3")
+    for name, grad in plain.items():
+        assert torch.equal(grad, lean[name]), name

@@ -368,8 +368,10 @@ def _lean_gradients(model, tokenizer, monkeypatch, lean: bool, bf16: bool):
 @pytest.mark.parametrize("lora", [False, True])
 def test_product_formed_again_gives_autograds_gradients_bit_for_bit(tokenizer, monkeypatch, bf16, lora):
     """down_proj's saved input, the SiLU-gated product, is formed again from gate and up in backward
-    (MLP's saved-tensor hooks): SiluMul's own forward, so every gradient is autograd's bit for bit; fp32 or bf16
-    autocast with recast linears, full or LoRA (peft's adapters on down_proj save a view of the product)."""
+    (MLP's saved-tensor hooks), and each norm's normalized state from its input and rstd (RMSNorm's explicit
+    F.rms_norm ops): the same ops, so every gradient is autograd's (F.rms_norm's, the saved product's) bit for
+    bit; fp32 or bf16 autocast with recast linears, full or LoRA (peft's adapters on down_proj save a view of
+    the product)."""
     from hasten.models.tiny import tiny_model
 
     model = native_copy(tiny_model(len(tokenizer))).train()
@@ -458,4 +460,5 @@ def test_the_norms_normalized_state_is_not_held_for_backward(tokenizer, monkeypa
         lean = norm(hidden)
     finally:
         llama.LEAN_SAVES.reset(token)
+        llama.form_again(None)  # the norm named its output to the recast linears
     assert torch.equal(lean, llama.rms_norm(hidden, norm.weight, norm.eps))

@@ -102,7 +102,7 @@ def test_no_bf16_weight_is_saved_and_q_k_v_share_their_input():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = _saved_bf16(project)
     assert weights <= {math.prod(shape) for shape, _ in plain}
-    assert len({storage for shape, storage in plain if math.prod(shape) == x.numel()}) == 3  # a cast of x per projection
+    assert len({storage for shape, storage in plain if math.prod(shape) == x.numel()}) == 3  # a cast per projection
     with recast_linears(layers) as routed:
         assert routed == 0  # not under autocast: nothing routed
     with torch.autocast("cpu", dtype=torch.bfloat16), recast_linears(layers) as routed:

@@ -12,7 +12,8 @@ copy of the one input they share.
 bit-identical to autocast's (tests/test_recast_linear.py compares them with torch.equal; that holds where each
 routed weight and each shared leaf input is used once per pass, as in every decoder hasten supports: autocast
 sums a reused cast's gradients in bf16, this in fp32), but saves the fp32 weight itself (a reference, no
-memory) and casts it again in backward, one layer at a time, and casts a shared input once. The cost is one
+memory) and casts it again in backward, one layer at a time, and casts a shared input once (and keeps no
+cast of it where the weight is frozen, or where the model forms the input again: `form_again`). The cost is one
 more cast of each weight per micro-batch, a pass over the weights' bytes (~0.1 s at 0.5B, against a learning
 pass of tens of seconds).
 
@@ -39,7 +40,8 @@ from . import fast_linear
 
 
 class _SharedInputCast:
-    """The last input cast to bf16, so q, k and v (gate and up) share one saved copy of their input.
+    """The last input cast to bf16, so q, k and v (gate and up) share one cast of their input (saved once, or
+    not at all where the model forms the input again: `form_again`).
 
     One entry: a projection's input replaces it; kept only for the block (recast_linears clears it),
     and only while the input is unchanged (its version)."""

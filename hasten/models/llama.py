@@ -82,7 +82,7 @@ class ModelOutput(NamedTuple):
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, as transformers' LlamaRMSNorm; used by this model and the lean engine."""
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(hidden, weight.shape, weight, eps)  # one kernel, same math
+        return F.rms_norm(hidden, weight.shape, weight, eps)  # on the CPU a composite of six ops (RMSNorm's lean path)
     dtype = hidden.dtype  # normalize in fp32, cast back, then scale
     hidden = hidden.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
@@ -97,9 +97,10 @@ class RMSNorm(nn.Module):
         self.feeds_projections = feeds_projections  # a decoder layer's norm: its output is q/k/v's or gate/up's input
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not (LEAN_SAVES.get() and hidden.dtype == self.weight.dtype == torch.float32 and torch.is_grad_enabled()
+        if not (LEAN_SAVES.get() and hidden.device.type == "cpu" and self.eps is not None
+                and hidden.dtype == self.weight.dtype == torch.float32 and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and not _outer_saved_tensor_hooks()):
-            return rms_norm(hidden, self.weight, self.eps)
+            return rms_norm(hidden, self.weight, self.eps)  # a GPU's F.rms_norm is one fused kernel, keeping x, rstd
         # F.rms_norm's own ops (its CPU composite), spelled out so the normalized state is at hand: autograd
         # keeps it for the weight's gradient, and here it is formed again from the input and rstd, which the
         # norm keeps anyway (a hidden-wide fp32 tensor a token less per norm). The same graph: the same bits.
@@ -227,8 +228,9 @@ class MLP(nn.Module):
 
 
 # True while Decoder.forward runs its layers for a learning pass that is not checkpointed: MLP then has
-# down_proj's input formed again in backward, and RMSNorm its normalized state. A context value, not a module attribute, so that a checkpointed
-# layer recomputed in backward (outside it) saves what its forward saved, whatever ran in between.
+# down_proj's input formed again in backward, and RMSNorm its normalized state. A context value, not a module
+# attribute, so that a checkpointed layer recomputed in backward (outside it) saves what its forward saved,
+# whatever ran in between.
 LEAN_SAVES: contextvars.ContextVar[bool] = contextvars.ContextVar("hasten_lean_saves", default=False)
 
 

@@ -21,7 +21,8 @@ More savings come with it:
 - a completion's last token is only ever a target, never an input, so it is
   left out of the row;
 - logits are computed only at positions that predict a completion token, in
-  chunks of speed.logit_chunk_tokens rows of the (tokens x vocab) matrix,
+  chunks of at most speed.logit_chunk_tokens rows of the (tokens x vocab)
+  matrix (fewer for a large vocabulary, cut evenly: even_step),
   each chunk recomputed in backward (checkpointed) so the whole matrix never
   exists at once.
 

@@ -32,7 +32,7 @@ class Plan:
     decode_attention: bool = False  # the lean engine's decode attention runs the fused kernel (speed.decode_attention)
     sampling: str = "fp32"  # generation.precision, resolved: the sampled rollouts' matmuls (fp32 | bf16 | int8)
     held_back: tuple[str, ...] = ()  # what the profile left out because this launch cannot run it (profiles.py)
-    bf16_base: bool = False  # the frozen LoRA base held in bf16, which the learner reads as bf16 only (kernels/frozen_base.py)
+    bf16_base: bool = False  # the frozen LoRA base held in bf16: the learner reads it as bf16 only (frozen_base.py)
 
     @classmethod
     def resolve(cls, cfg: Config, policy, engine, adaptive_threads: bool, loaded: bool = False) -> Plan:

@@ -439,8 +439,8 @@ class GRPOJob:
         plan = self.session.plan
         if plan is not None and plan.bf16_base and not self.learner.optimization.precision.mixed:
             raise ConfigError("resume error: the NaN guard switched this run to fp32 learning "
-                              "(speed.nan_guard_action=disable_mixed_precision), which reads the LoRA base in fp32; set "
-                              "that action again in the run's config.yaml to continue it")
+                              "(speed.nan_guard_action=disable_mixed_precision), which reads the LoRA base in "
+                              "fp32; set that action again in the run's config.yaml to continue it")
         if "entropy_control" in state:
             self.learner.entropy_control.load_state_dict(state["entropy_control"])
         self.feeder.load_state_dict(state["feeder"])
