@@ -133,13 +133,14 @@ def test_anonymous_memory_is_never_handed_back(tokenizer):
 
 
 ELIGIBLE = dict(device="cpu", lora=True, native=True, precision="bf16_fp32head", engine="lean",
-                engine_weights="copy", nan_guard_action="lower_lr", world_size=1)
+                engine_weights="copy", nan_guard_action="lower_lr", world_size=1, compiled=False)
 
 
 @pytest.mark.parametrize("change", [
     {}, {"lora": False}, {"precision": "fp32"}, {"precision": "fp16"}, {"precision": "bf16"}, {"device": "cuda:0"},
     {"native": False}, {"engine": "vllm"}, {"engine": "hf"}, {"engine": "lean+speculative (ngram)"},
-    {"engine_weights": "shared"}, {"nan_guard_action": "disable_mixed_precision"}, {"world_size": 2}])
+    {"engine_weights": "shared"}, {"nan_guard_action": "disable_mixed_precision"}, {"world_size": 2},
+    {"compiled": True}])
 def test_where_the_base_is_held_in_bf16(change):
     held = reason_not(**{**ELIGIBLE, **change}) is None
     assert held == (change in ({}, {"precision": "bf16"}))

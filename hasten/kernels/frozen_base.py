@@ -14,7 +14,8 @@ What it changes, and so where it applies:
 - An fp32 pass over the base would need its low bits, which are gone. So the base stays fp32 where one can run:
   fp32 or fp16 learning, and the NaN guard's disable_mixed_precision action (it switches autocast off mid-run).
   It stays fp32 too where another sampler reads the weights (speed.engine_weights=shared, speculative decoding,
-  vLLM, the hf engine), off the CPU (not measured), under torchrun (DDP and FSDP wrap the model as they find
+  vLLM, the hf engine), under speed.compile (inductor may fuse autocast's cast into another kernel, so a bf16
+  weight need not give the same bits), off the CPU (not measured), under torchrun (DDP and FSDP wrap the model as they find
   it), for `hasten eval` (it never learns) and for a model handed to the Python API (its owner keeps it).
 
 A LoRA base lies on the weights file's pages (models/__init__.py leaves it there: nothing writes it). Converted,
@@ -35,7 +36,7 @@ MADV_DONTNEED = 4  # linux/mman.h
 
 
 def reason_not(device: str, lora: bool, native: bool, precision: str, engine: str, engine_weights: str,
-               nan_guard_action: str, world_size: int) -> str | None:
+               nan_guard_action: str, world_size: int, compiled: bool = False) -> str | None:
     """None where the frozen base is held in bf16 (this module's docstring); else why not, in a few words."""
     for reason, applies in (
             ("no LoRA: every weight trains, in fp32", not lora),
@@ -44,7 +45,8 @@ def reason_not(device: str, lora: bool, native: bool, precision: str, engine: st
             ("transformers' model", not native),
             ("the sampler reads the live weights", engine != "lean" or engine_weights != "copy"),
             ("the NaN guard may switch autocast off", nan_guard_action == "disable_mixed_precision"),
-            ("torchrun", world_size > 1)):
+            ("torchrun", world_size > 1),
+            ("torch.compile may pick other kernels for a bf16 weight than for autocast's cast", compiled)):
         if applies:
             return reason
     return None

@@ -58,7 +58,8 @@ class Plan:
         learning = LearningPlan.resolve(cfg, sharded, model.config, device, first.dtype)
         bf16_base = loaded and frozen_base.reason_not(
             device, bool(policy.lora), native, learning.precision, engine_kind, getattr(engine, "weights", ""),
-            cfg.speed.nan_guard_action if cfg.speed.nan_guard else "", distributed.world_size()) is None
+            cfg.speed.nan_guard_action if cfg.speed.nan_guard else "", distributed.world_size(),
+            cfg.speed.compile) is None
         return cls(device, engine_kind, "native" if native else "transformers", learning, sharded, adaptive_threads,
                    cfg.algo.async_steps,
                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
