@@ -276,9 +276,6 @@ def pass_gradients(model, rollout, advantages, precision: str, recast: bool, chu
     return routed, logps.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def native_lora_model(tokenizer, **lora):
     """The tiny model on the native implementation, LoRA on all seven projections (LoraConfig's other fields:
     `lora`), B nonzero (a trained adapter)."""
@@ -288,11 +285,12 @@ def native_lora_model(tokenizer, **lora):
 
     from hasten.models.llama import NativeLlamaForCausalLM
     from hasten.models.tiny import tiny_model
+    from hasten.rollout.lean import PROJECTIONS
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's note on tied embeddings in an adapter
         model = get_peft_model(NativeLlamaForCausalLM.from_hf(tiny_model(len(tokenizer))).train(),
-                               LoraConfig(**{"r": 4, "target_modules": PROJECTIONS, **lora}))
+                               LoraConfig(**{"r": 4, "target_modules": list(PROJECTIONS), **lora}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:

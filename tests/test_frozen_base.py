@@ -41,13 +41,15 @@ def test_the_learning_pass_reads_the_same_bits(monkeypatch, short_model, tokeniz
 
 
 def test_only_frozen_fp32_projection_bases_under_plain_lora_change(tokenizer):
-    """Norms, the embedding and the tied head (LoRA on lm_head too), the adapters and a base being trained stay
-    as they were; DoRA's layers (their weight norm reads the base in the input's dtype) keep an fp32 base."""
+    """Norms, the embedding and the head left out (LoRA on lm_head too), the adapters and a base being trained
+    stay as they were; DoRA's layers (their weight norm reads the base in the input's dtype) keep an fp32 base."""
+    from hasten.train.packing import backbone_and_head
+
     model = native_lora_model(tokenizer, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
     trained = _bases(model)[0]
     trained.requires_grad_(True)
     before = {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()}
-    hold_in_bf16(model)
+    hold_in_bf16(model, leave=backbone_and_head(model)[1])
     changed = {name for name, p in model.named_parameters() if (p.dtype, p.data_ptr()) != before[name]}
     projections = {name for name in before if name.endswith("_proj.base_layer.weight")}
     assert changed == projections - {"base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"}

@@ -8,6 +8,8 @@ oneDNN fast_linear with biases, and checkpoints both ways. Plus the configs that
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import make_engine, rollout_of
@@ -137,20 +139,27 @@ def test_lean_engine_samples_what_the_kv_cache_engine_samples_on_transformers(fa
         assert len(set(expected.completion_lengths.tolist())) > 1, kind  # rows ended at different steps
 
 
+def _packed_gradients(hf, rollout, kernels) -> tuple[dict, object]:
+    """One packed learning pass of a native copy of `hf` inside `kernels(native)` (a context manager): the
+    gradients by parameter name, and what the context yielded."""
+    native = native_copy(hf)
+    rows, mask = torch.arange(rollout.num_samples), rollout.completion_mask
+    with kernels(native) as yielded:
+        (packed_logprobs(native, rollout, rows, 1.0, False, 0, True).logps.float() * mask).sum().backward()
+    return {name: p.grad for name, p in native.named_parameters()}, yielded
+
+
 @pytest.mark.skipif(not fast_linear.available(), reason="torch built without oneDNN's fp32 linear")
 @pytest.mark.parametrize("kind", ["qwen2-untied", "qwen3-bias", "llama-biases"])
 def test_onednn_linears_with_biases_give_the_same_gradients(kind, tokenizer, monkeypatch):
     monkeypatch.setattr(fast_linear, "MIN_FEATURES", 1)  # the test model's layers are below the threshold
     hf = family_model(kind, len(tokenizer))
     rollout = rollout_of(hf, tokenizer, num_generations=2)
-    rows, mask = torch.arange(rollout.num_samples), rollout.completion_mask
 
     def gradients(routed: bool):
-        native = native_copy(hf)
-        with fast_linear.onednn_linears(native, enabled=routed) as count:
-            (packed_logprobs(native, rollout, rows, 1.0, False, 0, True).logps * mask).sum().backward()
+        grads, count = _packed_gradients(hf, rollout, lambda native: fast_linear.onednn_linears(native, routed))
         assert (count > 0) == routed
-        return {name: p.grad for name, p in native.named_parameters()}
+        return grads
 
     reference, routed = gradients(False), gradients(True)
     assert any(name.endswith("bias") for name in routed)
@@ -206,17 +215,18 @@ def test_the_lean_learning_pass_gives_autograds_bits(kind, bf16, tokenizer, monk
     monkeypatch.setattr(fast_linear, "MIN_FEATURES", 1)  # the test model's layers are below the threshold
     hf = family_model(kind, len(tokenizer))
     rollout = rollout_of(hf, tokenizer, num_generations=2)
-    rows, mask = torch.arange(rollout.num_samples), rollout.completion_mask
+
+    @contextlib.contextmanager
+    def kernels(native):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                recast_linears(native, bf16, leave=native.lm_head) as routed:
+            yield routed
 
     def gradients(lean: bool):
-        native = native_copy(hf)
         with monkeypatch.context() as patch:
             if not lean:  # as if inside another saved-tensor hook: autograd's own saves throughout
                 patch.setattr("hasten.models.llama._outer_saved_tensor_hooks", lambda: True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
-                    recast_linears(native, bf16, leave=native.lm_head):
-                (packed_logprobs(native, rollout, rows, 1.0, False, 0, True).logps.float() * mask).sum().backward()
-        return {name: p.grad for name, p in native.named_parameters()}
+            return _packed_gradients(hf, rollout, kernels)[0]
 
     plain, lean = gradients(False), gradients(True)
     assert plain.keys() == lean.keys() and any("q_norm" in name for name in plain) == kind.startswith("qwen3")

@@ -586,20 +586,3 @@ def test_head_gradient_in_place_only_where_it_is_the_same_gradient(tokenizer, mo
     for wrap in ("lora", "modules_to_save"):
         wrapped = peft_head_model(model, wrap)
         assert not head_grad_in_place(wrapped.get_base_model().lm_head, hidden)
-
-
-def test_logit_chunks_are_cut_evenly():
-    """As many chunks as the cap needs and none over it, all of one length but the last, which is short by fewer
-    tokens than there are chunks: a 1,024-target micro-batch under Qwen2.5's 883-token cap is two chunks of
-    512, not 883 + 141."""
-    import math
-
-    from hasten.train.packing import even_step
-
-    assert even_step(1024, 883) == 512 and even_step(100, 0) == 100 and even_step(50, 883) == 50
-    for count in range(1, 300):
-        for cap in range(1, 40):
-            step = even_step(count, cap)
-            sizes = [min(step, count - start) for start in range(0, count, step)]
-            assert len(sizes) == math.ceil(count / cap) and max(sizes) <= cap
-            assert set(sizes[:-1]) <= {step} and step - sizes[-1] < len(sizes)

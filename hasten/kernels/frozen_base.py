@@ -52,24 +52,21 @@ def reason_not(device: str, lora: bool, native: bool, precision: str, engine: st
     return None
 
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @torch.no_grad()
-def hold_in_bf16(model) -> int:
-    """Replace each frozen fp32 base weight of a decoder projection under plain peft LoRA with its bf16 cast (the
-    Parameter object kept: `.data`); returns the bytes of fp32 weights replaced. Biases, norms, the embedding and
-    the head stay fp32 (an fp32 head reads its weight in fp32), and so does a weight any other parameter shares,
-    or a layer in a peft variant (DoRA reads its base in the input's dtype)."""
+def hold_in_bf16(model, leave: torch.nn.Module | None = None) -> int:
+    """Replace each frozen fp32 base weight under plain peft LoRA with its bf16 cast (the Parameter object kept:
+    `.data`); returns the bytes of fp32 weights replaced. Biases, norms, the embedding stay fp32, and so do
+    `leave` with everything inside it (the LM head: an fp32 head reads its weight in fp32), a weight any other
+    parameter shares, and a layer in a peft variant (DoRA reads its base in the input's dtype)."""
     converted = 0
     pointers = [parameter.data_ptr() for parameter in model.parameters()]
     kept = set(pointers)
     mapped = _file_mappings()
-    for name, module in model.named_modules():
+    left = set(leave.modules()) if leave is not None else set()
+    for module in model.modules():
         base = getattr(module, "base_layer", None)
-        if (not hasattr(module, "lora_A") or type(base) is not torch.nn.Linear
-                or name.rsplit(".", 1)[-1] not in PROJECTIONS or getattr(module, "lora_variant", None)
-                or any(getattr(module, "use_dora", {}).values())):
+        if (module in left or not hasattr(module, "lora_A") or type(base) is not torch.nn.Linear
+                or getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values())):
             continue
         weight = base.weight
         if (weight.dtype != torch.float32 or weight.requires_grad or weight.device.type != "cpu"

@@ -171,11 +171,12 @@ def recast_linears(model: torch.nn.Module, enabled: bool = True, leave: torch.nn
         # one entry from the next projection's (q's adapters between q and k). So would A's where it reads a
         # dropout's output or runs in a peft variant (DoRA): only plain LoRA's A, reading the input itself.
         adapters = [layer for layer in model.modules() if hasattr(layer, "lora_A") and hasattr(layer, "lora_B")]
+        plain = [layer for layer in adapters if layer not in left and _plain_lora(layer)]
         skipped = left | {b for layer in adapters for b in layer.lora_B.values()} | {
-            a for layer in adapters if not _plain_lora(layer) for a in layer.lora_A.values()}
+            a for layer in set(adapters) - set(plain) for a in layer.lora_A.values()}
         with fast_linear.route_linears(model, lambda module: module not in skipped and eligible(module),
                                        lambda module, x: _forward(module, shared, x)) as routed, \
-                _adapters_read_their_input([layer for layer in adapters if layer not in left and _plain_lora(layer)]):
+                _adapters_read_their_input(plain):
             yield routed
     finally:
         shared.clear()

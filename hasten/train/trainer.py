@@ -64,6 +64,7 @@ from .feeder import Feeder, make_feeder
 from .learner import Learner
 from .plan import Plan
 from .outputs import RunDir, save_model_files
+from .packing import backbone_and_head
 from .preflight import check_output_dir
 from ..kernels.runtime import configure_threads, keep_freed_memory
 from ..rewards.scoring import RewardLogs, RewardScorer, RewardState
@@ -168,7 +169,8 @@ def prepare(cfg: Config, log: Callable[[str], None] = print, task: Task | None =
     engine = make_engine(cfg, policy, log)
     plan = Plan.resolve(cfg, policy, engine, governor.enabled, loaded=loaded and not evaluating)
     if plan.bf16_base:
-        hold_in_bf16(policy.model)  # before the first sample: the engine merges from it (kernels/frozen_base.py)
+        # before the first sample, which merges from it; the head stays fp32 (kernels/frozen_base.py)
+        hold_in_bf16(policy.model, leave=backbone_and_head(policy.model)[1])
     log(plan.describe_eval() if evaluating else plan.describe())
     return Session(cfg, task, rewards, policy, engine, RewardScorer(rewards, cfg.speed, cfg.algo), RewardLogs(state),
                    threads=governor, plan=plan, agent=agent)
