@@ -197,7 +197,7 @@ class SpeedConfig:
     packed_learning: bool = True  # one row per group: prompt once, completions packed (train/packing.py)
     logit_chunk_tokens: int = 2048  # packed pass: logits in checkpointed chunks of at most this many tokens; 0 = at once
     grouped_attention: bool = True  # packed pass: attention on the allowed blocks only (kernels/grouped_attention.py)
-    decode_attention: bool | str = "auto"  # lean engine decode step: one fused CPU kernel (built once with cc); auto = where it builds and the CPU has AVX-512 (kernels/decode_attention.py)
+    decode_attention: bool | str = "auto"  # lean engine decode step: attention, and the work between its matmuls, in fused CPU kernels (built once with cc); auto = where it builds and the CPU has AVX-512 (kernels/decode_attention.py)
     shared_prefix: bool = True  # the prompts' common prefix once: lean-engine prefill, grouped packed pass (kernels/shared_prefix.py)
     skip_zero_advantage: bool = True  # learning pass: leave out samples whose loss has no gradient (A = 0, beta = 0) (algo/zero_advantage.py)
     token_budget: int | str = "auto"  # learning pass: max model-input tokens per micro-batch (train/microbatch.py); 0 = off; auto = activations under 1/4 of the device's memory (at most 2048 tokens on a CPU) and 0.3 of what the weights, gradients and moments leave

@@ -139,6 +139,112 @@ int decode_attention(const float *q, int64_t q_row, int64_t rows, int64_t kv_hea
     return failed ? 2 : 0;
 }
 
+/* ------------------------------------------------------------------ the rest of a decode layer, fused
+   The elementwise work between a decode step's matmuls, one call each where torch runs five to ten ops on
+   32 rows: the residual add and RMSNorm (F.rms_norm's CPU composite: x * rsqrt(mean(x^2) + eps), then
+   * weight) with the cast to the next matmul's input; RoPE (x * cos + swap(x) * signed_sin, as
+   models/llama.py's rotate) writing the keys and values into the cache; SiLU(gate) * up. bf16 in and out
+   where the matmuls run bf16 (bf16: uint16 bits; torch's round-to-nearest-even), fp32 otherwise. One
+   thread: at these sizes a fork costs more than the work. Built with -ffp-contract=off, so RoPE and the
+   adds are torch's bits; the norm's sum and SiLU's exp differ from torch's by summation order and ulps. */
+
+static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(void *p, int64_t i, __m512 v, int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v); /* c10::BFloat16's round to nearest even; NaN -> 0x7fc0 */
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(r));
+}
+
+/* hidden (rows, width) fp32 += delta (rows, width; NULL: nothing added), then out = rms_norm(hidden) * weight.
+   width a multiple of 16. */
+int decode_add_norm(float *hidden, const void *delta, int delta_bf16, int64_t rows, int64_t width,
+                    const float *weight, float eps, void *out, int out_bf16) {
+    if (width % 16) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = hidden + r * width;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i += 16) {
+            __m512 x = _mm512_loadu_ps(h + i);
+            if (delta) {
+                x = _mm512_add_ps(x, load16(delta, r * width + i, delta_bf16));
+                _mm512_storeu_ps(h + i, x);
+            }
+            sq = _mm512_add_ps(sq, _mm512_mul_ps(x, x));
+        }
+        float mean = _mm512_reduce_add_ps(sq) / (float)width;
+        __m512 rstd = _mm512_set1_ps(1.f / sqrtf(mean + eps));
+        for (int64_t i = 0; i < width; i += 16)
+            store16(out, r * width + i,
+                    _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + i), rstd), _mm512_loadu_ps(weight + i)),
+                    out_bf16);
+    }
+    return 0;
+}
+
+/* out (rows, inner) = silu(gate) * up, from gate_up (rows, 2 * inner): gate then up, as chunk(2) splits it. */
+int decode_silu_mul(const void *gate_up, int in_bf16, int64_t rows, int64_t inner, void *out, int out_bf16) {
+    if (inner % 16) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inner; i += 16) {
+            __m512 g = load16(gate_up, r * 2 * inner + i, in_bf16), u = load16(gate_up, r * 2 * inner + inner + i, in_bf16);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            store16(out, r * inner + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u),
+                    out_bf16);
+        }
+    return 0;
+}
+
+/* One row's head of dim values at x (fp32, bias added) rotated: x * cos + swap(x) * signed_sin -> y. */
+static inline void rotate_head(const float *x, const float *cos, const float *sin, int64_t dim, float *y) {
+    int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i += 16) {
+        int64_t j = i < half ? i + half : i - half;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i));
+        __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(sin + i));
+        _mm512_storeu_ps(y + i, _mm512_add_ps(a, b));
+    }
+}
+
+/* qkv (rows, (heads + 2 * kv_heads) * dim), bf16 or fp32, + bias (fp32, NULL: none): the queries rotated into
+   q (rows, heads, dim); the keys rotated and the values into the cache, row n's at k + n * c_row + h * c_head
+   (the position's slot already added by the caller). cos, sin: (rows, dim) fp32. dim 64 or 128. */
+int decode_rope(const void *qkv, int in_bf16, const float *bias, int64_t rows, int64_t heads, int64_t kv_heads,
+                int64_t dim, const float *cos, const float *sin, float *q, float *k, float *v, int64_t c_row,
+                int64_t c_head) {
+    if (!(dim == 64 || dim == 128)) return 1;
+    int64_t width = (heads + 2 * kv_heads) * dim;
+    float x[128];
+    for (int64_t n = 0; n < rows; n++) {
+        const float *cn = cos + n * dim, *sn = sin + n * dim;
+        for (int64_t h = 0; h < heads + 2 * kv_heads; h++) {
+            for (int64_t i = 0; i < dim; i += 16) {
+                __m512 val = load16(qkv, n * width + h * dim + i, in_bf16);
+                if (bias) val = _mm512_add_ps(val, _mm512_loadu_ps(bias + h * dim + i));
+                _mm512_storeu_ps(x + i, val);
+            }
+            if (h < heads)
+                rotate_head(x, cn, sn, dim, q + (n * heads + h) * dim);
+            else if (h < heads + kv_heads)
+                rotate_head(x, cn, sn, dim, k + n * c_row + (h - heads) * c_head);
+            else
+                for (int64_t i = 0; i < dim; i += 16)
+                    _mm512_storeu_ps(v + n * c_row + (h - heads - kv_heads) * c_head + i, _mm512_loadu_ps(x + i));
+        }
+    }
+    return 0;
+}
+
 #else /* no AVX-512 at build time: the caller keeps torch's path */
 
 int decode_attention_isa(void) { return 0; }
@@ -148,6 +254,21 @@ int decode_attention(const float *q, int64_t q_row, int64_t rows, int64_t kv_hea
                      int64_t width, const float *prompt_bias, const int64_t *prompt_of_row, const float *own_k,
                      const float *own_v, int64_t o_row, int64_t o_head, const int64_t *own_rows,
                      const int64_t *own_lengths, int64_t length, float *out, int threads) {
+    return 1;
+}
+
+int decode_add_norm(float *hidden, const void *delta, int delta_bf16, int64_t rows, int64_t width,
+                    const float *weight, float eps, void *out, int out_bf16) {
+    return 1;
+}
+
+int decode_silu_mul(const void *gate_up, int in_bf16, int64_t rows, int64_t inner, void *out, int out_bf16) {
+    return 1;
+}
+
+int decode_rope(const void *qkv, int in_bf16, const float *bias, int64_t rows, int64_t heads, int64_t kv_heads,
+                int64_t dim, const float *cos, const float *sin, float *q, float *k, float *v, int64_t c_row,
+                int64_t c_head) {
     return 1;
 }
 

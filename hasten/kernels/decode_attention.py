@@ -1,4 +1,5 @@
-"""speed.decode_attention: the lean engine's decode-step attention as one fused CPU kernel.
+"""speed.decode_attention: the lean engine's decode step in fused CPU kernels: its attention, and the work
+between its matmuls.
 
 A decode step attends each row's query heads to its prompt's K/V (one copy per group,
 rollout/group_cache.py) and to its own tokens' K/V. In torch that is two batched matmuls per part, a
@@ -15,6 +16,12 @@ holds the two within 1e-5 of a float64 reference and each other). What it needs:
 $CC) with OpenMP, an AVX-512 CPU, fp32 K/V on the CPU, head_dim 64 or 128 and up to 8 query heads per KV
 head. speed.decode_attention=auto uses it where all of that holds and torch otherwise (logged once);
 true makes a missing compiler or CPU feature a config error; false is torch.
+
+The same library carries the rest of a decode layer's work between its matmuls (add_norm, silu_mul, rope,
+below; LeanEngine._fused_step calls them): at 32 rows torch spends five to ten small ops on each, 4-12 us apiece,
+which together cost more than the attention. The residual add and RoPE are torch's bits; the norm's sum and
+SiLU's exp differ from torch's by order and ulps, and a bf16 cast of them rounds as torch's does
+(tests/test_decode_step.py).
 
 The library is built once per source, compiler and CPU into $HASTEN_CACHE/kernels (cc -O3 -march=native,
 about a second) and loaded with ctypes after torch, so its OpenMP runtime is torch's (one libgomp: no
@@ -40,7 +47,7 @@ import torch
 from ..device import cache_root
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 HEAD_DIMS, MAX_GROUP = (64, 128), 8
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" (the loaded library) or "reason" (why it is not), once per process
@@ -132,6 +139,12 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64, i64, i64, ptr, ptr,
                                      ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    flag, f32 = ctypes.c_int, ctypes.c_float
+    lib.decode_add_norm.argtypes = [ptr, ptr, flag, i64, i64, ptr, f32, ptr, flag]
+    lib.decode_silu_mul.argtypes = [ptr, flag, i64, i64, ptr, flag]
+    lib.decode_rope.argtypes = [ptr, flag, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
+    for name in ("decode_add_norm", "decode_silu_mul", "decode_rope"):
+        getattr(lib, name).restype = ctypes.c_int
     return lib, None
 
 
@@ -210,3 +223,56 @@ def attend(query: torch.Tensor, scale: float, prompt_keys: torch.Tensor, prompt_
     if code == 2:
         raise MemoryError("speed.decode_attention: the kernel could not allocate its scores")
     return out if code == 0 else None
+
+
+# ------------------------------------------------------------------ the rest of a decode layer (decode_attention.c)
+# The lean engine's fused decode step (rollout/lean.py, LeanEngine._fused_step) calls these between its matmuls.
+# Each takes contiguous CPU tensors, fp32 or bf16 where named, widths a multiple of 16, and raises where the
+# kernel declines: the engine checks what they take (layers_supported) before it uses them.
+
+
+def layers_supported(hidden_size: int, intermediate_size: int, head_dim: int) -> bool:
+    """Whether add_norm, silu_mul and rope take a model of these widths (and the library is here)."""
+    return (_library() is not None and hidden_size % 16 == 0 and intermediate_size % 16 == 0
+            and head_dim in HEAD_DIMS)
+
+
+def _check(code: int, name: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"speed.decode_attention: {name} declined its tensors (a caller's bug)")
+
+
+def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out: torch.Tensor) -> torch.Tensor:
+    """hidden (N, H) fp32 += delta (N, H, fp32 or bf16; None: nothing), in place; out (N, H, fp32 or bf16) =
+    rms_norm(hidden) * weight, F.rms_norm's composite up to the order of its sum. Returns out."""
+    rows, width = hidden.shape
+    _check(_library().decode_add_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                                      delta is not None and delta.dtype == torch.bfloat16, rows, width,
+                                      weight.data_ptr(), eps, out.data_ptr(), out.dtype == torch.bfloat16),
+           "add_norm")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (N, I) = silu(gate) * up, gate_up (N, 2 I) as chunk(2) splits it; fp32 or bf16 each. Returns out."""
+    rows, inner = out.shape
+    _check(_library().decode_silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, inner,
+                                      out.data_ptr(), out.dtype == torch.bfloat16), "silu_mul")
+    return out
+
+
+def rope(qkv: torch.Tensor, bias: torch.Tensor | None, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+         query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: int) -> torch.Tensor:
+    """qkv (N, (heads + 2 kv) D) fp32 or bf16, + bias: the queries rotated into query (N, heads, 1, D) fp32,
+    the keys rotated and the values written at position `slot` of the cache keys/values (N, kv, T, D) fp32.
+    cos, signed_sin: (N, D) fp32, models/llama.py's table at each row's position. Returns query."""
+    rows, kv_heads, _, dim = keys.shape
+    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim:
+        raise RuntimeError("speed.decode_attention: rope needs a dense cache")
+    _check(_library().decode_rope(qkv.data_ptr(), qkv.dtype == torch.bfloat16,
+                                  None if bias is None else bias.data_ptr(), rows, heads, kv_heads, dim,
+                                  cos.data_ptr(), signed_sin.data_ptr(), query.data_ptr(),
+                                  keys[:, :, slot].data_ptr(), values[:, :, slot].data_ptr(), keys.stride(0),
+                                  keys.stride(1)), "rope")
+    return query

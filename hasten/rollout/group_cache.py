@@ -80,6 +80,12 @@ class GroupCache:
         own_keys, own_values = self.own[layer]
         own_keys[:, :, self.length] = key[:, :, 0]
         own_values[:, :, self.length] = value[:, :, 0]
+        return self.attend_written(layer, query)
+
+    def attend_written(self, layer, query):
+        """attend_step with this step's key and value already in the cache at position `length` (the fused
+        decode step's rope writes them there): query (N, heads, 1, head_dim) -> (N, 1, heads * head_dim)."""
+        own_keys, own_values = self.own[layer]
         prompt_keys, prompt_values = self.prompt[layer]
         if self.fused:
             attended = decode_attention.attend(query, self.engine.scale, prompt_keys, prompt_values, self.bias_rows,
@@ -87,7 +93,7 @@ class GroupCache:
             if attended is not None:
                 return attended
         own_keys, own_values = own_keys[:, :, : self.length + 1], own_values[:, :, : self.length + 1]
-        rows, kv_heads, _, head_dim = key.shape
+        rows, head_dim, kv_heads = query.shape[0], query.shape[3], own_keys.shape[1]
         prompts, generations, width = self.num_prompts, self.num_generations, self.prompt_width
         # The heads sharing a KV head become that head's queries, so K/V are never repeated.
         query = query.reshape(rows, kv_heads, -1, head_dim) * self.engine.scale  # (N, kv, group, head_dim)

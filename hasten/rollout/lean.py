@@ -42,7 +42,12 @@ Why it is fast, in order of effect (the figures: docs/results/code-notes.md):
   batched matmul's rate at 3 query rows per KV head (torch's flash kernel, a
   transposed K cache and a two-part softmax were no faster: docs/speedups.md;
   dev/profile_decode.py measures all of them). tests/test_decode_attention.py
-  holds both to dense attention.
+  holds both to dense attention. With the kernel, the rest of a decode step's
+  work between its matmuls runs fused too (`_fused_step`): the residual add,
+  norm and cast to the next matmul's input in one call, RoPE writing the
+  keys and values into the cache, SiLU(gate) * up, the bf16 matmuls' outputs
+  read as bf16 (no cast back to fp32 between them); some 60 small ops per layer
+  become about ten calls (tests/test_decode_step.py).
 - A row that samples EOS leaves the batch at once: with the prompt K/V shared,
   compaction copies only the rows' own K/V, which beat compacting later or never.
 - One host sync per step: "did any row finish?".
@@ -248,6 +253,15 @@ class Matmul:
             return fresh
         # 64: the row count to pack for; measured as good at 8..400 rows (prefill included).
         return torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.packed else weight
+
+    def raw(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T in this Matmul's own dtype, no casts around it: bf16 in and out for bf16, fp32 for fp32
+        (the fused decode step casts in its kernels); int8 is not taken."""
+        if self.bf16:
+            if self.packed:
+                return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            return F.linear(x, weight)
+        return self(x, weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.precision == "int8":
@@ -500,8 +514,16 @@ class LeanEngine:
             cache.keep(keep)
             position = position[keep]
 
+        fused = self._fused_step_supported()
+
         def forward(token: torch.Tensor) -> torch.Tensor:
             nonlocal position
+            if fused:
+                normed = self._fused_step(F.embedding(token, embedding), cos[position], signed_sin[position], cache)
+                cache.length += 1
+                position = position + 1
+                logits = self.linear.raw(normed, self.head)  # (live, V)
+                return logits.float() if logits.dtype != torch.float32 else logits
             hidden = self._layers(F.embedding(token, embedding)[:, None],  # (live, 1, H)
                                   cos[position][:, None, None], signed_sin[position][:, None, None],  # (live, 1, 1, D)
                                   cache.attend_step)
@@ -535,6 +557,44 @@ class LeanEngine:
             gate, up = self.linear(normed, weights.gate_up, weights.gate_up_bias).chunk(2, dim=-1)  # (N, S, I) each
             hidden = hidden + self.linear(F.silu(gate) * up, weights.down, weights.down_bias)
         return hidden
+
+    def _fused_step_supported(self) -> bool:
+        """Whether decode steps run _fused_step: speed.decode_attention's kernels take this model (widths,
+        head_dim), the matmuls run on this engine's own fp32 or bf16 copy (not int8, not shared weights), no
+        projection but q/k/v carries a bias (an fp32 one), no qk-norm, and no hook on the LM head."""
+        config, head = self.base.config, self.base.lm_head
+        return (self.decode_attention and self.weights == "copy" and self.linear.precision in ("fp32", "bf16")
+                and fused_decode_attention.layers_supported(config.hidden_size, config.intermediate_size,
+                                                            self.head_dim)
+                and all(weights.q_norm is None and weights.out_bias is None
+                        and (weights.qkv_bias is None or weights.qkv_bias.dtype == torch.float32) and weights.gate_up_bias is None
+                        and weights.down_bias is None for weights in self.layers)
+                and not (head._forward_hooks or head._forward_pre_hooks))
+
+    def _fused_step(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                    cache: GroupCache) -> torch.Tensor:
+        """One decode step's layers, _layers' math with the work between the matmuls in
+        kernels/decode_attention.py's fused calls: the residual adds and norms with the cast to the next
+        matmul's input, RoPE writing the keys and values into the cache, SiLU(gate) * up. hidden (N, H) fp32,
+        its rows' own; cos, signed_sin (N, head_dim). Returns the final norm's output, the LM head's input
+        (N, H), in the matmuls' dtype (bf16 under generation.precision=bf16)."""
+        kernels, matmul = fused_decode_attention, self.linear.raw
+        rows = hidden.shape[0]
+        dtype = torch.bfloat16 if self.linear.bf16 else torch.float32
+        normed = hidden.new_empty(hidden.shape, dtype=dtype)
+        kernels.add_norm(hidden, None, self.layers[0].input_norm, self.eps, normed)
+        norms = [weights.input_norm for weights in self.layers[1:]] + [self.base.model.norm.weight]
+        for index, (weights, next_norm) in enumerate(zip(self.layers, norms)):
+            keys, values = cache.own[index]
+            query = hidden.new_empty(rows, self.num_heads, 1, self.head_dim)
+            kernels.rope(matmul(normed, weights.qkv), weights.qkv_bias, self.num_heads, cos, signed_sin, query,
+                         keys, values, cache.length)
+            attended = cache.attend_written(index, query).view(rows, -1)  # (N, heads * head_dim) fp32
+            kernels.add_norm(hidden, matmul(attended.to(dtype), weights.out), weights.post_norm, self.eps, normed)
+            gate_up = matmul(normed, weights.gate_up)  # (N, 2 I)
+            product = kernels.silu_mul(gate_up, gate_up.new_empty(rows, gate_up.shape[1] // 2))
+            kernels.add_norm(hidden, matmul(product, weights.down), next_norm, self.eps, normed)
+        return normed
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         norm, head = self.base.model.norm, self.base.lm_head
