@@ -6,7 +6,8 @@ in kernels/decode_attention.c, against torch's ops and the engine's own unfused 
   another order), and where it casts to bf16, at most one bf16 step from torch's cast of torch's norm.
 - SiLU(gate) * up: the same, to float rounding and one bf16 step.
 - The engine samples the same tokens with the fused step as without, for a seed, at fp32 and bf16 sampling,
-  Llama and Qwen2 (q/k/v bias), with log-probs within float rounding; and the fused step did run.
+  Llama and Qwen2 (q/k/v bias), every norm weight its own, rows leaving mid-decode, with log-probs within float
+  rounding; and the fused step did run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from conftest import encode, head_dim_64_model
 from hasten.kernels import decode_attention as kernels
 from hasten.models.llama import rotate
 from hasten.rollout import SamplingParams
-from hasten.rollout.lean import LeanEngine
+from hasten.rollout.lean import GroupCache, LeanEngine
 
 pytestmark = pytest.mark.skipif(kernels.unavailable_reason() is not None,
                                 reason=f"fused decode kernels: {kernels.unavailable_reason()}")
@@ -85,6 +86,16 @@ def test_rope_writes_the_queries_and_the_cache_as_torch_does(dim, dtype, with_bi
     assert not keys[:, :, untouched].any() and not values[:, :, untouched].any()
 
 
+def _with_norms_apart(model):
+    """Every RMSNorm weight its own (transformers starts them all at 1): a swapped norm would show."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+    return model
+
+
 def _qwen2_model(vocab_size: int):
     """A 2-layer Qwen2 (q/k/v biases, non-zero) at a shape the fused step takes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -112,18 +123,22 @@ def test_the_engine_samples_the_same_with_the_fused_step(tokenizer, monkeypatch,
 
     if precision == "bf16" and not cpu_has_native_bf16():
         pytest.skip("bf16 sampling needs a CPU with native bf16")
-    model = head_dim_64_model(len(tokenizer)) if family == "llama" else _qwen2_model(len(tokenizer))
-    steps = []
-    fused_step = LeanEngine._fused_step
+    model = _with_norms_apart(head_dim_64_model(len(tokenizer)) if family == "llama" else _qwen2_model(len(tokenizer)))
+    steps, kept = [], []
+    fused_step, keep = LeanEngine._fused_step, GroupCache.keep
     monkeypatch.setattr(LeanEngine, "_fused_step", lambda self, *a: steps.append(1) or fused_step(self, *a))
+    monkeypatch.setattr(GroupCache, "keep", lambda self, rows: kept[-1].append(len(rows)) or keep(self, rows))
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    stops = [tokenizer.eos_token_id, *range(3, 40)]  # a seventh of the vocabulary ends a row: rows leave mid-decode
     rollouts = []
     for fused in (False, True):
-        engine = LeanEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], precision, decode_attention=True)
+        kept.append([])
+        engine = LeanEngine(model, tokenizer.pad_token_id, stops, precision, decode_attention=True)
         if not fused:
             monkeypatch.setattr(engine, "_fused_step_supported", lambda: False)
         rollouts.append(engine.generate(encode(tokenizer), 4, sampling, seed=7))
     assert len(steps) == rollouts[1].completion_mask.sum(-1).max().item() - 1  # every decode step fused
+    assert kept[0] and kept[0] == kept[1]  # rows left mid-decode, the same on both paths; the cache followed
     assert torch.equal(rollouts[0].completion_ids, rollouts[1].completion_ids)
     assert torch.equal(rollouts[0].completion_mask, rollouts[1].completion_mask)
     tolerance = 1e-5 if precision == "fp32" else 2e-2  # bf16: a norm rounded one bf16 step the other way

@@ -242,11 +242,26 @@ def _check(code: int, name: str) -> None:
         raise RuntimeError(f"speed.decode_attention: {name} declined its tensors (a caller's bug)")
 
 
+def _dense(name: str, shape: tuple[int, ...], *tensors: torch.Tensor | None, fp32: tuple = ()) -> None:
+    """Each tensor given is contiguous, on the CPU, of `shape`, fp32 or bf16 (those in `fp32`: fp32): what
+    the kernels read through a bare pointer. A caller's bug otherwise, raised before any memory is touched."""
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        wanted = (torch.float32,) if any(tensor is other for other in fp32) else (torch.float32, torch.bfloat16)
+        if (tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.device.type != "cpu"
+                or tensor.dtype not in wanted):
+            raise RuntimeError(f"speed.decode_attention: {name} takes contiguous CPU {wanted} tensors of {shape}, "
+                               f"got {tuple(tensor.shape)} {tensor.dtype} (a caller's bug)")
+
+
 def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
              out: torch.Tensor) -> torch.Tensor:
     """hidden (N, H) fp32 += delta (N, H, fp32 or bf16; None: nothing), in place; out (N, H, fp32 or bf16) =
     rms_norm(hidden) * weight, F.rms_norm's composite up to the order of its sum. Returns out."""
     rows, width = hidden.shape
+    _dense("add_norm", (rows, width), hidden, delta, out, fp32=(hidden,))
+    _dense("add_norm", (width,), weight, fp32=(weight,))
     _check(_library().decode_add_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
                                       delta is not None and delta.dtype == torch.bfloat16, rows, width,
                                       weight.data_ptr(), eps, out.data_ptr(), out.dtype == torch.bfloat16),
@@ -257,6 +272,8 @@ def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (N, I) = silu(gate) * up, gate_up (N, 2 I) as chunk(2) splits it; fp32 or bf16 each. Returns out."""
     rows, inner = out.shape
+    _dense("silu_mul", (rows, inner), out)
+    _dense("silu_mul", (rows, 2 * inner), gate_up)
     _check(_library().decode_silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, inner,
                                       out.data_ptr(), out.dtype == torch.bfloat16), "silu_mul")
     return out
@@ -267,9 +284,15 @@ def rope(qkv: torch.Tensor, bias: torch.Tensor | None, heads: int, cos: torch.Te
     """qkv (N, (heads + 2 kv) D) fp32 or bf16, + bias: the queries rotated into query (N, heads, 1, D) fp32,
     the keys rotated and the values written at position `slot` of the cache keys/values (N, kv, T, D) fp32.
     cos, signed_sin: (N, D) fp32, models/llama.py's table at each row's position. Returns query."""
-    rows, kv_heads, _, dim = keys.shape
-    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim:
-        raise RuntimeError("speed.decode_attention: rope needs a dense cache")
+    rows, kv_heads, length, dim = keys.shape
+    if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim or values.shape != keys.shape
+            or not 0 <= slot < length or keys.dtype != torch.float32 or values.dtype != torch.float32):
+        raise RuntimeError("speed.decode_attention: rope needs a dense fp32 cache and a slot in it (a caller's bug)")
+    width = (heads + 2 * kv_heads) * dim
+    _dense("rope", (rows, width), qkv)
+    _dense("rope", (width,), bias, fp32=(bias,))
+    _dense("rope", (rows, dim), cos, signed_sin, fp32=(cos, signed_sin))
+    _dense("rope", (rows, heads, 1, dim), query, fp32=(query,))
     _check(_library().decode_rope(qkv.data_ptr(), qkv.dtype == torch.bfloat16,
                                   None if bias is None else bias.data_ptr(), rows, heads, kv_heads, dim,
                                   cos.data_ptr(), signed_sin.data_ptr(), query.data_ptr(),

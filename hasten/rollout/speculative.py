@@ -85,6 +85,9 @@ class RaggedCache(GroupCache):
         self.max_length = 0
         self.written = 0  # own slots any row may have written: what compaction copies
 
+    def attend_written(self, layer, query):
+        raise NotImplementedError("RaggedCache's rows have lengths of their own: attend_step writes and attends")
+
     def attend_step(self, layer, query, key, value):
         """query (N, heads, S, head_dim), key/value (N, kv, S, head_dim) -> (N, S, heads * head_dim)."""
         rows, kv_heads, span, head_dim = key.shape
