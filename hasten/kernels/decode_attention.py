@@ -242,17 +242,17 @@ def _check(code: int, name: str) -> None:
         raise RuntimeError(f"speed.decode_attention: {name} declined its tensors (a caller's bug)")
 
 
-def _dense(name: str, shape: tuple[int, ...], *tensors: torch.Tensor | None, fp32: tuple = ()) -> None:
-    """Each tensor given is contiguous, on the CPU, of `shape`, fp32 or bf16 (those in `fp32`: fp32): what
-    the kernels read through a bare pointer. A caller's bug otherwise, raised before any memory is touched."""
+_EITHER, _FP32 = (torch.float32, torch.bfloat16), (torch.float32,)
+
+
+def _dense(name: str, shape: tuple[int, ...], *tensors: torch.Tensor | None, dtypes: tuple = _EITHER) -> None:
+    """Each tensor given is contiguous, on the CPU, of `shape` and one of `dtypes`: what the kernels read through
+    a bare pointer. A caller's bug otherwise, raised before any memory is touched."""
     for tensor in tensors:
-        if tensor is None:
-            continue
-        wanted = (torch.float32,) if any(tensor is other for other in fp32) else (torch.float32, torch.bfloat16)
-        if (tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.device.type != "cpu"
-                or tensor.dtype not in wanted):
-            raise RuntimeError(f"speed.decode_attention: {name} takes contiguous CPU {wanted} tensors of {shape}, "
-                               f"got {tuple(tensor.shape)} {tensor.dtype} (a caller's bug)")
+        if tensor is not None and (tensor.shape != shape or tensor.dtype not in dtypes or not tensor.is_contiguous()
+                                   or tensor.is_cuda):
+            raise RuntimeError(f"speed.decode_attention: {name} takes contiguous CPU {dtypes} tensors of {shape}, "
+                               f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} (a caller's bug)")
 
 
 def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -260,8 +260,9 @@ def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     """hidden (N, H) fp32 += delta (N, H, fp32 or bf16; None: nothing), in place; out (N, H, fp32 or bf16) =
     rms_norm(hidden) * weight, F.rms_norm's composite up to the order of its sum. Returns out."""
     rows, width = hidden.shape
-    _dense("add_norm", (rows, width), hidden, delta, out, fp32=(hidden,))
-    _dense("add_norm", (width,), weight, fp32=(weight,))
+    _dense("add_norm", (rows, width), hidden, dtypes=_FP32)
+    _dense("add_norm", (rows, width), delta, out)
+    _dense("add_norm", (width,), weight, dtypes=_FP32)
     _check(_library().decode_add_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
                                       delta is not None and delta.dtype == torch.bfloat16, rows, width,
                                       weight.data_ptr(), eps, out.data_ptr(), out.dtype == torch.bfloat16),
@@ -290,9 +291,9 @@ def rope(qkv: torch.Tensor, bias: torch.Tensor | None, heads: int, cos: torch.Te
         raise RuntimeError("speed.decode_attention: rope needs a dense fp32 cache and a slot in it (a caller's bug)")
     width = (heads + 2 * kv_heads) * dim
     _dense("rope", (rows, width), qkv)
-    _dense("rope", (width,), bias, fp32=(bias,))
-    _dense("rope", (rows, dim), cos, signed_sin, fp32=(cos, signed_sin))
-    _dense("rope", (rows, heads, 1, dim), query, fp32=(query,))
+    _dense("rope", (width,), bias, dtypes=_FP32)
+    _dense("rope", (rows, dim), cos, signed_sin, dtypes=_FP32)
+    _dense("rope", (rows, heads, 1, dim), query, dtypes=_FP32)
     _check(_library().decode_rope(qkv.data_ptr(), qkv.dtype == torch.bfloat16,
                                   None if bias is None else bias.data_ptr(), rows, heads, kv_heads, dim,
                                   cos.data_ptr(), signed_sin.data_ptr(), query.data_ptr(),
