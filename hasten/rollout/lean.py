@@ -563,12 +563,14 @@ class LeanEngine:
         head_dim), the matmuls run on this engine's own fp32 or bf16 copy (not int8, not shared weights), no
         projection but q/k/v carries a bias (an fp32 one), no qk-norm, and no hook on the LM head."""
         config, head = self.base.config, self.base.lm_head
-        return (self.decode_attention and bool(self.layers) and self.weights == "copy" and self.linear.precision in ("fp32", "bf16")
+        return (self.decode_attention and bool(self.layers) and self.weights == "copy"
+                and self.linear.precision in ("fp32", "bf16")
                 and fused_decode_attention.layers_supported(config.hidden_size, config.intermediate_size,
                                                             self.head_dim)
-                and all(weights.q_norm is None and weights.out_bias is None
-                        and (weights.qkv_bias is None or weights.qkv_bias.dtype == torch.float32) and weights.gate_up_bias is None
-                        and weights.down_bias is None for weights in self.layers)
+                and all(weights.q_norm is None and weights.out_bias is None and weights.gate_up_bias is None
+                        and weights.down_bias is None
+                        and (weights.qkv_bias is None or weights.qkv_bias.dtype == torch.float32)
+                        for weights in self.layers)
                 and not (head._forward_hooks or head._forward_pre_hooks))
 
     def _fused_step(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
