@@ -197,7 +197,8 @@ int decode_silu_mul(const void *gate_up, int in_bf16, int64_t rows, int64_t inne
     if (inner % 16) return 1;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < inner; i += 16) {
-            __m512 g = load16(gate_up, r * 2 * inner + i, in_bf16), u = load16(gate_up, r * 2 * inner + inner + i, in_bf16);
+            __m512 g = load16(gate_up, r * 2 * inner + i, in_bf16);
+            __m512 u = load16(gate_up, r * 2 * inner + inner + i, in_bf16);
             __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
             store16(out, r * inner + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u),
                     out_bf16);
