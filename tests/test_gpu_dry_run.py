@@ -143,7 +143,8 @@ HOT_PACKAGES = ("rollout", "train", "kernels", "algo")
 CPU_ON_PURPOSE = {
     ("rollout/engine.py", "left_pad"): "prompt ids built on the CPU from Python lists; callers move them once",
     ("rollout/engine.py", "__init__"): "the EOS id list, moved to the model's device once per generate",
-    ("rollout/lean.py", "__init__"): "the EOS ids (moved per generate) and a CPU probe of the matmul kernel",
+    ("rollout/lean.py", "__init__"): "the EOS ids, moved per generate",
+    ("rollout/matmul.py", "__init__"): "a CPU probe of the matmul kernel at construction",
     ("rollout/lean.py", "_prefill_and_decode"): "the shared prefix's mask joins a CPU mask, moved once",
     ("rollout/decode.py", "__init__"): "uniforms from a CPU generator: the same draws on every device, moved once",
     ("rollout/speculative.py", "generate"): "uniforms from a CPU generator, as decode.py",
