@@ -242,18 +242,20 @@ def run_metrics(summary: dict) -> list[dict]:
     return [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
 
 
-def head_dim_64_model(vocab_size: int):
-    """A 2-layer Llama with head_dim 64 (3 query heads on one KV head): a shape speed.decode_attention's
-    fused kernel takes (the tiny model's head_dim 16 is not)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def head_dim_64_model(vocab_size: int, family: str = "llama"):
+    """A 2-layer Llama (or Qwen2, with its q/k/v biases) with head_dim 64 (3 query heads on one KV head): a
+    shape speed.decode_attention's fused kernels take (the tiny model's head_dim 16 is not)."""
+    import transformers
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    name = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
     state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
-        return LlamaForCausalLM(config).eval()
+        return getattr(transformers, f"{name}ForCausalLM")(config).eval()
     finally:
         torch.random.set_rng_state(state)
 
